@@ -1,0 +1,204 @@
+"""Execute the lesson notebooks with nbclient — the one implementation.
+
+``make run``, ``ddp-tutorial course`` and the notebook tests all call
+:func:`run_notebook`, so a notebook that passes the tests is exactly the one
+a learner runs. The kernel is this interpreter (whatever ``python3`` kernel a
+user has registered elsewhere is ignored), the working directory is the
+notebook's folder (so ``../scripts/…`` resolves), and the first failing cell is
+reported with its error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class _ThisInterpreter(KernelSpecManager):
+    """Every kernel name resolves to an ipykernel on ``sys.executable``."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return KernelSpec(
+            argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            display_name=f"Python ({sys.executable})",
+            language="python",
+            resource_dir=str(NOTEBOOK_DIR),
+        )
+
+
+@dataclass
+class NotebookResult:
+    """How one notebook's execution went."""
+
+    path: Path
+    seconds: float
+    ok: bool
+    error: str = ""  # the failing cell's source and the error, when not ok
+    failed_cell: int | None = None  # index of the failing cell
+    executed_path: Path | None = None
+    html_path: Path | None = None
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "FAILED"
+
+
+def notebooks(directory: Path = NOTEBOOK_DIR) -> list[Path]:
+    """The lesson notebooks in course order (``00_…``, ``01_…``)."""
+    return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
+
+
+def inject_parameters(nb: nbformat.NotebookNode, parameters: Mapping[str, Any]) -> None:
+    """Insert a cell after the ``parameters``-tagged one that overrides its values.
+
+    Papermill's convention, without papermill: the learner's defaults stay
+    visible, the override is a separate cell tagged ``injected-parameters``.
+    """
+    if not parameters:
+        return
+    index = next(
+        (
+            i
+            for i, cell in enumerate(nb.cells)
+            if "parameters" in cell.get("metadata", {}).get("tags", [])
+        ),
+        None,
+    )
+    if index is None:
+        raise ValueError("notebook has no cell tagged 'parameters' to override")
+    source = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(index + 1, cell)
+
+
+def _failing_cell(nb: nbformat.NotebookNode) -> int | None:
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                return i
+    return None
+
+
+def run_notebook(
+    path: str | Path,
+    output_dir: str | Path | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    parameters: Mapping[str, Any] | None = None,
+    html: bool = True,
+) -> NotebookResult:
+    """Execute one notebook top to bottom; never raises for a failing cell.
+
+    ``timeout`` bounds each cell. With ``output_dir`` the executed notebook
+    (and, with ``html``, an HTML copy) is written there, failed or not, so
+    the error can be read in context.
+    """
+    path = Path(path).resolve()
+    nb = nbformat.read(path, as_version=4)
+    inject_parameters(nb, parameters or {})
+    km = KernelManager(kernel_spec_manager=_ThisInterpreter())
+    client = NotebookClient(
+        nb,
+        km=km,
+        timeout=int(timeout),
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    start = time.monotonic()
+    ok, error = True, ""
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        ok, error = False, str(exc)
+    except (CellTimeoutError, DeadKernelError, TimeoutError, RuntimeError) as exc:
+        ok, error = False, f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    result = NotebookResult(path, seconds, ok, error, None if ok else _failing_cell(nb))
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result.executed_path = out / path.name
+        nbformat.write(nb, result.executed_path)
+        if html:
+            from nbconvert import HTMLExporter
+
+            body, _ = HTMLExporter().from_notebook_node(nb)
+            result.html_path = out / f"{path.stem}.html"
+            result.html_path.write_text(body, encoding="utf-8")
+    return result
+
+
+def run_course(
+    paths: Iterable[Path] | None = None,
+    output_dir: str | Path | None = REPO_ROOT / "build",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    echo: bool = True,
+) -> list[NotebookResult]:
+    """Execute notebooks in order; print a line as each one finishes."""
+    results = []
+    for path in paths if paths is not None else notebooks():
+        if echo:
+            print(f"running {Path(path).name} ...", flush=True)
+        result = run_notebook(path, output_dir=output_dir, timeout=timeout)
+        results.append(result)
+        if echo and not result.ok:
+            print(result.error[-3000:], flush=True)
+    return results
+
+
+def format_table(results: Iterable[NotebookResult]) -> str:
+    """``notebook | seconds | status`` as a plain-text table."""
+    results = list(results)
+    width = max([len("notebook")] + [len(r.path.name) for r in results])
+    lines = [f"{'notebook':<{width}}  {'seconds':>8}  status", "-" * (width + 18)]
+    for r in results:
+        cell = f" (cell {r.failed_cell})" if r.failed_cell is not None else ""
+        lines.append(f"{r.path.name:<{width}}  {r.seconds:8.1f}  {r.status}{cell}")
+    total = sum(r.seconds for r in results)
+    lines.append(
+        f"{'total':<{width}}  {total:8.1f}  {sum(r.ok for r in results)}/{len(results)} ok"
+    )
+    return "\n".join(lines)
+
+
+def strip_outputs(path: str | Path) -> bool:
+    """Remove outputs and execution counts in place; True when the file changed."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+            cell.outputs, cell.execution_count = [], None
+            changed = True
+    if changed:
+        nbformat.write(nb, path)
+    return changed
+
+
+def lesson_map(directory: Path = NOTEBOOK_DIR) -> list[dict[str, str]]:
+    """``[{notebook, title, summary}]`` read from each notebook's first markdown cell.
+
+    The map is built from the notebooks themselves, so it cannot drift from
+    what is actually in the course.
+    """
+    rows = []
+    for path in notebooks(directory):
+        nb = nbformat.read(path, as_version=4)
+        first = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
+        lines = [line.strip() for line in first.splitlines() if line.strip()]
+        title = lines[0].lstrip("# ").strip() if lines else path.stem
+        summary = next((line for line in lines[1:] if not line.startswith("#")), "")
+        rows.append({"notebook": path.name, "title": title, "summary": summary})
+    return rows

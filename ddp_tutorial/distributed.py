@@ -1,0 +1,186 @@
+"""Join (and leave) the process group that torchrun prepared for this rank.
+
+torchrun hands every rank its identity through environment variables:
+``RANK`` (global, unique across nodes), ``LOCAL_RANK`` (index on this node:
+the one that picks the GPU), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT``. :func:`setup` reads them, chooses a backend,
+binds the rank to its device *before* anything touches CUDA, and initialises
+the process group with a short timeout so that a mistake fails in seconds
+instead of the default ten minutes.
+
+Run without torchrun (``python scripts/x.py``), :func:`setup` makes a world of
+one process: the same script can be stepped through in a debugger.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKEND_ENV = "DDP_TUTORIAL_BACKEND"
+"""Environment override for the backend ("auto", "gloo", "nccl")."""
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here; the message says what to use."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is in the job, and where it computes."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    reason: str  # why this backend was chosen, in words
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment, with a clear error when it is not one."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def choose_backend(
+    requested: str, local_world_size: int, gpus: int | None = None
+) -> tuple[str, str]:
+    """Pick ``(backend, reason)``.
+
+    ``auto``: nccl when CUDA works and every local rank can have a GPU of its
+    own; otherwise gloo on the CPU (a 1-GPU laptop still runs the 2-rank
+    lessons, and says so). An explicit ``nccl`` that cannot work raises
+    :class:`BackendError` now rather than a hang or a cryptic NCCL error later.
+    ``gpus`` (visible GPU count) lets a caller that must not touch CUDA, such
+    as the notebook kernel, pass the NVML count instead.
+    """
+    requested = requested.lower()
+    if requested not in {"auto", "gloo", "nccl"}:
+        raise BackendError(f"backend must be 'auto', 'gloo' or 'nccl', got {requested!r}")
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "gloo":
+        return "gloo", "gloo requested"
+    if requested == "nccl":
+        if not dist.is_nccl_available():
+            raise BackendError(
+                "backend 'nccl' requested but this PyTorch build has no NCCL "
+                "(CPU-only or non-Linux build). Use backend='gloo'."
+            )
+        if gpus < local_world_size:
+            raise BackendError(
+                f"backend 'nccl' needs one CUDA GPU per local rank: {local_world_size} local "
+                f"rank(s) but {gpus} visible GPU(s). Use backend='gloo' (CPU), or start at most "
+                f"{gpus} processes per node (torchrun --nproc-per-node {gpus})."
+                if gpus
+                else "backend 'nccl' needs CUDA GPUs, and this process sees none "
+                "(torch.cuda.is_available() is False). Use backend='gloo' to train on the CPU."
+            )
+        return "nccl", "nccl requested"
+    if gpus == 0:
+        return "gloo", "no CUDA GPU visible: gloo on CPU"
+    if gpus < local_world_size:
+        return "gloo", (
+            f"{gpus} GPU(s) for {local_world_size} local ranks: gloo on CPU "
+            "(nccl needs one GPU per rank)"
+        )
+    if not dist.is_nccl_available():
+        return "gloo", "this PyTorch build has no NCCL: gloo"
+    return "nccl", f"{gpus} GPU(s) for {local_world_size} local rank(s): nccl"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
+    """Initialise the default process group from torchrun's environment.
+
+    ``backend``: "auto" (default, or ``$DDP_TUTORIAL_BACKEND``), "gloo" or
+    "nccl". ``timeout_s`` bounds how long a collective (and the initial
+    rendezvous) may wait: a rank that never arrives fails the job in
+    seconds, not in the default 10 minutes.
+    """
+    if "RANK" not in os.environ:
+        # Not under torchrun: a world of one, so the script runs in a debugger.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
+    requested = backend or os.environ.get(BACKEND_ENV, "auto")
+    name, reason = choose_backend(requested, local_world_size)
+    if name == "nccl":
+        # Bind first: otherwise every rank's first CUDA call lands on cuda:0.
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("DDP_TUTORIAL_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=name,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
+
+
+def cleanup() -> None:
+    """Leave the process group (safe to call twice, or when setup failed)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(backend: str | None = None, timeout_s: float | None = None) -> Iterator[DistInfo]:
+    """``with process_group() as info:`` — :func:`cleanup` runs on every exit path."""
+    try:
+        yield setup(backend, timeout_s)
+    finally:
+        cleanup()
+
+
+def get_rank() -> int:
+    """Global rank: from the process group if initialised, else from the environment."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return env_int("RANK", 0)
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 — the one process that writes files and prints."""
+    return get_rank() == 0
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """``print`` on global rank 0 only (flushed, so it shows up live)."""
+    if is_main_process():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)  # type: ignore[call-overload]

@@ -1,0 +1,102 @@
+"""What this machine offers the course: the report of lesson 00 and ``ddp-tutorial env``.
+
+It must not initialise CUDA (the notebook kernel calls it, and a CUDA context
+in the kernel would sit on GPU 0 for the rest of the session), so GPUs come
+from NVML and the backend plan is computed from that count.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ddp_tutorial.devices import ENV_VAR, DeviceError, visible_gpus
+from ddp_tutorial.distributed import choose_backend
+from ddp_tutorial.launch import default_nproc
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def environment_report() -> dict[str, Any]:
+    """A dict of facts about this machine and the plan the course will follow here."""
+    try:
+        gpus = visible_gpus()
+        gpu_error = ""
+    except DeviceError as exc:
+        gpus, gpu_error = [], str(exc)
+    nproc = default_nproc()
+    backend, reason = choose_backend("auto", nproc, gpus=len(gpus))
+    shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None
+    return {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,
+        "cpu_cores": usable_cores(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "dev_shm_gib": round(shm / 2**30, 2) if shm is not None else None,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch_threads": torch.get_num_threads(),
+        "backends": {
+            "gloo": dist.is_gloo_available(),
+            "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(),
+        },
+        "cuda_visible_devices": os.environ.get(ENV_VAR),
+        "gpu_error": gpu_error,
+        "gpus": [
+            {
+                "logical": i,
+                "physical": g.index,
+                "name": g.name,
+                "memory_total_mib": round(g.memory_total_mib),
+                "memory_used_mib": round(g.memory_used_mib),
+            }
+            for i, g in enumerate(gpus)
+        ],
+        "plan": {"nproc": nproc, "backend": backend, "reason": reason},
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as aligned ``key: value`` lines for a terminal."""
+    backends = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in report["backends"].items())
+    rows = [
+        ("python", f"{report['python']} ({report['executable']})"),
+        ("torch", f"{report['torch']} (CUDA build: {report['torch_cuda_build'] or 'none'})"),
+        ("cpu cores", report["cpu_cores"]),
+        ("memory", f"{report['memory_gib']} GiB"),
+        ("/dev/shm", f"{report['dev_shm_gib']} GiB"),
+        ("OMP_NUM_THREADS", report["omp_num_threads"] or "unset"),
+        ("backends", backends),
+        ("CUDA_VISIBLE_DEVICES", report["cuda_visible_devices"] or "unset"),
+    ]
+    if report["gpus"]:
+        for g in report["gpus"]:
+            rows.append(
+                (
+                    f"gpu cuda:{g['logical']}",
+                    f"{g['name']} (physical {g['physical']}, "
+                    f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB used)",
+                )
+            )
+    else:
+        rows.append(("gpus", report["gpu_error"] or "none visible (NVML found no GPU)"))
+    plan = report["plan"]
+    rows.append(("course plan", f"{plan['nproc']} ranks, {plan['backend']} ({plan['reason']})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

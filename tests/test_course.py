@@ -1,0 +1,59 @@
+"""The notebook runner itself: parameters, failure reporting, the table, stripping."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from ddp_tutorial.course import format_table, inject_parameters, run_notebook, strip_outputs
+
+
+def _notebook(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    for kind, source, tags in cells:
+        make = nbformat.v4.new_markdown_cell if kind == "md" else nbformat.v4.new_code_cell
+        nb.cells.append(make(source, metadata={"tags": tags} if tags else {}))
+    nbformat.write(nb, path)
+    return path
+
+
+def test_runner_reports_failing_cell_and_error(tmp_path):
+    path = _notebook(
+        tmp_path / "bad.ipynb",
+        ("md", "# A notebook that fails", []),
+        ("code", "SIZE = 3", ["parameters"]),
+        ("code", "import os\nassert SIZE == 4, f'size is {SIZE}'", []),
+    )
+    result = run_notebook(path, output_dir=tmp_path / "out", timeout=60)
+    assert not result.ok and result.failed_cell == 2
+    assert "AssertionError" in result.error and "size is 3" in result.error
+    assert (tmp_path / "out" / "bad.ipynb").exists() and (tmp_path / "out" / "bad.html").exists()
+    assert "bad.ipynb" in format_table([result]) and "FAILED (cell 2)" in format_table([result])
+
+
+def test_parameters_are_injected_and_cwd_is_the_notebook_folder(tmp_path):
+    (tmp_path / "marker.txt").write_text("here")
+    path = _notebook(
+        tmp_path / "ok.ipynb",
+        ("code", "SIZE = 3", ["parameters"]),
+        ("code", "assert SIZE == 4\nassert open('marker.txt').read() == 'here'", []),
+    )
+    result = run_notebook(path, timeout=60, parameters={"SIZE": 4}, html=False)
+    assert result.ok, result.error
+
+
+def test_inject_without_parameters_cell_is_an_error():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    with pytest.raises(ValueError, match="parameters"):
+        inject_parameters(nb, {"x": 2})
+
+
+def test_strip_outputs(tmp_path):
+    path = _notebook(tmp_path / "n.ipynb", ("code", "print(1)", []))
+    nb = nbformat.read(path, 4)
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1\n")]
+    nb.cells[0].execution_count = 1
+    nbformat.write(nb, path)
+    assert strip_outputs(path) is True
+    assert strip_outputs(path) is False
+    assert nbformat.read(path, 4).cells[0].outputs == []

@@ -1,0 +1,34 @@
+"""GPU path: only where a CUDA GPU is visible (`make gpu-check`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPTS, gpu_count
+from ddp_tutorial.launch import torchrun
+
+pytestmark = pytest.mark.gpu
+
+
+def test_nvml_count_matches_cuda_count():
+    """NVML (used by the kernel, no CUDA context) agrees with CUDA in a child process."""
+    code = "import torch; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) == gpu_count()
+
+
+def test_hello_nccl_one_rank_per_gpu(tmp_path):
+    n = gpu_count()
+    result = torchrun(SCRIPTS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
+    assert [r["backend"] for r in result.records] == ["nccl"] * n
+    assert [r["device"] for r in result.records] == [f"cuda:{i}" for i in range(n)]
+    assert {r["all_reduce_sum"] for r in result.records} == {float(sum(range(n)))}
+
+
+def test_auto_falls_back_to_gloo_with_more_ranks_than_gpus(tmp_path):
+    n = gpu_count() + 1
+    result = torchrun(SCRIPTS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
+    assert {r["backend"] for r in result.records} == {"gloo"}

@@ -1,0 +1,119 @@
+"""The launcher against the real torchrun: success, failure, timeout, env, bad input."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import SCRIPTS, processes_running
+from ddp_tutorial.launch import LaunchError, LaunchTimeout, torchrun
+
+FAILING = """
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    if os.environ["RANK"] == "1":
+        raise ValueError("deliberate failure on rank 1")
+
+if __name__ == "__main__":
+    main()
+"""
+
+HANGING = """
+import os, sys, time
+from ddp_tutorial.records import write_rank_record
+write_rank_record(sys.argv[-1], {"pid": os.getpid()})
+print("rank", os.environ["RANK"], "hanging", flush=True)
+time.sleep(3600)
+"""
+
+ENV_REPORT = """
+import os, sys
+from ddp_tutorial.records import write_rank_record
+write_rank_record(sys.argv[-1], {"marker": os.environ.get("DDP_TEST_MARKER"),
+                                  "omp": os.environ.get("OMP_NUM_THREADS")})
+"""
+
+
+def test_hello_two_ranks(tmp_path):
+    result = torchrun(SCRIPTS / "hello.py", nproc=2, run_dir=tmp_path / "run", echo=False)
+    assert result.ok and result.returncode == 0
+    assert [r["rank"] for r in result.records] == [0, 1]
+    assert {r["all_reduce_sum"] for r in result.records} == {1.0}
+    assert len({r["pid"] for r in result.records}) == 2
+    # output streamed with rank prefixes, and per-rank logs kept on disk
+    assert "[default0]:rank 0/2" in result.output and "[default1]:rank 1/2" in result.output
+    assert "rank 1/2" in result.rank_log(1)
+
+
+def test_failing_rank_names_rank_and_traceback(tmp_path, write_script):
+    script = write_script("fails.py", FAILING)
+    with pytest.raises(LaunchError) as info:
+        torchrun(script, nproc=2, run_dir=tmp_path / "run", echo=False, out_flag=None)
+    message = str(info.value)
+    assert "rank 1 exited with code 1" in message
+    assert "ValueError: deliberate failure on rank 1" in message
+    assert 'fails.py", line' in message  # the traceback tail, not just the summary
+    failures = info.value.result.failures
+    assert failures[0].rank == 1 and failures[0].exitcode == 1
+
+
+def test_check_false_returns_result(tmp_path, write_script):
+    script = write_script("fails.py", FAILING)
+    result = torchrun(
+        script, nproc=2, run_dir=tmp_path / "r", echo=False, check=False, out_flag=None
+    )
+    assert not result.ok and result.returncode != 0 and result.failures[0].rank == 1
+
+
+def test_timeout_kills_everything(tmp_path, write_script):
+    script = write_script("hangs_for_test.py", HANGING)
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        torchrun(script, nproc=2, run_dir=tmp_path / "run", timeout=10, echo=False)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"timeout took {elapsed:.0f}s to take effect"
+    assert "did not finish within 10 s" in str(info.value)
+    worker_pids = [r["pid"] for r in info.value.result.records]
+    assert len(worker_pids) == 2, "both ranks had started before the timeout"
+    time.sleep(0.5)
+    assert processes_running(str(script)) == [], "no process of the launch may survive"
+    for pid in worker_pids:
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_env_override_reaches_ranks(tmp_path, write_script):
+    script = write_script("env_report.py", ENV_REPORT)
+    result = torchrun(
+        script,
+        nproc=2,
+        run_dir=tmp_path / "run",
+        echo=False,
+        env={"DDP_TEST_MARKER": "hello-from-parent", "OMP_NUM_THREADS": "1"},
+    )
+    assert [r["marker"] for r in result.records] == ["hello-from-parent"] * 2
+    assert "DDP_TEST_MARKER" not in os.environ  # the parent's environment is untouched
+
+
+def test_missing_script_fails_before_launch(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such_script.py"):
+        torchrun(tmp_path / "no_such_script.py", nproc=2)
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 1.5])
+def test_bad_nproc_fails_before_launch(nproc):
+    with pytest.raises(ValueError, match="nproc must be a positive integer"):
+        torchrun(SCRIPTS / "hello.py", nproc=nproc)
