@@ -1,0 +1,120 @@
+"""Matplotlib figures the notebooks show.
+
+Every function builds a :class:`matplotlib.figure.Figure` directly (no
+``pyplot`` state, no GUI backend needed) and returns it: a notebook displays
+it by leaving it as the cell's last value, a script saves it with
+``fig.savefig(path)``. Nothing here reads files or launches anything: the
+callers pass the numbers in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+Shards = Sequence[Sequence[Sequence[int]]]  # shards[epoch][rank] -> indices in the order seen
+
+
+def _order_grid(epoch_shards: Sequence[Sequence[int]], length: int) -> np.ndarray:
+    """``grid[rank, index]`` = position at which the rank saw ``index`` (NaN: not seen)."""
+    grid = np.full((len(epoch_shards), length), np.nan)
+    for rank, shard in enumerate(epoch_shards):
+        for pos, index in enumerate(shard):
+            if np.isnan(grid[rank, index]):
+                grid[rank, index] = pos
+    return grid
+
+
+def sampler_index_map(
+    shards: Shards | Mapping[str, Shards],
+    length: int,
+    title: str | None = None,
+) -> Figure:
+    """Which rank gets which dataset index, epoch by epoch (rows) — one column per case.
+
+    Each panel is a ``ranks x indices`` grid: a cell is coloured when that
+    rank receives that index, darker = later in the rank's order; an empty
+    column is an index nobody gets (``drop_last``), and a red ``x`` marks an
+    index handed out more than once in that epoch (padding). Pass a dict
+    ``{"with set_epoch": shards, "without": shards}`` to compare cases.
+    """
+    cases = dict(shards) if isinstance(shards, Mapping) else {"": shards}
+    if not cases or any(len(s) == 0 for s in cases.values()):
+        raise ValueError("sampler_index_map needs at least one epoch of shards per case")
+    n_epochs = max(len(s) for s in cases.values())
+    world = max(len(s[0]) for s in cases.values())
+    fig = Figure(figsize=(min(4.5 * len(cases), 14), 0.5 + (0.35 * world + 0.45) * n_epochs))
+    axes = fig.subplots(n_epochs, len(cases), squeeze=False, sharex=True)
+    cmap = "viridis_r"
+    vmax = max(1, max(len(shard) for case in cases.values() for ep in case for shard in ep) - 1)
+    image = None
+    for col, (label, case) in enumerate(cases.items()):
+        for row in range(n_epochs):
+            ax = axes[row][col]
+            if row >= len(case):
+                ax.set_axis_off()
+                continue
+            grid = _order_grid(case[row], length)
+            image = ax.imshow(
+                grid, aspect="auto", cmap=cmap, vmin=0, vmax=vmax, interpolation="nearest"
+            )
+            counts = Counter(i for shard in case[row] for i in shard)
+            for rank, shard in enumerate(case[row]):
+                for index in set(shard):
+                    if counts[index] > 1:
+                        ax.plot(index, rank, marker="x", color="red", markersize=7, mew=2)
+            ax.set_yticks(range(len(case[row])))
+            ax.set_yticklabels([f"rank {r}" for r in range(len(case[row]))], fontsize=8)
+            if col == 0:
+                ax.set_ylabel(f"epoch {row}", fontsize=9)
+            if row == 0 and label:
+                ax.set_title(label, fontsize=10)
+            ax.set_xticks(range(0, length, max(1, length // 10)))
+        axes[-1][col].set_xlabel("dataset index")
+    if image is not None:
+        bar = fig.colorbar(image, ax=axes, fraction=0.03, pad=0.02)
+        bar.set_label("position in the rank's order")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def grouped_bars(
+    rows: Sequence[Mapping[str, Any]],
+    group: str,
+    series: str,
+    value: str,
+    ylabel: str | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Bars of ``value`` per ``group`` (x axis), one colour per ``series``.
+
+    A general "compare settings per rank" chart, e.g. samples/s (value) per
+    ``num_workers`` setting (group) for each rank (series).
+    """
+    if not rows:
+        raise ValueError("grouped_bars needs at least one row")
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
+    width = 0.8 / len(names)
+    fig = Figure(figsize=(1.2 + 1.3 * len(groups) * max(1, len(names) / 2), 3))
+    ax = fig.subplots()
+    x = np.arange(len(groups))
+    for k, name in enumerate(names):
+        heights = [
+            next((float(r[value]) for r in rows if r[group] == g and r[series] == name), np.nan)
+            for g in groups
+        ]
+        ax.bar(x + (k - (len(names) - 1) / 2) * width, heights, width, label=f"{series} {name}")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{group}={g}" for g in groups])
+    ax.set_ylabel(ylabel or value)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

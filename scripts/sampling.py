@@ -1,0 +1,92 @@
+"""What DistributedSampler gives each rank, and why validation needs a different sampler.
+
+Run it from the shell:
+
+    torchrun --standalone --nproc-per-node 2 scripts/sampling.py --length 21 --epochs 3
+
+Part 1, sampling. Every rank builds the same ``DataLoader`` over a dataset
+whose item ``i`` is ``i`` (so a rank can report exactly what it received)
+with a ``DistributedSampler``, and records the indices of each epoch three
+ways: with ``sampler.set_epoch(epoch)`` (correct), without it (seed 001),
+and with ``drop_last=True``.
+
+Part 2, evaluation (with ``--model PATH``). Every rank loads the same
+trained MLP and evaluates it on a validation set of ``--val-length``
+samples twice: the naive way (padded DistributedSampler, sums all-reduced)
+and the exact way (``ddp_tutorial.data.distributed_evaluate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_tutorial.data import GaussianBlobs, IndexDataset, distributed_evaluate
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.models import MLP
+from ddp_tutorial.records import write_rank_record
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=21, help="dataset length (try an odd one)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=4, help="per rank")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed (same on every rank)")
+    parser.add_argument("--model", default=None, help="state_dict of the MLP to evaluate")
+    parser.add_argument("--val-length", type=int, default=301)
+    parser.add_argument("--val-seed", type=int, default=1)
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    return parser.parse_args()
+
+
+def epoch_indices(length: int, args: argparse.Namespace, *, set_epoch: bool, drop_last: bool):
+    """The indices this rank's loader yields in each epoch (a list per epoch)."""
+    dataset = IndexDataset(length)
+    # num_replicas / rank default to the process group's world size and rank.
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=drop_last)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    epochs = []
+    for epoch in range(args.epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)  # reshuffle: a different order every epoch
+        epochs.append([int(i) for batch in loader for i in batch])
+    return epochs
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    with process_group() as info:
+        record_ = {
+            "world_size": info.world_size,
+            "with_set_epoch": epoch_indices(args.length, args, set_epoch=True, drop_last=False),
+            "without_set_epoch": epoch_indices(args.length, args, set_epoch=False, drop_last=False),
+            "drop_last": epoch_indices(args.length, args, set_epoch=True, drop_last=True),
+        }
+        if args.model:
+            val = GaussianBlobs(args.val_length, seed=args.val_seed)
+            model = MLP(val.num_features, val.num_classes)
+            model.load_state_dict(torch.load(args.model, weights_only=True))
+            model.to(info.device)
+            for name, exact in (("naive", False), ("exact", True)):
+                result = distributed_evaluate(
+                    model, val, batch_size=64, device=info.device, exact=exact
+                )
+                record_[name] = result.__dict__
+                print(
+                    f"rank {info.rank}: {name:5s} evaluation counted {result.count} samples "
+                    f"({result.local_count} here), accuracy {result.accuracy:.4f}",
+                    flush=True,
+                )
+        first = record_["with_set_epoch"][0]
+        print(f"rank {info.rank}: epoch 0 indices {first}", flush=True)
+        write_rank_record(args.out, record_)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""ddp_tutorial.data: datasets, sampler claims (lesson 02), exact distributed evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SCRIPTS
+from ddp_tutorial.data import (
+    GaussianBlobs,
+    IndexDataset,
+    SyntheticImages,
+    UnpaddedDistributedSampler,
+    distributed_evaluate,
+    expected_padding,
+    sampler_shards,
+    shard_report,
+    train_classifier,
+)
+from ddp_tutorial.models import MLP, SmallCNN
+
+# ---------------------------------------------------------------- sampler claims
+
+
+@pytest.mark.parametrize("length,world", [(20, 2), (24, 4), (9, 3), (1, 1)])
+def test_divisible_length_is_a_partition(length, world):
+    for epoch in sampler_shards(length, world, epochs=3):
+        report = shard_report(epoch, length)
+        assert report.partition and report.padded == 0
+        assert report.per_rank == [length // world] * world
+
+
+@pytest.mark.parametrize("length,world", [(21, 2), (10, 4), (7, 3), (3, 4), (101, 8)])
+def test_padding_repeats_indices_to_a_multiple_of_world_size(length, world):
+    want = expected_padding(length, world)
+    assert want["padded"] == -length % world
+    for epoch in sampler_shards(length, world, epochs=2):
+        report = shard_report(epoch, length)
+        assert report.covering, "padding never drops a sample"
+        assert report.per_rank == [want["per_rank"]] * world, "every rank gets the same count"
+        assert report.total == length + want["padded"]
+        assert report.padded == want["padded"]
+        assert not report.disjoint
+        # Each duplicated index is seen one extra time per padded slot.
+        extra = sum(sum(i in shard for shard in epoch) - 1 for i in report.duplicates)
+        assert extra == want["padded"]
+
+
+@pytest.mark.parametrize("length,world", [(21, 2), (10, 4), (7, 3)])
+def test_drop_last_is_disjoint_but_misses_samples(length, world):
+    want = expected_padding(length, world, drop_last=True)
+    for epoch in sampler_shards(length, world, epochs=2, drop_last=True):
+        report = shard_report(epoch, length)
+        assert report.disjoint and not report.covering
+        assert len(report.missing) == want["dropped"] == length % world
+        assert report.per_rank == [length // world] * world
+
+
+def test_without_set_epoch_every_epoch_repeats_the_same_order():
+    shards = sampler_shards(40, 2, epochs=4, set_epoch=False)
+    assert all(epoch == shards[0] for epoch in shards)
+
+
+def test_with_set_epoch_orders_differ_and_each_epoch_is_a_partition():
+    shards = sampler_shards(40, 2, epochs=4, set_epoch=True)
+    for a in range(4):
+        assert shard_report(shards[a], 40).partition
+        for b in range(a + 1, 4):
+            assert shards[a][0] != shards[b][0], f"epochs {a} and {b} gave rank 0 the same order"
+
+
+def test_sampler_helpers_reject_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        sampler_shards(10, 0)
+    with pytest.raises(ValueError, match="outside"):
+        shard_report([[0, 11]], 10)
+    with pytest.raises(ValueError, match="rank 2"):
+        UnpaddedDistributedSampler(IndexDataset(5), num_replicas=2, rank=2)
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 7, 21, 100])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_unpadded_sampler_covers_every_index_exactly_once(length, world, shuffle):
+    ds = IndexDataset(length)
+    samplers = [UnpaddedDistributedSampler(ds, world, r, shuffle=shuffle) for r in range(world)]
+    shards = [list(s) for s in samplers]
+    assert [len(s) for s in samplers] == [len(s) for s in shards]
+    assert shard_report(shards, length).partition
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_datasets_are_deterministic_per_index():
+    a, b = SyntheticImages(50, image_size=16, seed=3), SyntheticImages(50, image_size=16, seed=3)
+    for i in (0, 7, 49):
+        xa, ya = a[i]
+        xb, yb = b[i]
+        assert torch.equal(xa, xb) and ya == yb
+    assert a[0][0].shape == (3, 16, 16) and a[0][0].dtype == torch.float32
+    other = SyntheticImages(50, image_size=16, seed=4)
+    assert not torch.equal(a[0][0], other[0][0]), "a different seed draws different samples"
+    assert torch.equal(a.colors, other.colors), "...of the same classes"
+    g1, g2 = GaussianBlobs(30, seed=0), GaussianBlobs(30, seed=0)
+    assert torch.equal(g1.data, g2.data) and torch.equal(g1.targets, g2.targets)
+    with pytest.raises(IndexError):
+        a[50]
+    with pytest.raises(ValueError, match="num_classes"):
+        SyntheticImages(10, num_classes=1)
+
+
+def test_synthetic_images_are_learnable_by_a_small_cnn():
+    """A few epochs of SmallCNN, single process, land far above chance (10%)."""
+    torch.manual_seed(0)
+    train = SyntheticImages(800, image_size=16, num_classes=10, seed=0)
+    val = SyntheticImages(300, image_size=16, num_classes=10, seed=1)
+    model = SmallCNN(3, 10)
+    losses = train_classifier(model, train, epochs=3, batch_size=64, lr=3e-3)
+    accuracy = distributed_evaluate(model, val).accuracy
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert accuracy > 0.6, f"val accuracy {accuracy:.2f} after 3 epochs (chance: 0.10)"
+
+
+def test_blobs_are_learnable_but_not_perfect():
+    model = MLP(16, 4)
+    train_classifier(model, GaussianBlobs(1000, seed=0), epochs=3)
+    accuracy = distributed_evaluate(model, GaussianBlobs(301, seed=1)).accuracy
+    assert 0.6 < accuracy < 1.0
+
+
+# ---------------------------------------------------------------- exact evaluation
+
+
+def test_exact_evaluation_against_single_process_with_two_gloo_ranks(tmp_path):
+    """2 gloo ranks, 301 samples: exact == one process; the padded one counts 302."""
+    from ddp_tutorial.launch import torchrun
+
+    model = MLP(16, 4)
+    train_classifier(model, GaussianBlobs(600, seed=0), epochs=2)
+    torch.save(model.state_dict(), tmp_path / "mlp.pt")
+    val_length = 301
+    truth = distributed_evaluate(model, GaussianBlobs(val_length, seed=1))  # no process group
+    assert truth.count == val_length and 0 < truth.correct < val_length
+
+    result = torchrun(
+        SCRIPTS / "sampling.py",
+        "--model", tmp_path / "mlp.pt", "--val-length", val_length, "--length", 11,
+        nproc=2, run_dir=tmp_path / "run", env={"DDP_TUTORIAL_BACKEND": "gloo"},
+        timeout=120, echo=False,
+    )  # fmt: skip
+    records = result.records
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        exact, naive = r["exact"], r["naive"]
+        assert exact["count"] == val_length and exact["correct"] == truth.correct
+        assert exact["accuracy"] == pytest.approx(truth.accuracy, abs=1e-12)
+        assert exact["loss"] == pytest.approx(truth.loss, rel=1e-6)
+        assert naive["count"] == val_length + 1, "the padded sampler repeats one sample"
+        assert naive["accuracy"] != pytest.approx(truth.accuracy, abs=1e-9)
+    assert sorted(r["exact"]["local_count"] for r in records) == [150, 151]
+    # What the real ranks' loaders yielded is what sampler_shards predicts.
+    predicted = sampler_shards(11, 2, epochs=3)
+    for r in records:
+        assert r["with_set_epoch"] == [epoch[r["rank"]] for epoch in predicted]
