@@ -282,3 +282,25 @@ def summarize(
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def step_breakdown(records: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per rank, mean ms per step of: extra work, DDP forward+backward (incl. waiting), step.
+
+    For records holding per-step lists ``eval``, ``forward``, ``backward`` and
+    ``step`` (seconds), as ``scripts/imbalance.py`` writes them. A rank whose
+    DDP time exceeds its peers' by roughly another rank's extra work spent that
+    time waiting inside a collective.
+    """
+    rows = []
+    for r in records:
+        n = len(r["step"])
+        rows.append(
+            {
+                "rank": r["rank"],
+                "extra ms": 1000 * sum(r["eval"]) / n,
+                "ddp ms": 1000 * (sum(r["forward"]) + sum(r["backward"])) / n,
+                "step ms": 1000 * sum(r["step"]) / n,
+            }
+        )
+    return rows

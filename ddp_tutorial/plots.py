@@ -1,20 +1,59 @@
 """Matplotlib figures the notebooks show.
 
-Every function builds a :class:`matplotlib.figure.Figure` directly (no
-``pyplot`` state, no GUI backend needed) and returns it: a notebook displays
-it by leaving it as the cell's last value, a script saves it with
-``fig.savefig(path)``. Nothing here reads files or launches anything: the
+Every function builds a figure directly (no ``pyplot`` state, no GUI
+backend needed) and returns it: a notebook displays it by leaving it as the
+cell's last value, a script saves it with ``fig.savefig(path)``. Figures made
+without pyplot have no display hook in Jupyter, so they are created as
+:class:`NotebookFigure`, a ``Figure`` that renders itself as PNG; new plots in
+this module should start with :func:`new_figure`. Nothing here reads files or launches anything: the
 callers pass the numbers in.
 """
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+
+
+def _register_notebook_display() -> None:
+    """Let a bare ``Figure`` (no pyplot) render as PNG when it ends a notebook cell.
+
+    IPython only knows how to show figures once pyplot's inline backend is
+    active; these figures never touch pyplot, so register the formatter here.
+    """
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import print_figure
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    png = shell.display_formatter.formatters["image/png"]
+    png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+
+
+_register_notebook_display()
+
+
+class NotebookFigure(Figure):
+    """A ``Figure`` that Jupyter shows as an image (``_repr_png_``), pyplot or not."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=self.dpi, bbox_inches="tight")
+        return buffer.getvalue()
+
+
+def new_figure(**kwargs: Any) -> NotebookFigure:
+    """``NotebookFigure(**kwargs)``: the starting point of every plot here."""
+    return NotebookFigure(**kwargs)
+
 
 Shards = Sequence[Sequence[Sequence[int]]]  # shards[epoch][rank] -> indices in the order seen
 
@@ -47,7 +86,7 @@ def sampler_index_map(
         raise ValueError("sampler_index_map needs at least one epoch of shards per case")
     n_epochs = max(len(s) for s in cases.values())
     world = max(len(s[0]) for s in cases.values())
-    fig = Figure(figsize=(min(4.5 * len(cases), 14), 0.5 + (0.35 * world + 0.45) * n_epochs))
+    fig = new_figure(figsize=(min(4.5 * len(cases), 14), 0.5 + (0.35 * world + 0.45) * n_epochs))
     axes = fig.subplots(n_epochs, len(cases), squeeze=False, sharex=True)
     cmap = "viridis_r"
     vmax = max(1, max(len(shard) for case in cases.values() for ep in case for shard in ep) - 1)
@@ -101,7 +140,7 @@ def grouped_bars(
     groups = list(dict.fromkeys(r[group] for r in rows))
     names = list(dict.fromkeys(r[series] for r in rows))
     width = 0.8 / len(names)
-    fig = Figure(figsize=(1.2 + 1.3 * len(groups) * max(1, len(names) / 2), 3))
+    fig = new_figure(figsize=(1.2 + 1.3 * len(groups) * max(1, len(names) / 2), 3))
     ax = fig.subplots()
     x = np.arange(len(groups))
     for k, name in enumerate(names):
@@ -117,4 +156,80 @@ def grouped_bars(
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+# -- utilization and training (lesson 06) ------------------------------------
+def _axes(ax: Any | None, figsize: tuple[float, float] = (7, 3)) -> tuple[Figure, Any]:
+    if ax is not None:
+        return ax.figure, ax
+    fig = new_figure(figsize=figsize)
+    return fig, fig.add_subplot()
+
+
+def utilization_timeline(
+    rows: list[dict[str, Any]],
+    window: tuple[float, float] | None = None,
+    column: str = "util",
+    ax: Any | None = None,
+) -> Figure:
+    """A line per GPU (or per rank on CPU) over time; the training window shaded.
+
+    ``rows`` are :mod:`ddp_tutorial.monitor` samples; ``window`` is in wall
+    time (epoch seconds, as the ranks report it) and is drawn relative to the
+    first sample. ``column``: ``"util"`` (%) or ``"mem_mib"``.
+    """
+    fig, ax = _axes(ax)
+    if not rows:
+        ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    t0 = min(r["wall"] for r in rows)
+    kind = rows[0]["kind"]
+    for ident in sorted({r["id"] for r in rows}):
+        mine = [r for r in rows if r["id"] == ident]
+        label = f"cuda:{ident}" if kind == "gpu" else f"rank {ident}"
+        ax.plot([r["wall"] - t0 for r in mine], [r[column] for r in mine], label=label)
+    if window is not None:
+        ax.axvspan(window[0] - t0, window[1] - t0, color="tab:green", alpha=0.12, label="training")
+    ax.set_xlabel("seconds since launch")
+    if column == "util":
+        ax.set_ylabel("GPU utilization %" if kind == "gpu" else "CPU % (100 = one core)")
+    else:
+        ax.set_ylabel("memory used (MiB)" if kind == "gpu" else "resident memory (MiB)")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def step_time_plot(step_times: dict[str, list[float]], ax: Any | None = None) -> Figure:
+    """Per-rank step time (ms) against step number."""
+    fig, ax = _axes(ax)
+    for rank, times in sorted(step_times.items(), key=lambda kv: int(kv[0])):
+        ax.plot(range(1, len(times) + 1), [1000 * t for t in times], label=f"rank {rank}", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def training_curves(history: list[dict[str, float]], ax: Any | None = None) -> Figure:
+    """Train loss (left axis) and validation accuracy (right axis) per epoch."""
+    fig, ax = _axes(ax)
+    epochs = [h["epoch"] + 1 for h in history]
+    ax.plot(epochs, [h["train_loss"] for h in history], "o-", color="tab:blue", label="train loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("train loss", color="tab:blue")
+    right = ax.twinx()
+    right.plot(
+        epochs,
+        [100 * h["val_accuracy"] for h in history],
+        "s-",
+        color="tab:orange",
+        label="val accuracy",
+    )
+    right.set_ylabel("val accuracy %", color="tab:orange")
+    right.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
     return fig
