@@ -106,3 +106,19 @@ def test_sync_bn_on_cpu_is_a_clear_error(tmp_path):
 def test_bad_flags_fail_before_training(tmp_path, bad):
     with pytest.raises(LaunchError):
         train(tmp_path, "bad", *bad)
+
+
+@pytest.mark.gpu
+def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
+    from conftest import gpu_count
+
+    n = gpu_count()
+    run = tmp_path / "gpu"
+    result = torchrun(SCRIPTS / "train.py", *SMALL, "--epochs", "2", "--amp", "--sync-bn",
+                      "--checkpoint-dir", run / "ckpt", nproc=n, run_dir=run, echo=False,
+                      timeout=600)  # fmt: skip
+    metrics = json.loads((result.run_dir / "metrics.json").read_text())
+    assert metrics["backend"] == "nccl" and metrics["device"] == "cuda:0"
+    assert metrics["history"][-1]["train_loss"] < metrics["history"][0]["train_loss"]
+    state = torch.load(run / "ckpt" / "final.pt", weights_only=True, map_location="cpu")
+    build_model("cnn", 10, 16).load_state_dict(state)  # SyncBatchNorm keys == BatchNorm keys
