@@ -14,6 +14,7 @@ sees after ``CUDA_VISIBLE_DEVICES``: ``"5,6,7"`` makes physical 5 appear as
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,79 +36,129 @@ class GpuInfo:
     memory_used_mib: float
 
 
-def parse_visible_devices(value: str | None) -> list[str] | None:
-    """Split a ``CUDA_VISIBLE_DEVICES`` value into its entries.
+UUID_PREFIXES = ("GPU-", "MIG-")
+ORDER_VAR = "CUDA_DEVICE_ORDER"
 
-    Returns ``None`` when the variable is unset (every GPU is visible) and
-    ``[]`` for the empty string (no GPU is visible: a deliberate way to force
-    CPU). Entries are integer ids (``"5"``) or UUIDs (``"GPU-…"``, ``"MIG-…"``).
 
-    CUDA is silent about mistakes: it stops reading at the first invalid entry,
-    so ``"0,-1,1"`` quietly means ``"0"``. We refuse such values with a message
-    that says what CUDA would have done instead.
+def cuda_reading(value: str | None) -> list[str] | None:
+    """What CUDA itself makes of a ``CUDA_VISIBLE_DEVICES`` value — mistakes included.
+
+    A model of the driver's parser (the same one ``torch.cuda`` uses to count
+    devices without initialising CUDA): ``None`` when unset (every GPU);
+    whitespace around an entry is skipped; an index is read like ``strtoul``,
+    so ``"1gpu"`` is GPU 1; the first invalid or negative entry ends the list
+    (``"0,-1,1"`` is just GPU 0); a repeated entry hides *every* GPU; a UUID
+    list stops at the first entry without the prefix it started with.
     """
     if value is None:
         return None
-    if value.strip() == "":
+    if value.startswith(UUID_PREFIXES):
+        prefix = value[:4]
+        uuids: list[str] = []
+        for elem in value.split(","):
+            if elem in uuids:
+                return []
+            if not elem.startswith(prefix):
+                break
+            uuids.append(elem)
+        return uuids
+    ids: list[str] = []
+    for elem in value.split(","):
+        match = re.match(r"[+-]?\d+", elem.strip())
+        number = int(match.group()) if match else -1
+        if str(number) in ids:
+            return []
+        if number < 0:
+            break
+        ids.append(str(number))
+    return ids
+
+
+def _refuse(value: str, problem: str) -> DeviceError:
+    seen = cuda_reading(value)
+    what = "no GPU at all" if not seen else f"only {','.join(seen)!r}"
+    return DeviceError(f"{ENV_VAR}={value!r}: {problem} CUDA would silently see {what}.")
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """The entries of a ``CUDA_VISIBLE_DEVICES`` value, or a clear error.
+
+    Returns ``None`` when the variable is unset (every GPU is visible) and
+    ``[]`` for ``""`` or ``"-1"`` (no GPU: the deliberate way to force the CPU).
+    Entries are integer ids (``"5"``) or UUIDs (``"GPU-…"``, ``"MIG-…"``);
+    spaces around entries are accepted and removed because CUDA skips them too
+    (seed 000 writes ``"0, 1, 2"``, and that works).
+
+    CUDA never complains about a mistake: it stops reading at the first bad
+    entry and hides every GPU when one is repeated (see :func:`cuda_reading`).
+    Every value that CUDA would read differently from what it says is refused
+    here, with a message that names the entry and what CUDA would have done.
+    """
+    if value is None:
+        return None
+    if value.strip() in ("", "-1"):
         return []
-    entries = value.split(",")
-    seen: set[str] = set()
+    entries = [raw.strip() for raw in value.split(",")]
+    kinds = {e[:4] if e.startswith(UUID_PREFIXES) else "index" for e in entries if e}
+    if len(kinds) > 1:
+        raise _refuse(
+            value,
+            "mixes GPU indices and UUIDs (or GPU- and MIG- UUIDs); use one kind per list.",
+        )
     out: list[str] = []
-    for position, raw in enumerate(entries):
-        entry = raw.strip()
-        if entry != raw:
-            raise DeviceError(
-                f"{ENV_VAR}={value!r}: entry {raw!r} has spaces around it. "
-                f"Write the ids without spaces, e.g. {','.join(e.strip() for e in entries)!r}."
-            )
+    for position, entry in enumerate(entries):
         if entry == "":
-            raise DeviceError(
-                f"{ENV_VAR}={value!r}: empty entry at position {position}. "
-                "CUDA stops reading there; remove the stray comma."
+            raise _refuse(value, f"empty entry at position {position} (a stray comma).")
+        if entry.startswith(UUID_PREFIXES):
+            if len(entry) == 4:
+                raise _refuse(value, f"{entry!r} is a UUID prefix with nothing after it.")
+        elif entry.upper().startswith(UUID_PREFIXES):
+            raise _refuse(value, f"{entry!r}: UUIDs start with 'GPU-' or 'MIG-' in upper case.")
+        elif re.fullmatch(r"[+-]?\d+", entry) is None:
+            raise _refuse(value, f"{entry!r} is neither a GPU index nor a UUID (GPU-… / MIG-…).")
+        elif int(entry) < 0:
+            raise _refuse(
+                value,
+                f"{entry!r} is negative, and CUDA stops reading at a negative id. "
+                f"To hide every GPU set {ENV_VAR}='' (or '-1' on its own).",
             )
-        if entry.upper().startswith(("GPU-", "MIG-")):
-            key = entry.upper()
         else:
-            try:
-                number = int(entry)
-            except ValueError:
-                raise DeviceError(
-                    f"{ENV_VAR}={value!r}: {entry!r} is neither a GPU index nor a UUID "
-                    "(GPU-… / MIG-…). CUDA would ignore it and every entry after it."
-                ) from None
-            if number < 0:
-                raise DeviceError(
-                    f"{ENV_VAR}={value!r}: {entry!r} is negative. CUDA reads a negative id as "
-                    "'stop here', so the GPUs after it would be hidden. To hide every GPU "
-                    f"set {ENV_VAR}='' (empty)."
-                )
-            key = str(number)
-            entry = key
-        if key in seen:
-            raise DeviceError(
-                f"{ENV_VAR}={value!r}: {entry!r} appears twice. A GPU can be listed once; "
-                "CUDA would fail to enumerate the devices."
-            )
-        seen.add(key)
+            entry = str(int(entry))
+        if entry in out:
+            raise _refuse(value, f"{entry!r} appears twice; list each GPU once.")
         out.append(entry)
+    if out != cuda_reading(value):  # e.g. spaces before a UUID, which CUDA does not skip
+        raise _refuse(
+            value,
+            "CUDA reads this value differently from how it is written "
+            "(it skips spaces around numeric ids, not around UUIDs).",
+        )
     return out
 
 
 def _resolve(entry: str, inventory: Sequence[GpuInfo] | int) -> int:
     """Physical index of one parsed entry, checked against what exists."""
     count = inventory if isinstance(inventory, int) else len(inventory)
-    if entry.upper().startswith(("GPU-", "MIG-")):
+    if entry.startswith(UUID_PREFIXES):
         if isinstance(inventory, int):
             raise DeviceError(f"cannot resolve UUID {entry!r} without the NVML inventory")
-        for gpu in inventory:
-            if gpu.uuid.upper().startswith(entry.upper()):
-                return gpu.index
-        raise DeviceError(f"{ENV_VAR}: no GPU on this machine has UUID {entry!r}")
+        if entry.startswith("MIG-"):
+            raise DeviceError(
+                f"{ENV_VAR}: {entry!r} is a MIG instance, not a whole GPU; it has no "
+                "physical GPU index to map to."
+            )
+        # CUDA accepts any unique prefix of a UUID.
+        found = [gpu.index for gpu in inventory if gpu.uuid.startswith(entry)]
+        if len(found) > 1:
+            raise DeviceError(f"{ENV_VAR}: UUID prefix {entry!r} matches GPUs {found}")
+        if not found:
+            raise DeviceError(f"{ENV_VAR}: no GPU on this machine has UUID {entry!r}")
+        return found[0]
     index = int(entry)
     if index >= count:
         raise DeviceError(
-            f"{ENV_VAR}: GPU {index} does not exist; this machine has {count} GPU(s) "
-            f"(physical ids 0..{count - 1})."
+            f"{ENV_VAR}: GPU {index} does not exist; this machine has {count} GPU(s)"
+            + (f" (physical ids 0..{count - 1})." if count else ".")
         )
     return index
 
@@ -116,7 +167,9 @@ def logical_to_physical(value: str | None, inventory: Sequence[GpuInfo] | int) -
     """Physical ids in logical order: element ``i`` is what ``cuda:i`` really is.
 
     ``inventory`` is the machine's GPU list (or just its count). With the
-    variable unset the mapping is the identity.
+    variable unset the mapping is the identity. Physical ids are nvidia-smi's,
+    which CUDA follows only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical
+    GPUs (see :func:`order_matches_nvidia_smi`).
     """
     entries = parse_visible_devices(value)
     count = inventory if isinstance(inventory, int) else len(inventory)
@@ -128,6 +181,36 @@ def logical_to_physical(value: str | None, inventory: Sequence[GpuInfo] | int) -
 def physical_to_logical(value: str | None, inventory: Sequence[GpuInfo] | int) -> dict[int, int]:
     """``{physical id: logical id}`` for the GPUs this process can see."""
     return {phys: logical for logical, phys in enumerate(logical_to_physical(value, inventory))}
+
+
+def mapping_table(value: str | None, inventory: Sequence[GpuInfo] | int) -> list[dict[str, object]]:
+    """One row per visible GPU: the device name a process uses and the card it really is."""
+    return [
+        {"CUDA_VISIBLE_DEVICES": value, "device": f"cuda:{logical}", "physical (nvidia-smi)": phys}
+        for logical, phys in enumerate(logical_to_physical(value, inventory))
+    ]
+
+
+def device_order(env: Mapping[str, str] | None = None) -> str:
+    """``CUDA_DEVICE_ORDER`` as CUDA applies it: ``FASTEST_FIRST`` unless set."""
+    env = os.environ if env is None else env
+    order = env.get(ORDER_VAR, "FASTEST_FIRST") or "FASTEST_FIRST"
+    if order not in ("FASTEST_FIRST", "PCI_BUS_ID"):
+        raise DeviceError(f"{ORDER_VAR}={order!r}: must be 'FASTEST_FIRST' or 'PCI_BUS_ID'")
+    return order
+
+
+def order_matches_nvidia_smi(env: Mapping[str, str] | None, inventory: Sequence[GpuInfo]) -> bool:
+    """Whether CUDA's ids are nvidia-smi's ids on this machine.
+
+    nvidia-smi numbers GPUs by PCI bus; CUDA by default puts the fastest
+    first. They agree with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or when every
+    GPU is the same model (ties keep PCI order). On a mixed box without it,
+    ``CUDA_VISIBLE_DEVICES=1`` may not be the card nvidia-smi calls 1.
+    """
+    if device_order(env) == "PCI_BUS_ID":
+        return True
+    return len({gpu.name for gpu in inventory}) <= 1
 
 
 def device_for_local_rank(local_rank: int, visible_count: int) -> str:
@@ -197,3 +280,40 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[GpuInfo]:
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """How many GPUs a process started with ``env`` would see (0 without a driver)."""
     return len(visible_gpus(env))
+
+
+def gpu_memory_report() -> list[dict[str, object]]:
+    """Per physical GPU: memory used and the pids holding a CUDA context on it (NVML).
+
+    This is how seed 002's "2 MB on every card" becomes visible: a process
+    that touched a GPU it should not have is listed on that GPU. ``[]`` where
+    there is no driver. Inside a container NVML may report host pids, so
+    callers should not rely on the pids alone; memory used is always there.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        rows = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except pynvml.NVMLError:
+                procs = []
+            rows.append(
+                {
+                    "physical": i,
+                    "memory_used_mib": round(mem.used / 2**20, 1),
+                    "pids": sorted(p.pid for p in procs),
+                }
+            )
+        return rows
+    finally:
+        pynvml.nvmlShutdown()

@@ -22,6 +22,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -231,6 +232,196 @@ def _build_command(
     return cmd
 
 
+class Launch:
+    """A torchrun that is running: :func:`start` returns it, :meth:`wait` finishes it.
+
+    Holding a handle lets one caller run several launches at once — two
+    torchrun "nodes" of one job on this machine (:func:`multinode`) — while
+    each still gets its own output, records, timeout and error.
+    """
+
+    def __init__(
+        self,
+        script: Path,
+        cmd: list[str],
+        run_dir: Path,
+        env: dict[str, str],
+        timeout: float,
+        check: bool,
+        echo: bool,
+        prefix: str,
+        monitor: bool,
+        monitor_interval: float,
+    ):
+        self.script, self.command, self.run_dir = script, cmd, run_dir
+        self.check, self.echo, self.prefix = check, echo, prefix
+        self.lines: list[str] = []
+        self.timed_out = False
+        self._seen_before_kill = 0
+        self._done = False
+        self._result: RunResult | None = None
+        self.start_time = time.monotonic()
+        self.deadline = self.start_time + timeout
+        self.timeout = timeout
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            env=env,
+            start_new_session=True,  # our own group: a notebook's SIGINT does not hit the ranks raw
+        )
+        self._sampler = None
+        if monitor:
+            from ddp_tutorial.monitor import Monitor
+
+            self._sampler = Monitor(root_pid=self.proc.pid, env=env, interval=monitor_interval)
+            self._sampler.start()
+        self._pipe: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._pipe.put(line)
+        self._pipe.put(None)
+
+    @property
+    def done(self) -> bool:
+        """True once the output has ended or the timeout has passed."""
+        return self._done
+
+    def poll(self, block_s: float = 0.0) -> None:
+        """Collect (and echo) output that has arrived, waiting up to ``block_s`` for the first."""
+        while not self._done:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                self._seen_before_kill = len(self.lines)
+                self._done = True
+                return
+            try:
+                line = self._pipe.get(timeout=min(remaining, block_s) if block_s > 0 else 0.001)
+            except queue.Empty:
+                return
+            if line is None:
+                self._done = True
+                return
+            self.lines.append(line)
+            if self.echo:
+                print(self.prefix + line, end="", flush=True)
+            block_s = 0.0  # after the first line, take only what is already there
+
+    def kill(self) -> None:
+        """Terminate the launch and every process it started."""
+        kill_tree(self.proc.pid)
+
+    def wait(self) -> RunResult:
+        """Stream output until the launch ends (or times out), then build its result.
+
+        Raises :class:`LaunchTimeout` / :class:`LaunchError` as :func:`torchrun`
+        does when ``check`` was set.
+        """
+        if self._result is not None:
+            return self._result
+        try:
+            while not self._done:
+                self.poll(block_s=0.5)
+        except KeyboardInterrupt:
+            self.kill()
+            raise
+        finally:
+            if self.timed_out:
+                self.kill()
+            if self._sampler is not None:
+                self._sampler.stop()
+        return self._finish()
+
+    def _finish(self) -> RunResult:
+        returncode = self.proc.wait()
+        self._reader.join(timeout=5)
+        while True:  # anything the reader got after the loop ended
+            try:
+                line = self._pipe.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                self.lines.append(line)
+        output = "".join(self.lines)
+        sampler = self._sampler
+        result = RunResult(
+            command=self.command,
+            returncode=returncode,
+            output=output,
+            run_dir=self.run_dir,
+            seconds=time.monotonic() - self.start_time,
+            records=read_rank_records(self.run_dir),
+            failures=parse_failures(output, self.run_dir) if returncode else [],
+            timed_out=self.timed_out,
+            utilization=sampler.samples() if sampler is not None else None,
+        )
+        if sampler is not None:
+            sampler.write_csv(self.run_dir / "utilization.csv")
+        self._result = result
+        if self.check and self.timed_out:
+            raise LaunchTimeout(
+                f"{self.script.name} did not finish within {self.timeout:g} s and was killed "
+                f"(torchrun and all its workers). Last output before the kill:\n"
+                f"{_tail(''.join(self.lines[: self._seen_before_kill]))}",
+                result,
+            )
+        if self.check and returncode != 0:
+            raise LaunchError(failure_message(self.script.name, result), result)
+        return result
+
+
+def start(
+    script: str | os.PathLike[str],
+    *args: object,
+    nproc: int | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    run_dir: str | os.PathLike[str] | None = None,
+    check: bool = True,
+    echo: bool = True,
+    standalone: bool = True,
+    torchrun_args: Sequence[str] = (),
+    out_flag: str | None = "--out",
+    monitor: bool = False,
+    monitor_interval: float = 0.5,
+    prefix: str = "",
+) -> Launch:
+    """Start ``script`` under torchrun and return at once; ``.wait()`` gives the result.
+
+    Same arguments as :func:`torchrun`, plus ``prefix`` (put before every
+    echoed line, to tell concurrent launches apart). Bad input is refused
+    before anything starts.
+    """
+    script = Path(script)
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"torchrun: script {str(script)!r} not found (working directory: {os.getcwd()})"
+        )
+    if nproc is None:
+        nproc = default_nproc(env)
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"torchrun: nproc must be a positive integer, got {nproc!r}")
+    if timeout <= 0:
+        raise ValueError(f"torchrun: timeout must be positive seconds, got {timeout!r}")
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(script)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    str_args = [str(a) for a in args]
+    cmd = _build_command(script, str_args, nproc, run_dir, standalone, torchrun_args, out_flag)
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return Launch(
+        script, cmd, run_dir, child_env, timeout, check, echo, prefix, monitor, monitor_interval
+    )
+
+
 def torchrun(
     script: str | os.PathLike[str],
     *args: object,
@@ -259,112 +450,144 @@ def torchrun(
     failed rank and its traceback tail; a timeout raises :class:`LaunchTimeout`
     after killing every process the launch started.
     """
-    script = Path(script)
-    if not script.is_file():
-        raise FileNotFoundError(
-            f"torchrun: script {str(script)!r} not found (working directory: {os.getcwd()})"
-        )
-    if nproc is None:
-        nproc = default_nproc(env)
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"torchrun: nproc must be a positive integer, got {nproc!r}")
-    if timeout <= 0:
-        raise ValueError(f"torchrun: timeout must be positive seconds, got {timeout!r}")
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(script)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    str_args = [str(a) for a in args]
-    cmd = _build_command(script, str_args, nproc, run_dir, standalone, torchrun_args, out_flag)
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-
-    lines: list[str] = []
-    timed_out = False
-    seen_before_kill = 0
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        bufsize=1,
-        env=child_env,
-        start_new_session=True,  # our own group: a notebook's SIGINT does not hit the ranks raw
-    )
-    sampler = None
-    if monitor:
-        from ddp_tutorial.monitor import Monitor
-
-        sampler = Monitor(root_pid=proc.pid, env=child_env, interval=monitor_interval)
-        sampler.start()
-    pipe: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            pipe.put(line)
-        pipe.put(None)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    deadline = start + timeout
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                seen_before_kill = len(lines)
-                break
-            try:
-                line = pipe.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            lines.append(line)
-            if echo:
-                print(line, end="", flush=True)
-    except KeyboardInterrupt:
-        kill_tree(proc.pid)
-        raise
-    finally:
-        if timed_out:
-            kill_tree(proc.pid)
-        if sampler is not None:
-            sampler.stop()
-    returncode = proc.wait()
-    reader.join(timeout=5)
-    while True:  # anything the reader got after the loop ended
-        try:
-            line = pipe.get_nowait()
-        except queue.Empty:
-            break
-        if line is not None:
-            lines.append(line)
-    output = "".join(lines)
-    result = RunResult(
-        command=cmd,
-        returncode=returncode,
-        output=output,
+    return start(
+        script,
+        *args,
+        nproc=nproc,
+        env=env,
+        timeout=timeout,
         run_dir=run_dir,
-        seconds=time.monotonic() - start,
-        records=read_rank_records(run_dir),
-        failures=parse_failures(output, run_dir) if returncode else [],
-        timed_out=timed_out,
-        utilization=sampler.samples() if sampler is not None else None,
-    )
-    if sampler is not None:
-        sampler.write_csv(run_dir / "utilization.csv")
-    if check and timed_out:
-        raise LaunchTimeout(
-            f"{script.name} did not finish within {timeout:g} s and was killed "
-            f"(torchrun and all its workers). Last output before the kill:\n"
-            f"{_tail(''.join(lines[:seen_before_kill]))}",
-            result,
-        )
-    if check and returncode != 0:
-        raise LaunchError(failure_message(script.name, result), result)
-    return result
+        check=check,
+        echo=echo,
+        standalone=standalone,
+        torchrun_args=torchrun_args,
+        out_flag=out_flag,
+        monitor=monitor,
+        monitor_interval=monitor_interval,
+    ).wait()
+
+
+def shell_command(command: Sequence[str]) -> str:
+    """The command a user would type: ``torchrun …`` without the logging and ``--out`` flags."""
+    words = list(command)
+    if words[1:3] == ["-m", "torch.distributed.run"]:
+        words = ["torchrun", *words[3:]]
+    out, skip = [], 0
+    for i, word in enumerate(words):
+        if skip:
+            skip -= 1
+            continue
+        if word in ("--log-dir", "--tee", "--out") and i + 1 < len(words):
+            skip = 1
+            continue
+        out.append(word)
+    return " ".join(out)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for a rendezvous endpoint)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def multinode(
+    script: str | os.PathLike[str],
+    *args: object,
+    nnodes: int = 2,
+    nproc_per_node: int | None = None,
+    env: Mapping[str, str] | None = None,
+    node_env: Sequence[Mapping[str, str]] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    run_dir: str | os.PathLike[str] | None = None,
+    check: bool = True,
+    echo: bool = True,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    torchrun_args: Sequence[str] = (),
+) -> list[RunResult]:
+    """One job on ``nnodes`` "nodes" that all live on this machine; one result per node.
+
+    Starts ``nnodes`` torchrun launchers at once, each with ``--nnodes N
+    --node-rank i`` and the same c10d rendezvous (``--rdzv-endpoint
+    host:port``), exactly the command you would type on each machine of a
+    real cluster. Node ``i`` writes to ``RUN_DIR/node{i}`` and its echoed
+    lines start with ``[node i]``; ``node_env[i]`` adds variables for node
+    ``i`` only. Note that with c10d the rendezvous, not ``--node-rank``,
+    decides each node's ``GROUP_RANK`` (the ranks' records say which it got).
+
+    If one node fails or times out the others are killed (they would wait
+    for it until the rendezvous timeout); with ``check`` the first failure
+    is raised.
+    """
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"multinode: nnodes must be a positive integer, got {nnodes!r}")
+    if node_env is not None and len(node_env) != nnodes:
+        raise ValueError(f"multinode: node_env needs {nnodes} entries, got {len(node_env)}")
+    base = Path(run_dir) if run_dir is not None else default_run_dir(script)
+    port = port or free_port(host)
+    job_id = f"{Path(script).stem}-{port}"
+    launches: list[Launch] = []
+    try:
+        for node in range(nnodes):
+            rdzv = [
+                "--nnodes", str(nnodes),
+                "--node-rank", str(node),
+                "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{host}:{port}",
+                "--rdzv-id", job_id,
+                # node 0 hosts the rendezvous store; the others connect to it
+                "--rdzv-conf", f"is_host={1 if node == 0 else 0}",
+            ]  # fmt: skip
+            launches.append(
+                start(
+                    script,
+                    *args,
+                    nproc=nproc_per_node,
+                    env={**(env or {}), **(node_env[node] if node_env else {})},
+                    timeout=timeout,
+                    run_dir=base / f"node{node}",
+                    check=False,
+                    echo=echo,
+                    standalone=False,
+                    torchrun_args=[*rdzv, *torchrun_args],
+                    prefix=f"[node {node}]",
+                )
+            )
+        while not all(launch.done for launch in launches):
+            for launch in launches:
+                launch.poll(block_s=0.1)
+            if any(la.done and la.proc.poll() not in (None, 0) for la in launches) or any(
+                la.timed_out for la in launches
+            ):
+                break  # one node failed: the others would wait for it forever
+    except BaseException:
+        for launch in launches:
+            launch.kill()
+        raise
+    for launch in launches:
+        if not launch.done:
+            launch.kill()
+    results = [launch.wait() for launch in launches]
+    if check:
+        for launch, result in zip(launches, results, strict=True):
+            if result.timed_out:
+                raise LaunchTimeout(
+                    f"{launch.script.name} (node {launches.index(launch)}) did not finish "
+                    f"within {timeout:g} s; every node was killed.\n{_tail(result.output)}",
+                    result,
+                )
+        for node, result in enumerate(results):
+            if result.returncode != 0 and result.failures:
+                raise LaunchError(
+                    f"node {node}: " + failure_message(Path(script).name, result), result
+                )
+        for node, result in enumerate(results):
+            if result.returncode != 0:
+                raise LaunchError(
+                    f"node {node}: " + failure_message(Path(script).name, result), result
+                )
+    return results
 
 
 def failure_message(name: str, result: RunResult) -> str:

@@ -1,0 +1,262 @@
+"""What DistributedDataParallel does, one experiment at a time, recorded per rank.
+
+    torchrun --standalone --nproc-per-node 2 scripts/ddp_anatomy.py
+
+One launch runs every experiment of lesson 04 (each launch costs seconds of
+start-up, so they share one): the broadcast at construction, the bucketed
+all_reduce in backward, replicas after N steps, ``no_sync`` accumulation,
+unused parameters, BatchNorm vs SyncBatchNorm and ``device_ids``. Each rank
+writes what it saw to ``--out``; the notebook compares the ranks and checks
+the claims. ``--only NAME`` runs a subset (the tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_tutorial.anatomy import (
+    CommCounter,
+    UnusedBranch,
+    counting_allreduce_hook,
+    deep_mlp,
+    first_line,
+    flat_grads,
+    flat_params,
+    global_batch,
+    sgd_step,
+    shard,
+    time_steps,
+    tiny_model,
+)
+from ddp_tutorial.distributed import DistInfo, process_group
+from ddp_tutorial.models import SmallCNN
+from ddp_tutorial.records import write_rank_record
+
+EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "device_ids")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare")
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch (all ranks)")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=100, help="rank r initialises with seed+r")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.001, help="small: many buckets")
+    parser.add_argument("--timing-steps", type=int, default=30, help="steps per timing block")
+    parser.add_argument("--only", nargs="*", choices=EXPERIMENTS, default=list(EXPERIMENTS))
+    parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    return parser.parse_args()
+
+
+def wrap(model: nn.Module, info: DistInfo, **kwargs: object) -> DDP:
+    """The one correct way to wrap: move to this rank's device first, then wrap.
+
+    A GPU module gets ``device_ids=[local_rank]`` (its one device); a CPU
+    module takes no ``device_ids`` at all.
+    """
+    model = model.to(info.device)
+    if info.device.type == "cuda":
+        return DDP(model, device_ids=[info.device.index], output_device=info.device.index, **kwargs)
+    return DDP(model, **kwargs)
+
+
+def local_batch(step: int, args: argparse.Namespace, info: DistInfo) -> list[torch.Tensor]:
+    """This rank's shard of the step's global batch, on this rank's device."""
+    x, y = global_batch(step, args.batch_size)
+    return [shard(t, info.rank, info.world_size).to(info.device) for t in (x, y)]
+
+
+def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
+    """Broadcast at construction; averaged, bucketed gradients; identical replicas."""
+    model = tiny_model(args.seed + info.rank)  # every rank starts from a DIFFERENT init
+    before = flat_params(model)
+    ddp = wrap(model, info, bucket_cap_mb=args.bucket_cap_mb)
+    after_wrap = flat_params(ddp)  # DDP's constructor broadcast rank 0's parameters
+    counter = CommCounter()
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+
+    # Step 0 in slow motion: this rank's own gradient vs what DDP hands the optimizer.
+    x, y = local_batch(0, args, info)
+    plain = copy.deepcopy(ddp.module)  # same weights, no DDP: a purely local gradient
+    F.cross_entropy(plain(x), y).backward()
+    calls_per_step, numels_per_step, losses = [], [], []
+    for step in range(args.steps):
+        counter.reset()
+        x, y = local_batch(step, args, info)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()  # all_reduce per bucket, overlapped with the rest of backward
+        if step == 0:
+            ddp_grad = flat_grads(ddp)
+        opt.step()
+        losses.append(loss.item())
+        calls_per_step.append(counter.calls)
+        numels_per_step.append(sum(counter.numels))
+
+    # The same tiny model with DDP's default 25 MB buckets: one all_reduce per step.
+    big = wrap(tiny_model(args.seed), info)
+    big_counter = CommCounter()
+    big.register_comm_hook(big_counter, counting_allreduce_hook)
+    sgd_step(big, *local_batch(0, args, info), torch.optim.SGD(big.parameters(), lr=args.lr))
+    return {
+        "params_before_wrap": before,
+        "params_after_wrap": after_wrap,
+        "local_grad_step0": flat_grads(plain),
+        "ddp_grad_step0": ddp_grad,
+        "params_after_steps": flat_params(ddp),
+        "num_params": before.numel(),
+        "losses": losses,
+        "allreduce_calls_per_step": calls_per_step,
+        "allreduce_numel_per_step": numels_per_step,
+        "bucket_numels_last_step": list(counter.numels),
+        "allreduce_calls_default_buckets": big_counter.calls,
+        "module_is_wrapped_model": ddp.module is model,
+    }
+
+
+def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
+    """Two micro-batches under ``no_sync`` == one batch twice the size, fewer all_reduces."""
+    x, y = local_batch(0, args, info)
+    half = x.shape[0] // 2
+    micro = [(x[:half], y[:half]), (x[half:], y[half:])]
+    base = tiny_model(args.seed)
+    results = {}
+    for name in ("one_big_batch", "accumulate_no_sync", "accumulate_naive"):
+        ddp = wrap(copy.deepcopy(base), info)  # default buckets: one all_reduce per sync
+        counter = CommCounter()
+        ddp.register_comm_hook(counter, counting_allreduce_hook)
+        if name == "one_big_batch":
+            F.cross_entropy(ddp(x), y).backward()
+        elif name == "accumulate_no_sync":
+            with ddp.no_sync():  # gradients accumulate locally, nothing is sent
+                F.cross_entropy(ddp(micro[0][0]), micro[0][1]).div(2).backward()
+            F.cross_entropy(ddp(micro[1][0]), micro[1][1]).div(2).backward()  # syncs the sum
+        else:  # accumulation without no_sync: every micro-batch is all-reduced
+            for mx, my in micro:
+                F.cross_entropy(ddp(mx), my).div(2).backward()
+        results[name] = {"grad": flat_grads(ddp), "allreduce_calls": counter.calls}
+    return results
+
+
+def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
+    """A parameter that never gets a gradient: the error, the two fixes, the cost."""
+    x, y = local_batch(0, args, info)
+    out: dict = {}
+    ddp = wrap(UnusedBranch(), info)
+    try:
+        for iteration in range(2):  # noqa: B007 (reported below)
+            F.cross_entropy(ddp(x), y).backward()
+        out["error"] = None
+    except RuntimeError as exc:  # raised on the NEXT iteration, on every rank
+        out["error"], out["error_iteration"] = str(exc), iteration
+    for flag in ("find_unused_parameters", "static_graph"):
+        ddp = wrap(UnusedBranch(), info, **{flag: True})
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+        out[flag] = [sgd_step(ddp, x, y, opt) for _ in range(3)]
+        out[f"{flag}_aux_grad"] = ddp.module.aux.weight.grad  # stays None: never used
+
+    # The cost on a model that does NOT need it (seed 000 turns it on always).
+    # Same model, same data, interleaved blocks so that machine noise hits both.
+    models = {
+        flag: wrap(deep_mlp(args.seed), info, find_unused_parameters=flag) for flag in (False, True)
+    }
+    opts = {flag: torch.optim.SGD(m.parameters(), lr=1e-3) for flag, m in models.items()}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _block in range(2):
+        for flag, model in models.items():
+            times[flag] += time_steps(
+                lambda m=model, f=flag: sgd_step(m, x, y, opts[f]), args.timing_steps
+            )
+    out["step_ms_default"] = 1e3 * statistics.median(times[False])
+    out["step_ms_find_unused"] = 1e3 * statistics.median(times[True])
+    out["same_result_with_and_without"] = torch.equal(
+        flat_params(models[False]), flat_params(models[True])
+    )
+    return out
+
+
+def bn_batch(args: argparse.Namespace, info: DistInfo) -> torch.Tensor:
+    """Images whose brightness depends on the rank: each rank's data looks different."""
+    gen = torch.Generator().manual_seed(info.rank)
+    return (torch.randn(8, 1, 8, 8, generator=gen) + 2.0 * info.rank).to(info.device)
+
+
+def exp_batchnorm(args: argparse.Namespace, info: DistInfo) -> dict:
+    """BatchNorm statistics are per rank; SyncBatchNorm computes them over all ranks."""
+    out: dict = {}
+    ddp = wrap(SmallCNN(1, 3), info)  # broadcast_buffers=True: rank 0's stats at each forward
+    for _ in range(2):
+        ddp(bn_batch(args, info)).sum().backward()
+    out["bn_running_mean"] = ddp.module.features[1].running_mean
+
+    # Seed 001: convert BEFORE wrapping (DDP must see the SyncBatchNorm layers).
+    sync = nn.SyncBatchNorm.convert_sync_batchnorm(SmallCNN(1, 3))
+    out["converted_types"] = sorted(
+        {type(m).__name__ for m in sync.modules() if "Norm" in type(m).__name__}
+    )
+    try:
+        ddp = wrap(sync, info)
+        for _ in range(2):
+            ddp(bn_batch(args, info)).sum().backward()
+        out["syncbn_running_mean"] = ddp.module.features[1].running_mean
+        out["syncbn_error"] = None
+    except (ValueError, RuntimeError) as exc:  # CPU/gloo: SyncBatchNorm needs GPUs
+        out["syncbn_error"] = first_line(exc)
+    return out
+
+
+def exp_device_ids(args: argparse.Namespace, info: DistInfo) -> dict:
+    """``device_ids`` names the ONE GPU of a GPU module; a CPU module takes none."""
+    out: dict = {"device": str(info.device)}
+    model = tiny_model(args.seed)
+    if info.device.type == "cuda":
+        ddp = wrap(model, info)
+        x, _ = local_batch(0, args, info)
+        out["device_ids"] = ddp.device_ids
+        out["output_device"] = str(ddp(x).device)
+    else:
+        try:
+            DDP(model, device_ids=[info.local_rank])  # the GPU recipe applied to a CPU module
+            out["cpu_device_ids_error"] = None
+        except ValueError as exc:
+            out["cpu_device_ids_error"] = first_line(exc)
+    return out
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    experiments = {
+        "wrap": exp_wrap,
+        "no_sync": exp_no_sync,
+        "unused": exp_unused,
+        "batchnorm": exp_batchnorm,
+        "device_ids": exp_device_ids,
+    }
+    with process_group(backend=args.backend) as info:
+        record_ = {
+            "backend": info.backend,
+            "device": str(info.device),
+            "world_size": info.world_size,
+        }
+        for name in args.only:
+            record_[name] = experiments[name](args, info)
+            dist.barrier()  # experiments start together; a failure shows up in its own section
+            if info.is_main:
+                print(f"{name}: done", flush=True)
+        write_rank_record(args.out, record_)
+
+
+if __name__ == "__main__":
+    main()

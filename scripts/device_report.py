@@ -1,0 +1,93 @@
+"""Which device each rank should use: LOCAL_RANK, not the global RANK.
+
+Run it on one node, or as two "nodes" of one job (on two machines, or twice
+on this one, as lesson 03 does):
+
+    torchrun --standalone --nproc-per-node 2 scripts/device_report.py
+    # node 0 and node 1 of a 2-node job (run each line on its own machine):
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/device_report.py
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/device_report.py
+
+Each rank reports what torchrun told it (RANK, LOCAL_RANK, GROUP_RANK = node),
+the device seed 000's rule would pick (``cuda:{dist.get_rank()}``: the global
+rank), and the device the package picks (``cuda:{LOCAL_RANK}``). On a 2-GPU
+node, global rank 2 lives on the second node as local rank 0: seed 000 asks
+for ``cuda:2``, which that node does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp_tutorial.devices import DeviceError, device_for_local_rank, visible_gpu_count
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.records import write_rank_record
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="judge the device rules for nodes with this many GPUs (default: this node's count)",
+    )
+    parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    return parser.parse_args()
+
+
+def rule_outcome(device: str, gpus: int) -> str:
+    """Whether ``cuda:i`` exists on a node with ``gpus`` GPUs."""
+    index = int(device.split(":")[1])
+    return "ok" if index < gpus else f"no such GPU (node has {gpus})"
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    gpus = visible_gpu_count() if args.gpus_per_node is None else args.gpus_per_node
+    with process_group(backend=args.backend) as info:
+        seed_000 = f"cuda:{dist.get_rank()}"  # seed 000: device from the GLOBAL rank
+        try:
+            package = device_for_local_rank(info.local_rank, gpus)  # cuda:LOCAL_RANK
+        except DeviceError as exc:
+            package = f"error: {exc}"
+        total = torch.tensor([float(info.rank)], device=info.device)
+        dist.all_reduce(total)  # one job: every rank on every node takes part
+        write_rank_record(
+            args.out,
+            {
+                "local_rank": info.local_rank,
+                "group_rank": int(os.environ["GROUP_RANK"]),
+                "world_size": info.world_size,
+                "local_world_size": info.local_world_size,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpus_per_node": gpus,
+                "seed_000_device": seed_000,
+                "seed_000_outcome": rule_outcome(seed_000, gpus),
+                "package_device": package,
+                "device_used": str(info.device),
+                "backend": info.backend,
+                "all_reduce_sum": total.item(),
+            },
+        )
+        print(
+            f"RANK {info.rank} LOCAL_RANK {info.local_rank} GROUP_RANK {os.environ['GROUP_RANK']}:"
+            f" seed 000 would use {seed_000}, the package uses {package}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

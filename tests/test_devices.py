@@ -1,0 +1,281 @@
+"""``ddp_tutorial.devices``: CUDA_VISIBLE_DEVICES parsing and mapping, NVML faked where needed.
+
+The reference for "what CUDA does" is ``torch.cuda._parse_visible_devices``,
+torch's own model of the driver's parser (it reads the environment only and
+never initialises CUDA): every value our strict parser accepts must mean the
+same there, and every value it refuses must be one CUDA would misread.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from ddp_tutorial import devices
+from ddp_tutorial.devices import (
+    DeviceError,
+    GpuInfo,
+    cuda_reading,
+    device_for_local_rank,
+    device_order,
+    logical_to_physical,
+    mapping_table,
+    order_matches_nvidia_smi,
+    parse_visible_devices,
+    physical_to_logical,
+)
+
+EIGHT = 8  # a hypothetical 8-GPU box: the mapping is a pure function of the count
+
+GOOD = {
+    None: None,
+    "": [],
+    "  ": [],
+    "-1": [],
+    "0": ["0"],
+    "5,6,7": ["5", "6", "7"],
+    "7,5": ["7", "5"],
+    " 5, 6 ": ["5", "6"],  # CUDA skips the spaces too (seed 000 writes "0, 1, 2")
+    "0, 1, 2": ["0", "1", "2"],
+    "01,+2": ["1", "2"],
+    "GPU-8c1b": ["GPU-8c1b"],
+    "GPU-aa,GPU-bb": ["GPU-aa", "GPU-bb"],
+    "MIG-1234": ["MIG-1234"],
+}
+
+BAD = {
+    "0,0": ("appears twice", "no GPU at all"),
+    "1, 1": ("appears twice", "no GPU at all"),
+    "0,-1,1": ("negative", "only '0'"),
+    "-1,0": ("negative", "no GPU at all"),
+    "0,,1": ("empty entry at position 1", "only '0'"),
+    "0,": ("stray comma", "only '0'"),
+    ",0": ("empty entry at position 0", "no GPU at all"),
+    "1gpu": ("neither a GPU index nor a UUID", "only '1'"),
+    "cuda:1": ("neither a GPU index nor a UUID", "no GPU at all"),
+    "0,GPU-aa": ("mixes GPU indices and UUIDs", "only '0'"),
+    "GPU-aa,1": ("mixes GPU indices and UUIDs", "only 'GPU-aa'"),
+    "GPU-aa,MIG-bb": ("mixes", "only 'GPU-aa'"),
+    "gpu-aa": ("upper case", "no GPU at all"),
+    "GPU-": ("nothing after it", None),
+    "GPU-aa,GPU-aa": ("appears twice", "no GPU at all"),
+    " GPU-aa": ("not around UUIDs", "no GPU at all"),
+    "GPU-aa, GPU-bb": ("not around UUIDs", "only 'GPU-aa'"),
+}
+
+
+def torch_reading(monkeypatch: pytest.MonkeyPatch, value: str | None) -> list[str] | None:
+    if value is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        return None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    return [str(x) for x in torch.cuda._parse_visible_devices()]
+
+
+@pytest.mark.parametrize("value", list(GOOD), ids=repr)
+def test_good_values(value, monkeypatch):
+    parsed = parse_visible_devices(value)
+    assert parsed == GOOD[value]
+    # accepted means: CUDA reads it exactly as written
+    assert parsed == cuda_reading(value) == torch_reading(monkeypatch, value)
+
+
+@pytest.mark.parametrize("value", list(BAD), ids=repr)
+def test_bad_values_are_refused_with_what_cuda_would_do(value, monkeypatch):
+    problem, consequence = BAD[value]
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES=") as info:
+        parse_visible_devices(value)
+    message = str(info.value)
+    assert problem in message
+    if consequence is not None:
+        assert f"CUDA would silently see {consequence}" in message
+        # our model of the driver agrees with torch's
+        assert cuda_reading(value) == torch_reading(monkeypatch, value)
+
+
+def test_device_error_is_a_value_error():
+    assert issubclass(DeviceError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0", "3,1", "1, 2", "0,-1,1", "1gpu2,2", "0,0", "", "-1", "GPU-a,GPU-b,x", "a,0", "+1"],
+)
+def test_cuda_reading_matches_torch(value, monkeypatch):
+    assert cuda_reading(value) == torch_reading(monkeypatch, value)
+
+
+# -- physical <-> logical ------------------------------------------------------
+
+
+def test_seed_002_five_six_seven_are_cuda_zero_one_two():
+    assert logical_to_physical("5,6,7", EIGHT) == [5, 6, 7]
+    assert physical_to_logical("5,6,7", EIGHT) == {5: 0, 6: 1, 7: 2}
+
+
+def test_order_is_the_order_written():
+    assert logical_to_physical("7,5", EIGHT) == [7, 5]  # cuda:0 is physical 7
+    assert physical_to_logical("7,5", EIGHT) == {7: 0, 5: 1}
+
+
+def test_unset_is_identity_and_empty_is_nothing():
+    assert logical_to_physical(None, 4) == [0, 1, 2, 3]
+    assert logical_to_physical("", 4) == [] == logical_to_physical("-1", 4)
+    assert physical_to_logical("", 4) == {}
+
+
+def test_out_of_range_names_the_machine():
+    with pytest.raises(DeviceError, match=r"GPU 8 does not exist; this machine has 8 GPU\(s\)"):
+        logical_to_physical("7,8", EIGHT)
+    with pytest.raises(DeviceError, match="GPU 0 does not exist; this machine has 0 GPU"):
+        logical_to_physical("0", 0)
+
+
+def _gpu(index: int, uuid: str, name: str = "H100") -> GpuInfo:
+    return GpuInfo(index, name, uuid, 80_000.0, 1.0)
+
+
+INVENTORY = [_gpu(0, "GPU-aaaa-0000"), _gpu(1, "GPU-bbbb-1111"), _gpu(2, "GPU-abcd-2222")]
+
+
+def test_uuids_resolve_by_unique_prefix():
+    assert logical_to_physical("GPU-bbbb-1111,GPU-aaaa", INVENTORY) == [1, 0]
+    assert logical_to_physical("GPU-abc", INVENTORY) == [2]
+
+
+def test_uuid_errors():
+    with pytest.raises(DeviceError, match="matches GPUs"):
+        logical_to_physical("GPU-a", INVENTORY)  # GPU-aaaa and GPU-abcd
+    with pytest.raises(DeviceError, match="no GPU on this machine has UUID"):
+        logical_to_physical("GPU-ffff", INVENTORY)
+    with pytest.raises(DeviceError, match="without the NVML inventory"):
+        logical_to_physical("GPU-aaaa", 3)
+    with pytest.raises(DeviceError, match="MIG instance"):
+        logical_to_physical("MIG-aaaa", INVENTORY)
+
+
+def test_mapping_table_rows():
+    rows = mapping_table("7,5", EIGHT)
+    assert [(r["device"], r["physical (nvidia-smi)"]) for r in rows] == [
+        ("cuda:0", 7),
+        ("cuda:1", 5),
+    ]
+
+
+# -- device for a rank -----------------------------------------------------------
+
+
+def test_device_for_local_rank():
+    assert device_for_local_rank(0, 2) == "cuda:0"
+    assert device_for_local_rank(1, 2) == "cuda:1"
+    assert device_for_local_rank(3, 0) == "cpu"
+
+
+def test_device_for_local_rank_errors():
+    with pytest.raises(DeviceError, match="only 2 are visible"):
+        device_for_local_rank(2, 2)  # what seed 000's global rank 2 would ask for
+    with pytest.raises(DeviceError, match=">= 0"):
+        device_for_local_rank(-1, 2)
+
+
+# -- CUDA_DEVICE_ORDER -----------------------------------------------------------
+
+
+def test_device_order():
+    assert device_order({}) == "FASTEST_FIRST"
+    assert device_order({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == "PCI_BUS_ID"
+    with pytest.raises(DeviceError, match="FASTEST_FIRST' or 'PCI_BUS_ID"):
+        device_order({"CUDA_DEVICE_ORDER": "pci"})
+
+
+def test_order_matches_nvidia_smi():
+    mixed = [_gpu(0, "GPU-a", "T400"), _gpu(1, "GPU-b", "A100")]
+    assert order_matches_nvidia_smi({}, INVENTORY)  # identical cards
+    assert not order_matches_nvidia_smi({}, mixed)  # the A100 would be cuda:0
+    assert order_matches_nvidia_smi({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, mixed)
+
+
+# -- NVML (faked: this machine has no driver) ------------------------------------
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(gpus: list[GpuInfo] | None, pids: dict[int, list[int]] | None = None):
+    """A stand-in for the ``pynvml`` module; ``gpus=None``: no driver."""
+    mod = types.ModuleType("pynvml")
+    mod.NVMLError = FakeNVMLError
+    state = {"inits": 0}
+
+    def init():
+        if gpus is None:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+        state["inits"] += 1
+
+    def shutdown():
+        state["inits"] -= 1
+
+    mod.nvmlInit = init
+    mod.nvmlShutdown = shutdown
+    mod.nvmlDeviceGetCount = lambda: len(gpus)
+    mod.nvmlDeviceGetHandleByIndex = lambda i: gpus[i]
+    mod.nvmlDeviceGetName = lambda h: h.name.encode()  # old bindings return bytes
+    mod.nvmlDeviceGetUUID = lambda h: h.uuid
+    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=int(h.memory_total_mib * 2**20), used=int(h.memory_used_mib * 2**20)
+    )
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=p) for p in (pids or {}).get(h.index, [])
+    ]
+    mod.state = state
+    return mod
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    def install(gpus, pids=None):
+        mod = fake_pynvml(gpus, pids)
+        monkeypatch.setitem(sys.modules, "pynvml", mod)
+        return mod
+
+    return install
+
+
+def test_inventory_without_driver(nvml):
+    nvml(None)
+    assert devices.gpu_inventory() == []
+    assert devices.visible_gpu_count({}) == 0
+    assert devices.gpu_memory_report() == []
+
+
+def test_inventory_and_visible_gpus(nvml):
+    gpus = [_gpu(i, f"GPU-{i}{i}{i}{i}") for i in range(8)]
+    mod = nvml(gpus)
+    inventory = devices.gpu_inventory()
+    assert [g.index for g in inventory] == list(range(8))
+    assert inventory[0].name == "H100" and inventory[0].memory_total_mib == 80_000.0
+    assert mod.state["inits"] == 0, "every nvmlInit is paired with a shutdown"
+    assert [g.index for g in devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "5,6,7"})] == [5, 6, 7]
+    assert [g.index for g in devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-7777"})] == [7]
+    assert devices.visible_gpu_count({}) == 8
+    assert devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    with pytest.raises(DeviceError, match="appears twice"):
+        devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "1,1"})
+
+
+def test_gpu_memory_report_lists_processes_per_gpu(nvml):
+    nvml([_gpu(0, "GPU-a"), _gpu(1, "GPU-b")], pids={0: [30, 10], 1: [20]})
+    report = devices.gpu_memory_report()
+    assert [r["pids"] for r in report] == [[10, 30], [20]]
+    assert report[0]["memory_used_mib"] == 1.0
+
+
+def test_nothing_here_initialises_cuda():
+    parse_visible_devices("5,6,7")
+    devices.visible_gpu_count()
+    devices.gpu_memory_report()
+    assert not torch.cuda.is_initialized()
