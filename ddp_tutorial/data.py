@@ -263,6 +263,29 @@ def expected_padding(length: int, world_size: int, drop_last: bool = False) -> d
     return {"per_rank": per_rank, "padded": per_rank * world_size - length, "dropped": 0}
 
 
+def batch_plan(
+    length: int, per_rank_batch: int, world_size: int, drop_last: bool = False
+) -> dict[str, int]:
+    """How one epoch is cut into steps: in DDP ``batch_size`` is *per process*.
+
+    Every step consumes ``per_rank_batch`` samples on each of ``world_size``
+    ranks, so the global batch (what the optimizer effectively averages over)
+    is their product, and the steps per epoch shrink as ranks are added.
+    (``DataParallel`` is the opposite: one process, and its ``batch_size`` is
+    the global batch that it splits across ``device_ids``.)
+    """
+    if per_rank_batch < 1 or world_size < 1:
+        raise ValueError(f"batch and world size must be >= 1, got {per_rank_batch}, {world_size}")
+    per_rank = expected_padding(length, world_size, drop_last)["per_rank"]
+    return {
+        "world_size": world_size,
+        "per_rank_batch": per_rank_batch,
+        "global_batch": per_rank_batch * world_size,
+        "samples_per_rank": per_rank,
+        "steps_per_epoch": math.ceil(per_rank / per_rank_batch),
+    }
+
+
 class UnpaddedDistributedSampler(Sampler[int]):
     """Like :class:`DistributedSampler`, but no padding: every index exactly once in total.
 

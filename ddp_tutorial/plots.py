@@ -233,3 +233,59 @@ def training_curves(history: list[dict[str, float]], ax: Any | None = None) -> F
     right.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     return fig
+
+
+# -- scaling and performance (lesson 07) -------------------------------------
+def throughput_bars(result: Mapping[str, Any], ax: Any | None = None) -> Figure:
+    """Samples/s of each configuration of ``scripts/benchmark.py``, with its p50 step time."""
+    fig, ax = _axes(ax, figsize=(7, 3))
+    n = result["world_size"]
+    keys = ["plain_1thread", "plain_all_cores", "ddp_world1", f"ddp_world{n}"]
+    values = [result[k]["samples_per_sec"] for k in keys]
+    bars = ax.bar(keys, values, color=["0.6", "0.4", "tab:blue", "tab:orange"])
+    for bar, key in zip(bars, keys, strict=True):
+        ax.annotate(
+            f"{result[key]['step_ms_p50']:.0f} ms/step",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center", va="bottom", fontsize="small",
+        )  # fmt: skip
+    ideal = n * result["ddp_world1"]["samples_per_sec"]
+    ax.axhline(ideal, ls="--", color="tab:orange", lw=1, label=f"ideal {n} x ddp_world1")
+    ax.set_ylabel("samples / s")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def allreduce_curve(
+    sweep: Sequence[Mapping[str, float]], fit: Mapping[str, Any] | None, ax: Any | None = None
+) -> Figure:
+    """Measured all_reduce time per message size (log-log) and the fitted ring model."""
+    fig, ax = _axes(ax, figsize=(6, 3.5))
+    sizes = [r["bytes"] for r in sweep]
+    ax.loglog(sizes, [1e3 * r["seconds"] for r in sweep], "o", label="measured (median)")
+    if fit is not None:
+        label = (
+            f"α + 2(N−1)/N·S/B: α = {1e6 * fit['alpha_s']:.0f} µs, "
+            f"B = {fit['bandwidth_Bps'] / 1e9:.2f} GB/s"
+        )
+        ax.loglog(sizes, [1e3 * t for t in fit["predicted_s"]], "-", label=label)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("all_reduce time (ms)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def knob_bars(knobs: Sequence[Mapping[str, Any]], ax: Any | None = None) -> Figure:
+    """Horizontal bars: samples/s for each DDP knob setting, the baseline marked."""
+    fig, ax = _axes(ax, figsize=(7, 0.35 * len(knobs) + 1))
+    names = [k["knob"] for k in knobs][::-1]
+    values = [k["samples_per_sec"] for k in knobs][::-1]
+    ax.barh(names, values, color="tab:blue")
+    if knobs:
+        ax.axvline(knobs[0]["samples_per_sec"], color="k", lw=1, ls="--", label=knobs[0]["knob"])
+        ax.legend(fontsize="small", loc="lower right")
+    ax.set_xlabel("samples / s")
+    ax.grid(alpha=0.3, axis="x")
+    return fig

@@ -11,6 +11,7 @@ from ddp_tutorial.data import (
     IndexDataset,
     SyntheticImages,
     UnpaddedDistributedSampler,
+    batch_plan,
     distributed_evaluate,
     expected_padding,
     sampler_shards,
@@ -164,3 +165,29 @@ def test_exact_evaluation_against_single_process_with_two_gloo_ranks(tmp_path):
     predicted = sampler_shards(11, 2, epochs=3)
     for r in records:
         assert r["with_set_epoch"] == [epoch[r["rank"]] for epoch in predicted]
+
+
+# ---------------------------------------------------------------- batch arithmetic, plots
+
+
+def test_batch_plan_global_batch_is_per_rank_batch_times_world_size():
+    plan = batch_plan(50_000, 64, 4)
+    assert plan["global_batch"] == 256 and plan["samples_per_rank"] == 12_500
+    assert plan["steps_per_epoch"] == 196
+    assert batch_plan(21, 4, 2)["steps_per_epoch"] == 3  # 11 samples per rank, batches of 4
+    with pytest.raises(ValueError):
+        batch_plan(10, 0, 2)
+
+
+def test_plots_return_figures_that_render_as_png():
+    from ddp_tutorial.plots import NotebookFigure, grouped_bars, sampler_index_map
+
+    fig = sampler_index_map(
+        {"a": sampler_shards(9, 2, 2), "b": sampler_shards(9, 2, 2, drop_last=True)}, 9
+    )
+    assert isinstance(fig, NotebookFigure)
+    assert fig._repr_png_().startswith(b"\x89PNG")
+    rows = [{"w": w, "rank": r, "v": 1.0 + w + r} for w in (0, 2) for r in (0, 1)]
+    assert grouped_bars(rows, "w", "rank", "v")._repr_png_().startswith(b"\x89PNG")
+    with pytest.raises(ValueError):
+        grouped_bars([], "w", "rank", "v")

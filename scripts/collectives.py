@@ -1,0 +1,90 @@
+"""What torchrun gives each rank, and what the four collectives do to its tensors.
+
+Run it from the shell:
+
+    torchrun --standalone --nproc-per-node 2 scripts/collectives.py
+
+Each rank
+1. reports the environment contract torchrun prepared for it (MASTER_ADDR,
+   MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ...);
+2. joins the process group (``init_process_group(backend, timeout=...)``
+   inside ``ddp_tutorial.distributed.setup``) and runs all_reduce, broadcast,
+   all_gather and reduce once each, recording before/after;
+3. leaves the group (``destroy_process_group``) and records that it did.
+
+With ``--out DIR`` each rank writes ``DIR/rank{r}.json`` for the notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp_tutorial.collectives import run_collectives
+from ddp_tutorial.distributed import setup
+from ddp_tutorial.records import write_rank_record
+
+# The variables torchrun sets for every worker (the "environment contract").
+CONTRACT = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",  # index of this node (torchrun calls a node a "group")
+    "ROLE_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout, seconds")
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    return parser.parse_args()
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    # Read the contract *before* joining: this is all a rank knows about the job.
+    env = {name: os.environ.get(name) for name in CONTRACT}
+    info = setup(backend=args.backend, timeout_s=args.timeout)
+    try:
+        results = run_collectives(info.rank, info.world_size, info.device)
+        backend = dist.get_backend()
+    finally:
+        dist.destroy_process_group()  # always: frees sockets/communicators, no warning at exit
+    print(
+        f"rank {info.rank}/{info.world_size} local {info.local_rank}: backend {backend}, "
+        f"all_reduce(SUM) {results['all_reduce_sum']['before']} -> "
+        f"{results['all_reduce_sum']['after']}",
+        flush=True,
+    )
+    write_rank_record(
+        args.out,
+        {
+            "env": env,
+            "local_rank": info.local_rank,
+            "world_size": info.world_size,
+            "backend": backend,
+            "backend_reason": info.reason,
+            "device": str(info.device),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "collectives": results,
+            "initialized_after_destroy": dist.is_initialized(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

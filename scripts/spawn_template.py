@@ -1,0 +1,100 @@
+"""Starting ranks with ``torch.multiprocessing.spawn`` and a hand-set MASTER_ADDR/MASTER_PORT.
+
+This is how seed 001 starts its workers. Run it with plain python (no torchrun):
+
+    python scripts/spawn_template.py --nprocs 2
+
+``mp.spawn(fn, nprocs=N)`` forks N children and calls ``fn(index, *args)``
+in each; the child's rank is that ``index``. Nothing else is set for you:
+the parent must export MASTER_ADDR and MASTER_PORT itself (seed 001 also
+exports ``RANK='0'`` — which every child then inherits, so anything that
+reads RANK from the environment believes it is rank 0), and each child
+passes ``rank`` and ``world_size`` to ``init_process_group`` by hand.
+
+It works, for one node. What torchrun adds on top (lesson 01 compares them):
+a free port (``--standalone``), LOCAL_RANK/LOCAL_WORLD_SIZE and the rest of
+the environment contract, multi-node rendezvous, restarts, and a summary
+naming the rank that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ddp_tutorial.records import write_rank_record
+
+ENV_SEEN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (seed 001 hard-codes 29500: two jobs collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main_worker(index: int, world_size: int, out: str | None) -> None:
+    """Runs in every child. ``index`` (0..nprocs-1) is all mp.spawn tells it."""
+    env = {name: os.environ.get(name) for name in ENV_SEEN}
+    dist.init_process_group(
+        backend="gloo",  # CPU; seed 001 uses nccl + torch.cuda.set_device(index) on GPUs
+        init_method="env://",  # read MASTER_ADDR / MASTER_PORT from the environment
+        world_size=world_size,
+        rank=index,  # explicit: the inherited RANK='0' must not be used
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        value = torch.tensor([float(index)])
+        dist.all_reduce(value)
+        rank = dist.get_rank()
+        print(
+            f"spawned worker {index}: rank {rank}/{world_size}, env RANK={env['RANK']}, "
+            f"LOCAL_RANK={env['LOCAL_RANK']}, all_reduce sum {value.item():g}",
+            flush=True,
+        )
+        write_rank_record(
+            out,
+            {
+                "index": index,
+                "env": env,
+                "world_size": dist.get_world_size(),
+                "all_reduce_sum": value.item(),
+                "pid": os.getpid(),
+            },
+            rank=rank,
+        )
+    finally:
+        dist.destroy_process_group()  # seed 001 never calls it
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=2, help="processes to spawn")
+    parser.add_argument("--address", default="127.0.0.1", help="MASTER_ADDR")
+    parser.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: pick a free one)")
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    args = parser.parse_args()
+    if args.nprocs < 1:
+        parser.error("--nprocs must be >= 1")
+    # The hand-made part of the contract, exactly as seed 001 does it:
+    os.environ["MASTER_ADDR"] = args.address
+    os.environ["MASTER_PORT"] = str(args.port or free_port())
+    os.environ["WORLD_SIZE"] = str(args.nprocs)
+    os.environ["RANK"] = "0"  # seed 001's line: every child inherits it
+    print(
+        f"parent pid {os.getpid()}: MASTER_ADDR={os.environ['MASTER_ADDR']} "
+        f"MASTER_PORT={os.environ['MASTER_PORT']}",
+        flush=True,
+    )
+    mp.spawn(main_worker, args=(args.nprocs, args.out), nprocs=args.nprocs, join=True)
+
+
+if __name__ == "__main__":
+    main()
