@@ -1,0 +1,404 @@
+"""How fast is DDP here? One command, every configuration, the same model and data.
+
+    python scripts/benchmark.py --out runs/bench.json           # the full run
+    python scripts/benchmark.py --quick --out runs/quick.json   # small enough for tests
+
+It measures, after warm-up steps that are not counted:
+
+* ``plain_1thread`` / ``plain_all_cores``: a plain single-process loop;
+* ``ddp_world1``: the same loop under DDP with one rank — the wrapper's cost;
+* ``ddp_worldN``: N ranks (CPU: 2 × 1 thread; GPUs: one per GPU);
+* an all_reduce sweep (1 KB → 64 MB) fitted with the ring model
+  t ≈ α + 2(N−1)/N · S/B;
+* knobs on a larger model: ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+  ``static_graph``, ``find_unused_parameters``, ``no_sync`` accumulation,
+  DataLoader ``num_workers`` per rank, threads per rank;
+* the template (``scripts/train.py``, with its monitor, progress bar and
+  metrics) against the bare DDP loop on the same model.
+
+The script runs itself in worker roles (``--role plain`` in a subprocess,
+``--role ddp`` under torchrun) so that every configuration gets a fresh
+process with its own thread settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_tutorial import perf
+from ddp_tutorial.anatomy import CommCounter, counting_allreduce_hook
+from ddp_tutorial.data import SyntheticImages
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.models import MLP, build_model
+from ddp_tutorial.records import format_table, write_json
+
+HERE = Path(__file__).resolve()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (~1 min on CPU)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--model", default="cnn", help="throughput model (the template's default)")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    p.add_argument("--nproc", type=int, default=None, help="ranks for ddp_worldN")
+    p.add_argument("--knob-hidden", type=int, default=None, help="width of the knobs' MLP")
+    p.add_argument("--no-knobs", action="store_true")
+    p.add_argument("--no-template", action="store_true")
+    # worker roles (internal)
+    p.add_argument("--role", choices=["orchestrate", "plain", "ddp"], default="orchestrate")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (8 if args.quick else 40)
+    args.warmup = args.warmup or (2 if args.quick else 5)
+    args.knob_hidden = args.knob_hidden or (256 if args.quick else 1024)
+    return args
+
+
+def make_batches(args: argparse.Namespace, count: int, rank: int = 0) -> list[Any]:
+    """Pre-generated batches: loading stays out of the timed loop (but for num_workers)."""
+    data = SyntheticImages(count * args.batch_size * (rank + 1), args.image_size, 10)
+    out = []
+    for b in range(count):
+        idx = range((rank * count + b) * args.batch_size, (rank * count + b + 1) * args.batch_size)
+        idx = [i % len(data) for i in idx]
+        out.append(
+            (torch.stack([data[i][0] for i in idx]), torch.tensor([data[i][1] for i in idx]))
+        )
+    return out
+
+
+def new_model(args: argparse.Namespace, name: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "knob":
+        return MLP(3 * args.image_size**2, 10, hidden=args.knob_hidden)
+    return build_model(args.model, 10, args.image_size)
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+# --------------------------------------------------------------------------- roles
+
+
+def role_plain(args: argparse.Namespace) -> None:
+    """One process, no process group: the baseline."""
+    torch.set_num_threads(args.threads)
+    model = new_model(args)
+    batches = make_batches(args, 8)
+    times = perf.timed_loop(model, sgd(model), batches, args.steps, args.warmup)
+    result = perf.summarize_steps(times, args.batch_size)
+    write_json(args.result, {**result, "threads": torch.get_num_threads()})
+
+
+def ddp_throughput(
+    args: argparse.Namespace,
+    device: torch.device,
+    model_name: str | None = None,
+    accumulate: int = 1,
+    batches: Any = None,
+    **ddp_kwargs: Any,
+) -> dict[str, Any]:
+    """Time one DDP configuration; every rank gets the slowest rank's figures."""
+    model = new_model(args, model_name).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, **ddp_kwargs)
+    counter = CommCounter()
+    ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
+    batches = batches if batches is not None else make_batches(args, 8, dist.get_rank())
+    times = perf.timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device)
+    total = torch.tensor([sum(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)  # the job moves at the slowest rank's pace
+    world = dist.get_world_size()
+    samples = args.batch_size * accumulate * world * len(times)
+    summary = perf.summarize_steps(times, args.batch_size * accumulate * world)
+    summary["samples_per_sec"] = samples / total.item()
+    summary["allreduces_per_step"] = counter.calls / (args.steps + args.warmup)
+    return summary
+
+
+def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict[str, float]]:
+    """Median all_reduce time per message size, 1 KB to 64 MB (4 MB in quick mode)."""
+    top = 4 * 2**20 if args.quick else 64 * 2**20
+    sizes, size = [], 1024
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    world = dist.get_world_size()
+    rows = []
+    for size in sizes:
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        iters = max(3, min(30, 2**24 // size))  # many for small messages: they are noisy
+        times = []
+        for i in range(iters + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        t = torch.tensor([perf.percentile(times, 50)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds = t.item()
+        rows.append(
+            {
+                "bytes": size,
+                "seconds": seconds,
+                "busbw_GBps": perf.bus_bandwidth(size, seconds, world) / 1e9,
+            }
+        )
+    return rows
+
+
+def knobs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Each DDP knob on the same (larger) model, one configuration at a time."""
+    rank = dist.get_rank()
+    batches = make_batches(args, 8, rank)
+    rows = []
+
+    def run(name: str, **kw: Any) -> None:
+        r = ddp_throughput(args, device, "knob", batches=batches, **kw)
+        rows.append({"knob": name, **r})
+
+    run("baseline (bucket_cap_mb=25)")
+    run("bucket_cap_mb=1", bucket_cap_mb=1)
+    run("bucket_cap_mb=100", bucket_cap_mb=100)
+    run("gradient_as_bucket_view", gradient_as_bucket_view=True)
+    run("static_graph", static_graph=True)
+    run("find_unused_parameters (not needed)", find_unused_parameters=True)
+    run("no_sync: 4 micro-batches per step", accumulate=4)
+    # DataLoader workers per rank: generation cost is now inside the timed loop.
+    world = dist.get_world_size()
+    need = (args.steps + args.warmup + 2) * args.batch_size * world
+    data = SyntheticImages(need, args.image_size, 10)
+    sampler = DistributedSampler(data, shuffle=False)
+    for workers in (0, 1, 2):
+
+        def loader(w: int = workers) -> DataLoader:
+            return DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=w)
+
+        r = ddp_throughput(args, device, "knob", batches=loader)
+        rows.append({"knob": f"num_workers={workers} per rank", **r})
+    if device.type == "cpu":
+        before = torch.get_num_threads()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            r = ddp_throughput(args, device, "knob", batches=batches)
+            rows.append({"knob": f"{threads} thread(s) per rank", **r})
+        torch.set_num_threads(before)
+    return rows
+
+
+def template_loader(args: argparse.Namespace) -> Any:
+    """The template's input pipeline (SyntheticImages, DistributedSampler, no workers)."""
+    need = (args.steps + args.warmup + 2) * args.batch_size * dist.get_world_size()
+    data = SyntheticImages(need, args.image_size, 10)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    return lambda: DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+
+def role_ddp(args: argparse.Namespace) -> None:
+    """Under torchrun: the bare DDP loop, then (with --extras) the sweep and the knobs."""
+    with process_group() as info:
+        torch.set_num_threads(args.threads)
+        result: dict[str, Any] = {
+            **ddp_throughput(args, info.device),
+            "backend": info.backend,
+            "device": str(info.device),
+            "world_size": info.world_size,
+            "threads_per_rank": torch.get_num_threads(),
+        }
+        if args.extras:
+            # The same loop fed by a DataLoader, as the template is: its fair baseline.
+            result["with_loader"] = ddp_throughput(args, info.device, batches=template_loader(args))
+            result["allreduce"] = allreduce_sweep(args, info.device)
+            if not args.no_knobs:
+                result["knobs"] = knobs(args, info.device)
+        if info.is_main:
+            write_json(args.result, result)
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _common(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model", args.model, "--image-size", str(args.image_size),
+        "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--knob-hidden", str(args.knob_hidden),
+    ] + (["--quick"] if args.quick else []) + (["--no-knobs"] if args.no_knobs else [])  # fmt: skip
+
+
+def run_plain(args: argparse.Namespace, threads: int, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"plain{threads}.json"
+    cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", str(threads)]
+    subprocess.run(cmd + _common(args) + ["--result", str(out)], check=True, timeout=1800)
+    return json.loads(out.read_text())
+
+
+def run_ddp(args: argparse.Namespace, nproc: int, tmp: Path, extras: bool) -> dict[str, Any]:
+    from ddp_tutorial.launch import torchrun
+
+    out = tmp / f"ddp{nproc}.json"
+    extra = ["--extras"] if extras else []
+    run_dir = tmp / f"ddp{nproc}"
+    torchrun(HERE, "--role", "ddp", "--threads", "1", *_common(args), *extra, "--result", out,
+             nproc=nproc, run_dir=run_dir, out_flag=None, echo=False, timeout=1800)  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, Any]:
+    """scripts/train.py with its monitor, bar and metrics, on the same model and batch."""
+    from ddp_tutorial.launch import torchrun
+
+    steps = args.steps + args.warmup
+    samples = steps * args.batch_size * nproc
+    run_dir = tmp / "template"
+    torchrun(HERE.parent / "train.py", "--model", args.model, "--image-size", args.image_size,
+             "--batch-size", args.batch_size, "--num-samples", samples, "--num-val", 64,
+             "--epochs", 1, nproc=nproc, run_dir=run_dir, monitor=True, echo=False,
+             timeout=1800)  # fmt: skip
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {"samples_per_sec": metrics["samples_per_sec"], "steps": metrics["steps"]}
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    from ddp_tutorial.launch import default_nproc
+
+    n = args.nproc or default_nproc()
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "
+              f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)  # fmt: skip
+        plain_1 = run_plain(args, 1, tmp)
+        plain_all = run_plain(args, cores(), tmp)
+        world1 = run_ddp(args, 1, tmp, extras=False)
+        world_n = run_ddp(args, n, tmp, extras=True)
+        template = None if args.no_template else run_template(args, n, tmp)
+    result: dict[str, Any] = {
+        "plain_1thread": plain_1,
+        "plain_all_cores": plain_all,
+        "ddp_world1": {k: v for k, v in world1.items() if k not in {"allreduce", "knobs"}},
+        f"ddp_world{n}": {
+            k: v for k, v in world_n.items() if k not in {"allreduce", "knobs", "with_loader"}
+        },
+        "world_size": n,
+        **perf.derive(
+            plain_1["samples_per_sec"],
+            plain_all["samples_per_sec"],
+            world1["samples_per_sec"],
+            world_n["samples_per_sec"],
+            n,
+        ),
+        "allreduce": world_n["allreduce"],
+        "knobs": world_n.get("knobs", []),
+        "machine": {
+            "cores": cores(),
+            "threads_per_rank": world_n["threads_per_rank"],
+            "torch": torch.__version__,
+            "backend": world_n["backend"],
+            "device": world_n["device"],
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "model",
+                "image_size",
+                "batch_size",
+                "steps",
+                "warmup",
+                "knob_hidden",
+                "quick",
+            )
+        },  # fmt: skip
+    }
+    if n > 1:
+        sweep = result["allreduce"]
+        fit = perf.fit_ring_model([r["bytes"] for r in sweep], [r["seconds"] for r in sweep], n)
+        result["ring_fit"] = fit
+    if template is not None:
+        bare = world_n["with_loader"]["samples_per_sec"]
+        result["template"] = {
+            **template,
+            "bare_loop_samples_per_sec": bare,
+            "overhead": bare / template["samples_per_sec"] - 1,
+        }
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    n = result["world_size"]
+    rows = []
+    for key in ("plain_1thread", "plain_all_cores", "ddp_world1", f"ddp_world{n}"):
+        r = result[key]
+        rows.append({"config": key, "samples/s": r["samples_per_sec"], "p50 ms": r["step_ms_p50"],
+                     "p90 ms": r["step_ms_p90"]})  # fmt: skip
+    lines = [format_table(rows), ""]
+    lines.append(f"ddp_overhead         {result['ddp_overhead']:+.1%}")
+    lines.append(f"scaling_efficiency   {result['scaling_efficiency']:.2f}")
+    lines.append(f"speedup_vs_all_cores {result['speedup_vs_all_cores']:.2f}")
+    if "template" in result:
+        lines.append(f"template overhead    {result['template']['overhead']:+.1%}")
+    if "ring_fit" in result:
+        fit = result["ring_fit"]
+        lines.append(
+            f"ring model fit       alpha {fit['alpha_s'] * 1e6:.0f} us, "
+            f"B {fit['bandwidth_Bps'] / 1e9:.2f} GB/s, worst error {fit['max_rel_error']:.0%}"
+        )
+    if result["knobs"]:
+        lines += ["", format_table([
+            {"knob": k["knob"], "samples/s": k["samples_per_sec"], "p50 ms": k["step_ms_p50"],
+             "all_reduces/step": k["allreduces_per_step"]} for k in result["knobs"]])]  # fmt: skip
+    m = result["machine"]
+    lines += ["", f"machine: {m['cores']} cores, {m['threads_per_rank']} thread(s)/rank, "
+              f"torch {m['torch']}, {m['backend']} on {m['device']}"]  # fmt: skip
+    return "\n".join(lines)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.role == "plain":
+        return role_plain(args)
+    if args.role == "ddp":
+        return role_ddp(args)
+    result = orchestrate(args)
+    print(report(result))
+    if args.out:
+        write_json(args.out, result)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
