@@ -14,6 +14,11 @@ directory. Three things make this safe to use from a kernel:
   (``@record``) turn a failure into an error that names the rank, its exit
   code or signal, and the tail of its traceback;
 * bad input (a missing script, ``nproc < 1``) is refused before anything starts.
+
+:func:`torchrun` runs one launch and waits; :func:`start` returns a running
+:class:`Launch` at once; :func:`multinode` runs N torchrun "nodes" of one job
+at the same time on this machine (``--nnodes``/``--node-rank``, a c10d
+rendezvous on 127.0.0.1), as the multi-node lessons need.
 """
 
 from __future__ import annotations

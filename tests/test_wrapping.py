@@ -14,7 +14,7 @@ import torch
 
 from conftest import SCRIPTS, gpu_count, processes_running
 from ddp_tutorial.anatomy import shard, train_single, tutorial_series_run
-from ddp_tutorial.launch import LaunchError, multinode, start, torchrun
+from ddp_tutorial.launch import LaunchError, multinode, shell_command, start, torchrun
 
 STEPS, BATCH, LR, SEED = 5, 32, 0.1, 100
 
@@ -138,6 +138,7 @@ def test_two_nodes_local_rank_is_not_rank(tmp_path):
         SCRIPTS / "device_report.py", "--gpus-per-node", 2,
         nnodes=2, nproc_per_node=2, run_dir=tmp_path, echo=False, timeout=120,
         env={"DDP_TUTORIAL_BACKEND": "gloo"},
+        node_env=[{"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}],
     )  # fmt: skip
     assert len(results) == 2 and all(r.ok for r in results)
     rows = sorted((rec for r in results for rec in r.records), key=lambda rec: rec["rank"])
@@ -152,6 +153,9 @@ def test_two_nodes_local_rank_is_not_rank(tmp_path):
         assert row["seed_000_device"] == f"cuda:{row['rank']}"
     assert [r["seed_000_outcome"] for r in rows[2:]] == ["no such GPU (node has 2)"] * 2
     assert "--node-rank" in results[1].command and "c10d" in results[1].command
+    for value, result in zip(("", "-1"), results, strict=True):  # node_env reaches its node only
+        assert {rec["cuda_visible_devices"] for rec in result.records} == {value}
+    assert (tmp_path / "node0").is_dir() and (tmp_path / "node1").is_dir()
 
 
 FAILS_ON_NODE_1 = """
@@ -188,6 +192,13 @@ def test_multinode_bad_input():
         multinode(SCRIPTS / "hello.py", nnodes=0)
     with pytest.raises(ValueError, match="node_env needs 2 entries"):
         multinode(SCRIPTS / "hello.py", nnodes=2, node_env=[{}])
+
+
+def test_shell_command_is_what_a_user_types():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--log-dir", "runs/x/logs", "--tee", "3",
+           "s.py", "--lr", "1", "--out", "runs/x"]  # fmt: skip
+    assert shell_command(cmd) == "torchrun --nproc-per-node 2 s.py --lr 1"
 
 
 def test_start_returns_before_the_launch_ends(tmp_path):
