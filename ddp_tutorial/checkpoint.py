@@ -1,0 +1,647 @@
+"""Checkpoints that survive DDP: one atomic writer, safe loading, exact resume.
+
+Three things go wrong when every rank of a DDP job calls ``torch.save``:
+
+* **Concurrent writers.** Every rank (or, with seed 000's ``local_rank == 0``
+  guard, one rank per node) opens the same path on a shared disk and writes it
+  at the same time. The file that is left can interleave bytes from different
+  writers: a load fails (``PytorchStreamReader failed …``, seed 000's
+  "storage has wrong size") or, worse, silently returns a mix of two states.
+* **Crashes mid-save.** ``torch.save(obj, path)`` truncates ``path`` first and
+  then writes it; a process killed in between leaves neither the old nor the
+  new checkpoint, only a file cut short.
+* **Unsafe loading.** ``torch.load`` unpickles, and unpickling can run any
+  code the file names. ``weights_only=True`` only rebuilds tensors and plain
+  Python values, so checkpoints must contain nothing else.
+
+This module is what every script in the course uses:
+
+* :func:`save_checkpoint` — call it on **every** rank; only global rank 0
+  writes, atomically (temp file in the same directory, flush + fsync,
+  ``os.replace``, fsync of the directory), then all ranks wait for rank 0, so
+  no rank reads early and the last good checkpoint is never replaced by a
+  partial one. A failure on rank 0 is raised on every rank, not left as a hang.
+* :func:`load_checkpoint` — ``weights_only=True`` and ``map_location``;
+  every problem becomes a :class:`CheckpointError` that names the file and says
+  what is wrong (missing, truncated/corrupt, an object ``weights_only`` refuses).
+* :func:`load_model_state` — strips ``module.`` (DDP/DataParallel) and
+  ``_orig_mod.`` (``torch.compile``) with torch's
+  ``consume_prefix_in_state_dict_if_present`` and checks keys strictly,
+  listing missing/unexpected keys and shape mismatches.
+* :func:`training_state` / :func:`restore_training_state` — everything an
+  exact resume needs: model, optimizer, AMP scaler, epoch, step, position in
+  the epoch, the sampler's epoch and every rank's RNG states.
+
+A training-state checkpoint is a plain dict (format :data:`FORMAT_VERSION`)::
+
+    {"format": 1, "model": {...}, "optimizer": {...}, "scaler": {...} | None,
+     "epoch": int,            # the epoch to run next (or the one in progress)
+     "step": int,             # optimizer steps done in total
+     "batch_in_epoch": int,   # batches of `epoch` already consumed (0 at an epoch boundary)
+     "sampler_epoch": int,    # the value passed to sampler.set_epoch
+     "world_size": int, "rng": [per-rank capture_rng_state()], "extra": {...}}
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import uuid
+import zipfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+FORMAT_VERSION = 1
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""Prefixes added by wrappers: DDP/DataParallel ``module.``, ``torch.compile`` ``_orig_mod.``."""
+
+SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)\.pt$")
+TEMP_SUFFIX = ".tmp"
+
+PathLike = str | os.PathLike[str]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file and the problem."""
+
+
+# --------------------------------------------------------------------------- plain types
+
+
+_PLAIN_SCALARS = (str, int, float, bool, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def find_unsafe(obj: Any, where: str = "state") -> list[str]:
+    """Where ``obj`` holds something other than tensors and plain Python values.
+
+    ``torch.load(..., weights_only=True)`` rebuilds only tensors, dicts, lists,
+    tuples, sets and scalars; anything else (an ``argparse.Namespace``, a
+    dataclass, a numpy array, a model object) is refused at load time. Checking
+    before saving turns a resume that fails weeks later into an error now.
+    Returns ``["state['args'] is argparse.Namespace", ...]`` (empty when safe).
+    """
+    problems: list[str] = []
+    # Exact types: np.float64 is a float subclass, yet weights_only refuses it.
+    if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN_SCALARS:
+        return problems
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            if not isinstance(key, str | int | float | bool | type(None)):
+                problems.append(f"{where} has a key of type {type(key).__qualname__}")
+            problems += find_unsafe(value, f"{where}[{key!r}]")
+        return problems
+    if type(obj) in (list, tuple, set, frozenset):
+        for i, value in enumerate(obj):
+            problems += find_unsafe(value, f"{where}[{i}]")
+        return problems
+    cls = type(obj)
+    problems.append(f"{where} is {cls.__module__}.{cls.__qualname__}")
+    return problems
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms/filesystems cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: PathLike) -> Path:
+    """A unique temporary name next to ``path`` (same directory: ``os.replace`` stays atomic).
+
+    Hidden (leading dot) and ending in ``.tmp`` so that :func:`latest_snapshot`
+    never picks it up; the pid in the name tells whose it was.
+    """
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+
+
+def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
+    """Write ``obj`` to ``path`` so that ``path`` is always the old or the new file, never half.
+
+    The bytes go to a temp file in the same directory; after ``flush`` +
+    ``fsync`` it is renamed over ``path`` with ``os.replace`` (atomic on POSIX
+    and Windows within one filesystem) and the directory is fsynced so the
+    rename survives a power cut. A process killed at any point leaves the
+    previous ``path`` untouched (and at worst a stale temp file).
+    This is the single-process primitive; in a job use :func:`save_checkpoint`.
+    """
+    path = Path(path)
+    if check_plain:
+        problems = find_unsafe(obj)
+        if problems:
+            raise CheckpointError(
+                f"refusing to save {path}: it must hold only tensors and plain Python values "
+                f"(so that torch.load(weights_only=True) can read it back), but "
+                + "; ".join(problems[:5])
+                + ". Save the object's state instead (e.g. vars(args), model.state_dict())."
+            )
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(path)
+    # O_EXCL: never write into someone else's file; 0o666 & ~umask like a normal open().
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def _group_active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Path:
+    """Save ``state`` to ``path`` from global rank 0, atomically; a collective in a job.
+
+    Call it on **every** rank (like a barrier): rank 0 writes with
+    :func:`atomic_save`, the others wait until the file is in place, so a
+    rank that loads right after never sees an old or half-written file. Not
+    ``local_rank == 0``: that is one writer per node, and nodes sharing a
+    disk would still write the same file at once. If rank 0 fails to write,
+    every rank raises :class:`CheckpointError` instead of waiting forever.
+    Other ranks may pass ``state=None`` (it is ignored there).
+    Without a process group (one process) it is just :func:`atomic_save`.
+    """
+    path = Path(path)
+    if not _group_active():
+        return atomic_save(state, path, check_plain)
+    error: str | None = None
+    if dist.get_rank() == 0:
+        try:
+            atomic_save(state, path, check_plain)
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            error = f"{type(exc).__name__}: {exc}"
+            failure = exc
+    # The broadcast is the barrier: ranks != 0 block until rank 0 has renamed the file.
+    message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        if dist.get_rank() == 0:
+            raise failure
+        raise CheckpointError(f"rank 0 failed to save {path}: {message[0]}")
+    return path
+
+
+def is_save_epoch(epoch: int, epochs: int, every: int) -> bool:
+    """Should the end of 0-based ``epoch`` (of ``epochs``) be saved, saving every ``every``?
+
+    Seed 001 saves when ``epoch % save_epoch == 0 and epoch != 0``: with 100
+    epochs and ``save_epoch=10`` it saves after epochs 10, 20, … 90 (0-based,
+    so after 11, 21, … 91 epochs of training) and **never** the last nine:
+    the final model is lost. Count finished epochs instead, and always save
+    the last one.
+    """
+    if every < 1:
+        raise ValueError(f"save interval must be >= 1 epoch, got {every}")
+    if not 0 <= epoch < epochs:
+        raise ValueError(f"epoch {epoch} is outside 0..{epochs - 1}")
+    done = epoch + 1
+    return done % every == 0 or done == epochs
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _refused_global(message: str) -> str | None:
+    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message)
+    if match:
+        return match.group(1)
+    match = re.search(r"Unsupported operand \d+|Unsupported class ([\w.]+)", message)
+    return match.group(0) if match else None
+
+
+def load_checkpoint(
+    path: PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+) -> Any:
+    """Load a checkpoint safely: ``weights_only=True``, tensors placed by ``map_location``.
+
+    ``map_location``: ``"cpu"`` (default: load anywhere, move later), this
+    rank's device (``info.device``), a dict such as ``{"cuda:0": "cuda:1"}``
+    (seed 001: a file written by rank 0 opened on rank 1's GPU), or a callable.
+    Every failure is a :class:`CheckpointError` naming the file and the problem.
+    """
+    path = Path(path)
+    if not path.exists():
+        hint = ""
+        if path.parent.is_dir():
+            others = sorted(p.name for p in path.parent.glob("*.pt"))[:8]
+            hint = f" Checkpoints in {path.parent}: {', '.join(others)}." if others else ""
+        elif not path.parent.exists():
+            hint = f" (the directory {path.parent} does not exist either)"
+        raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+    size = path.stat().st_size
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "Weights only load failed" in text:
+            what = _refused_global(text) or "an object that is not a tensor or a plain value"
+            raise CheckpointError(
+                f"checkpoint {path} holds {what}, which torch.load(weights_only=True) refuses "
+                f"to rebuild. That refusal is a security feature: unpickling an arbitrary "
+                f"object can run any code its author chose, so a downloaded or shared "
+                f"checkpoint must never be loaded with weights_only=False unless you trust "
+                f"whoever wrote it. Keep checkpoints to tensors and plain types (dicts, lists, "
+                f"numbers, strings); if this file is your own, re-save it that way."
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {path} ({size} bytes) is corrupt: {_first_line(text)}"
+        ) from None
+    except EOFError:
+        raise CheckpointError(
+            f"checkpoint {path} is empty ({size} bytes): the writer was killed right after "
+            f"opening it, or it is still being written by another process"
+        ) from None
+    except (RuntimeError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        text = str(exc)
+        if "Attempting to deserialize object on a CUDA device" in text or (
+            "CUDA" in text and "is_available" in text
+        ):
+            raise CheckpointError(
+                f"checkpoint {path} holds tensors saved on a GPU and this process has no CUDA "
+                f"device for them: load it with map_location='cpu' (or this rank's device). "
+                f"torch says: {_first_line(text)}"
+            ) from None
+        if "legacy .tar format" in text:
+            raise CheckpointError(
+                f"checkpoint {path} uses the legacy (pre-1.6) tar format, which "
+                f"weights_only=True cannot read; re-save it with a current torch.save"
+            ) from None
+        if (
+            "PytorchStreamReader" in text
+            or "does not match expected size" in text
+            or isinstance(exc, KeyError | zipfile.BadZipFile)
+        ):
+            raise CheckpointError(
+                f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a "
+                f"process killed while writing it, or several processes writing it at once "
+                f"(save from global rank 0 only, atomically). torch says: "
+                f"{_first_line(text) or type(exc).__name__}"
+            ) from None
+        raise CheckpointError(f"cannot load checkpoint {path}: {_first_line(text)}") from None
+    except PermissionError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
+    except OSError as exc:  # e.g. EINVAL when the zip index points past the end of a cut file
+        raise CheckpointError(
+            f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a process "
+            f"killed while writing it, or several processes writing it at once. "
+            f"torch says: {exc}"
+        ) from None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unwrapped model's ``state_dict()``: keys without ``module.``/``_orig_mod.``.
+
+    What to save: it loads into a plain model on any machine, with or without DDP.
+    """
+    return unwrap_model(model).state_dict()
+
+
+def strip_prefixes(
+    state_dict: Mapping[str, Any], prefixes: tuple[str, ...] = WRAPPER_PREFIXES
+) -> OrderedDict[str, Any]:
+    """A copy of ``state_dict`` with wrapper prefixes removed, only where *every* key has one.
+
+    Uses torch's ``consume_prefix_in_state_dict_if_present``, which — unlike
+    seed 002's ``k[7:]`` — leaves a state_dict without the prefix alone
+    instead of cutting seven characters off every key. Repeated until no
+    prefix is left (a compiled model inside DDP gives ``module._orig_mod.``).
+    """
+    result: OrderedDict[str, Any] = OrderedDict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        result._metadata = metadata.copy()  # type: ignore[attr-defined]
+    changed = True
+    while changed and result:
+        changed = False
+        for prefix in prefixes:
+            if all(str(k).startswith(prefix) for k in result):
+                consume_prefix_in_state_dict_if_present(result, prefix)
+                changed = True
+    return result
+
+
+def _looks_like_state_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def describe_mismatch(
+    model: nn.Module, state_dict: Mapping[str, Any], limit: int = 10
+) -> tuple[list[str], list[str], list[str]]:
+    """``(missing, unexpected, shape_mismatches)`` between a model and a state_dict."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+        for k, v in state_dict.items()
+        if k in expected
+        and isinstance(v, torch.Tensor)
+        and tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    return missing, unexpected, shapes
+
+
+def _listing(label: str, items: list[str], limit: int = 8) -> str:
+    more = f" … and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{label} ({len(items)}): {', '.join(items[:limit])}{more}"
+
+
+def load_model_state(
+    model: nn.Module,
+    source: PathLike | Mapping[str, Any],
+    strict: bool = True,
+    map_location: Any = "cpu",
+    key: str = "model",
+) -> tuple[list[str], list[str]]:
+    """Load weights into ``model`` from a file or a dict; returns ``(missing, unexpected)``.
+
+    ``source``: a path or an already-loaded object — a bare ``state_dict`` or
+    a training state holding one under ``key`` ("model"). Wrapper prefixes are
+    stripped (:func:`strip_prefixes`) and ``model`` may itself be wrapped
+    (weights go into the unwrapped module). With ``strict`` (default) any
+    missing/unexpected key or shape mismatch raises :class:`CheckpointError`
+    listing them: usually a checkpoint of another architecture.
+    """
+    name = str(source) if isinstance(source, str | os.PathLike) else "the given state"
+    obj = (
+        load_checkpoint(source, map_location=map_location)
+        if isinstance(source, str | os.PathLike)
+        else source
+    )
+    if isinstance(obj, Mapping) and key in obj and isinstance(obj[key], Mapping):
+        obj = obj[key]
+    if not _looks_like_state_dict(obj):
+        kind = type(obj).__qualname__
+        keys = list(obj)[:8] if isinstance(obj, Mapping) else []
+        raise CheckpointError(
+            f"{name} is not a model state_dict (got {kind}"
+            + (f" with keys {keys}" if keys else "")
+            + f"); expected a dict of tensors, or a training state with one under {key!r}"
+        )
+    state_dict = strip_prefixes(obj)
+    target = unwrap_model(model)
+    missing, unexpected, shapes = describe_mismatch(target, state_dict)
+    if shapes or (strict and (missing or unexpected)):
+        parts = [f"{name} does not fit {type(target).__name__}"]
+        if missing:
+            parts.append(_listing("missing keys", missing))
+        if unexpected:
+            parts.append(_listing("unexpected keys", unexpected))
+        if shapes:
+            parts.append(_listing("shape mismatches", shapes))
+        parts.append("Is it a checkpoint of another architecture or configuration?")
+        raise CheckpointError("; ".join(parts[:-1]) + ". " + parts[-1])
+    target.load_state_dict(state_dict, strict=strict)
+    return missing, unexpected
+
+
+# --------------------------------------------------------------------------- RNG states
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random number generator states, as tensors and plain values.
+
+    torch (CPU), every CUDA device when CUDA is initialised, Python's
+    ``random`` and numpy's global generator (when numpy is installed). Noise
+    augmentation, dropout and DataLoader worker seeds all draw from these: an
+    exact resume must put them back.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {
+        "kind": str(kind),
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture_rng_state` captured (the inverse, exactly)."""
+    try:
+        torch.set_rng_state(state["torch"].cpu())
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"not an RNG state from capture_rng_state(): {exc}") from None
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise CheckpointError(
+                f"RNG state holds {len(cuda)} CUDA generator(s) but this process sees "
+                f"{torch.cuda.device_count()} device(s): resume with the same GPUs visible"
+            )
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+    numpy_state = state.get("numpy")
+    if numpy_state is not None:
+        import numpy as np
+
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's :func:`capture_rng_state`, indexed by rank (a collective in a job).
+
+    Rank 0 writes the checkpoint, but each rank's generators are different
+    (different dropout masks, noise): all of them must be saved for an exact
+    resume. Without a process group: a list of one.
+    """
+    mine = capture_rng_state()
+    if not _group_active() or dist.get_world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return [
+        {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states
+    ]
+
+
+# --------------------------------------------------------------------------- training state
+
+
+def training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    epoch: int,
+    step: int,
+    batch_in_epoch: int = 0,
+    sampler_epoch: int | None = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything needed to continue training exactly; a collective (gathers RNG states).
+
+    Call on every rank, then pass the result to :func:`save_checkpoint`.
+    ``epoch`` is the epoch to run next, or the one in progress with
+    ``batch_in_epoch`` batches of it already done (a mid-epoch snapshot).
+    """
+    world_size = dist.get_world_size() if _group_active() else 1
+    return {
+        "format": FORMAT_VERSION,
+        "model": model_state(model),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "epoch": int(epoch),
+        "step": int(step),
+        "batch_in_epoch": int(batch_in_epoch),
+        "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
+        "world_size": world_size,
+        "rng": gather_rng_states(),
+        "extra": dict(extra or {}),
+    }
+
+
+def restore_training_state(
+    state: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    restore_rng: bool = True,
+) -> dict[str, int]:
+    """Load a :func:`training_state` back; returns its epoch/step/batch_in_epoch/sampler_epoch.
+
+    This rank gets its own RNG state back; with a different world size that
+    is impossible and :class:`CheckpointError` says so (pass
+    ``restore_rng=False`` to continue with fresh random streams, not exactly).
+    """
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"not a training state of format {FORMAT_VERSION} "
+            f"(keys: {list(state)[:8] if isinstance(state, Mapping) else type(state).__name__})"
+        )
+    load_model_state(model, state, strict=True)
+    if optimizer is not None:
+        if state.get("optimizer") is None:
+            raise CheckpointError("the training state holds no optimizer state")
+        optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    if restore_rng:
+        rank = dist.get_rank() if _group_active() else 0
+        world_size = dist.get_world_size() if _group_active() else 1
+        rngs = state["rng"]
+        if len(rngs) != world_size:
+            raise CheckpointError(
+                f"the checkpoint holds RNG states of {len(rngs)} rank(s) but this job has "
+                f"{world_size}: an exact resume needs the same world size "
+                f"(or pass restore_rng=False)"
+            )
+        restore_rng_state(rngs[rank])
+    return {k: int(state[k]) for k in ("epoch", "step", "batch_in_epoch", "sampler_epoch")}
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def snapshot_path(directory: PathLike, step: int) -> Path:
+    """``directory/snapshot-000000123.pt``: zero-padded so names sort like steps."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return Path(directory) / f"snapshot-{step:09d}.pt"
+
+
+def list_snapshots(directory: PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every snapshot in ``directory``, oldest first (temp files ignored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        match = SNAPSHOT_PATTERN.match(p.name)
+        if match and p.is_file():
+            found.append((int(match.group(1)), p))
+    return sorted(found)
+
+
+def latest_snapshot(directory: PathLike) -> Path | None:
+    """The snapshot with the highest step in ``directory``, or None (nothing to resume)."""
+    snapshots = list_snapshots(directory)
+    return snapshots[-1][1] if snapshots else None
+
+
+def prune_snapshots(directory: PathLike, keep: int = 2) -> list[Path]:
+    """Delete all but the newest ``keep`` snapshots (call on rank 0); returns what was removed."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    removed = []
+    for _, path in list_snapshots(directory)[:-keep]:
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def stale_temp_files(directory: PathLike) -> list[Path]:
+    """Temp files left by a writer that died mid-save (safe to delete when no save runs)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)
+    )

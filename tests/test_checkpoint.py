@@ -1,0 +1,439 @@
+"""ddp_tutorial.checkpoint with real files, real SIGKILLs and real gloo ranks under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import SCRIPTS
+from ddp_tutorial.checkpoint import (
+    CheckpointError,
+    atomic_save,
+    capture_rng_state,
+    find_unsafe,
+    is_save_epoch,
+    latest_snapshot,
+    list_snapshots,
+    load_checkpoint,
+    load_model_state,
+    model_state,
+    prune_snapshots,
+    restore_rng_state,
+    restore_training_state,
+    save_checkpoint,
+    snapshot_path,
+    stale_temp_files,
+    strip_prefixes,
+    temp_path_for,
+    training_state,
+    unwrap_model,
+)
+from ddp_tutorial.launch import LaunchError, torchrun
+from ddp_tutorial.models import MLP
+
+
+def small_model(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(8, 3, hidden=16)
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------- atomic save
+
+
+def test_atomic_save_round_trip_leaves_no_temp_file(tmp_path):
+    path = atomic_save({"model": small_model().state_dict(), "epoch": 3}, tmp_path / "a" / "c.pt")
+    assert path == tmp_path / "a" / "c.pt"
+    loaded = load_checkpoint(path)
+    assert loaded["epoch"] == 3 and set(loaded["model"]) == set(small_model().state_dict())
+    assert os.listdir(path.parent) == ["c.pt"], "the temp file was renamed, not left behind"
+
+
+def test_atomic_save_respects_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = atomic_save({"x": 1}, tmp_path / "c.pt")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644, "readable by the group, like torch.save's file"
+
+
+def test_atomic_save_replaces_and_a_failed_save_keeps_the_old_file(tmp_path):
+    path = atomic_save({"version": 1}, tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match="argparse.Namespace"):
+        atomic_save({"version": 2, "args": argparse.Namespace(lr=0.1)}, path)
+    assert load_checkpoint(path)["version"] == 1
+    assert stale_temp_files(tmp_path) == []
+    atomic_save({"version": 3}, path)
+    assert load_checkpoint(path)["version"] == 3
+
+
+def test_save_checkpoint_without_process_group_is_atomic_save(tmp_path):
+    path = save_checkpoint(tmp_path / "c.pt", {"step": 7})
+    assert load_checkpoint(path) == {"step": 7}
+
+
+def test_find_unsafe_names_the_offending_entries():
+    state = {
+        "model": OrderedDict(w=torch.zeros(2)),
+        "args": argparse.Namespace(a=1),
+        "hist": [1.0, np.float64(2.0)],
+        "ok": (1, "x", None, torch.float32, torch.Size([2]), torch.device("cpu")),
+    }
+    problems = find_unsafe(state)
+    assert problems == [
+        "state['args'] is argparse.Namespace",
+        "state['hist'][1] is numpy.float64",
+    ]
+
+
+def test_temp_path_is_hidden_and_in_the_same_directory(tmp_path):
+    tmp = temp_path_for(tmp_path / "c.pt")
+    assert tmp.parent == tmp_path and tmp.name.startswith(".c.pt.") and tmp.name.endswith(".tmp")
+
+
+# --------------------------------------------------------------------------- clear errors
+
+
+def test_missing_file(tmp_path):
+    atomic_save({}, tmp_path / "epoch_1.pt")
+    with pytest.raises(CheckpointError, match=r"epoch_9\.pt does not exist.*epoch_1\.pt"):
+        load_checkpoint(tmp_path / "epoch_9.pt")
+    with pytest.raises(CheckpointError, match="does not exist either"):
+        load_checkpoint(tmp_path / "nowhere" / "c.pt")
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0, 10, 0.5, -30])
+def test_truncated_file(tmp_path, keep):
+    good = atomic_save({"model": small_model().state_dict()}, tmp_path / "good.pt")
+    data = good.read_bytes()
+    n = (
+        int(len(data) * keep)
+        if isinstance(keep, float)
+        else keep
+        if keep >= 0
+        else len(data) + keep
+    )
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[:n])
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(cut)
+    message = str(info.value)
+    assert str(cut) in message
+    assert "empty" in message if n == 0 else "truncated or corrupt" in message
+    assert "\n" not in message.split("torch says:")[-1], "one line, not a traceback"
+
+
+def test_garbage_file_and_legacy_format(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all " * 20)
+    with pytest.raises(CheckpointError, match="garbage.pt"):
+        load_checkpoint(garbage)
+    legacy = tmp_path / "legacy.pt"  # the pre-1.6 format: current torch reads it safely
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(legacy)["w"], torch.ones(2))
+
+
+class Payload:
+    """Unpickling this runs ``io.open(marker, "w")`` — any call could be made instead."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (io.open, (self.marker, "w"))
+
+
+def test_weights_only_refuses_code_and_says_why(tmp_path):
+    marker = tmp_path / "payload-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": Payload(str(marker))}, evil)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(evil)
+    message = str(info.value)
+    assert "evil.pt" in message and "io.open" in message and "security feature" in message
+    assert not marker.exists(), "nothing from the file ran"
+    torch.load(evil, weights_only=False)["x"].close()
+    assert marker.exists(), "the unsafe load does run it (why weights_only matters)"
+
+
+def test_weights_only_refuses_namespace_saved_by_plain_torch_save(tmp_path):
+    path = tmp_path / "seed.pt"
+    torch.save({"state_dict": {}, "args": argparse.Namespace(lr=1)}, path)
+    with pytest.raises(CheckpointError, match=r"argparse\.Namespace.*weights_only"):
+        load_checkpoint(path)
+
+
+# --------------------------------------------------------------------------- prefixes and keys
+
+
+def test_prefixes_module_orig_mod_and_both(tmp_path):
+    reference = small_model(1)
+    plain = reference.state_dict()
+    variants = {
+        "plain": plain,
+        "module": nn.DataParallel(reference).state_dict(),
+        "compiled": torch.compile(reference).state_dict(),
+        "ddp(compile)": {f"module._orig_mod.{k}": v for k, v in plain.items()},
+    }
+    assert next(iter(variants["module"])).startswith("module.")
+    assert next(iter(variants["compiled"])).startswith("_orig_mod.")
+    for name, state in variants.items():
+        path = atomic_save(state, tmp_path / f"{name}.pt")
+        fresh = small_model(2)
+        assert load_model_state(fresh, path) == ([], []), name
+        assert same_weights(fresh, reference), name
+        assert list(strip_prefixes(state)) == list(plain), name
+
+
+def test_strip_only_when_every_key_has_the_prefix():
+    mixed = OrderedDict([("module.a", torch.zeros(1)), ("b", torch.zeros(1))])
+    assert list(strip_prefixes(mixed)) == ["module.a", "b"]
+    plain = small_model().state_dict()
+    seed002 = {k[7:]: v for k, v in plain.items()}  # seed 002's k[7:] on an unprefixed file
+    assert list(strip_prefixes(plain)) == list(plain)
+    with pytest.raises(CheckpointError, match=r"missing keys \(6\).*unexpected keys"):
+        load_model_state(small_model(), seed002)
+
+
+def test_model_state_unwraps_and_load_into_wrapped_model():
+    model = small_model(3)
+    assert unwrap_model(nn.DataParallel(torch.compile(model))) is model
+    assert list(model_state(nn.DataParallel(model))) == list(model.state_dict())
+    target = nn.DataParallel(small_model(4))
+    load_model_state(target, {"model": model.state_dict(), "epoch": 1})  # a training state
+    assert same_weights(target.module, model)
+
+
+def test_other_architecture_lists_keys_and_shapes(tmp_path):
+    path = atomic_save(small_model().state_dict(), tmp_path / "mlp.pt")
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(nn.Linear(8, 3), path)
+    message = str(info.value)
+    assert "mlp.pt" in message and "missing keys (2): weight, bias" in message
+    assert "unexpected keys (6): net.1.weight" in message
+    with pytest.raises(CheckpointError, match=r"shape mismatches.*\(3, 16\) vs model \(5, 16\)"):
+        load_model_state(MLP(8, 5, hidden=16), path)
+    # non-strict: tolerated differences are returned, shapes still must fit
+    bigger = nn.Sequential(OrderedDict(net=small_model().net, extra=nn.Linear(2, 2)))
+    missing, unexpected = load_model_state(bigger, path, strict=False)
+    assert missing == ["extra.weight", "extra.bias"] and unexpected == []
+    with pytest.raises(CheckpointError, match="not a model state_dict"):
+        load_model_state(small_model(), {"epoch": 3, "note": "no tensors"})
+
+
+# --------------------------------------------------------------------------- RNG, epochs, snapshots
+
+
+def test_rng_state_round_trip_through_a_file(tmp_path):
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    path = atomic_save(capture_rng_state(), tmp_path / "rng.pt")
+    first = (torch.rand(4), random.random(), np.random.rand())
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    restore_rng_state(load_checkpoint(path))
+    again = (torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+    with pytest.raises(CheckpointError, match="not an RNG state"):
+        restore_rng_state({"torch": torch.get_rng_state()})
+
+
+def test_training_state_round_trip_in_one_process(tmp_path):
+    model = small_model(6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    state = training_state(model, optimizer, epoch=2, step=10, batch_in_epoch=3)
+    path = save_checkpoint(snapshot_path(tmp_path, 10), state)
+    expected_noise = torch.rand(3)
+    model2 = small_model(7)
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    position = restore_training_state(load_checkpoint(path), model2, optimizer2)
+    assert position == {"epoch": 2, "step": 10, "batch_in_epoch": 3, "sampler_epoch": 2}
+    assert same_weights(model, model2)
+    assert torch.equal(torch.rand(3), expected_noise), "RNG continues where it was saved"
+    assert optimizer2.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
+    two_ranks = {**load_checkpoint(path), "rng": [capture_rng_state()] * 2}
+    with pytest.raises(CheckpointError, match="RNG states of 2 rank"):
+        restore_training_state(two_ranks, model2, optimizer2)
+    with pytest.raises(CheckpointError, match="not a training state"):
+        restore_training_state(model.state_dict(), model2)
+
+
+def test_seed001_save_condition_never_saves_the_last_epoch():
+    seed001 = [e for e in range(100) if e % 10 == 0 and e != 0]
+    ours = [e for e in range(100) if is_save_epoch(e, 100, 10)]
+    assert seed001[-1] == 90 and 99 not in seed001
+    assert ours == [9, 19, 29, 39, 49, 59, 69, 79, 89, 99]
+    assert [e for e in range(7) if is_save_epoch(e, 7, 3)] == [2, 5, 6], "last one always"
+    with pytest.raises(ValueError):
+        is_save_epoch(0, 10, 0)
+    with pytest.raises(ValueError):
+        is_save_epoch(10, 10, 1)
+
+
+def test_snapshots_latest_prune_and_stale_temp_files(tmp_path):
+    assert latest_snapshot(tmp_path / "none") is None and latest_snapshot(tmp_path) is None
+    for step in (5, 100, 20):
+        atomic_save({"step": step}, snapshot_path(tmp_path, step))
+    stale = temp_path_for(snapshot_path(tmp_path, 999))
+    stale.write_bytes(b"half a file")  # what a killed writer leaves
+    (tmp_path / "final.pt").write_bytes(b"")
+    assert latest_snapshot(tmp_path) == snapshot_path(tmp_path, 100)
+    assert [s for s, _ in list_snapshots(tmp_path)] == [5, 20, 100]
+    assert stale_temp_files(tmp_path) == [stale]
+    assert prune_snapshots(tmp_path, keep=2) == [snapshot_path(tmp_path, 5)]
+    assert [s for s, _ in list_snapshots(tmp_path)] == [20, 100]
+    with pytest.raises(ValueError):
+        snapshot_path(tmp_path, -1)
+
+
+# --------------------------------------------------------------------------- SIGKILL mid-save
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPTS / "save_victim.py"), "--dir", str(tmp_path / "ck")]
+    cmd += ["--trials", "3", "--mb", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    naive, atomic = result["torch.save"]["trials"], result["atomic_save"]["trials"]
+    assert all(t["killed"] and t["mid_write"] for t in naive + atomic), "kills landed mid-write"
+    assert all(t["previous_intact"] and t["temp_files_left"] == 1 for t in atomic)
+    assert all("PytorchStreamReader failed" in t["error"] for t in naive)
+    assert result["atomic_save"]["final_version"] == 4
+    assert stale_temp_files(tmp_path / "ck") == []
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def test_race_one_node_atomic_has_no_failures(tmp_path):
+    result = torchrun(
+        SCRIPTS / "save_race.py",
+        "--dir",
+        tmp_path / "race",
+        "--rounds",
+        "4",
+        "--numel",
+        "200000",
+        nproc=2,
+        run_dir=tmp_path / "run",
+        echo=False,
+        timeout=180,
+    )
+    assert len(result.records) == 2
+    for record in result.records:
+        res = record["results"]
+        assert res["every-rank"]["writers"] == 2
+        assert res["local-rank-0"]["writers"] == 1, "on ONE node the guard is one writer"
+        assert res["rank-0-atomic"]["writers"] == 1
+        assert res["rank-0-atomic"]["ok"] == 4
+        for mode in res.values():
+            assert mode["ok"] + mode["wrong"] + mode["error"] == mode["loads"] == 4
+
+
+SAVE_FAILS_ON_RANK0 = """
+import argparse, sys
+from ddp_tutorial.checkpoint import CheckpointError, save_checkpoint
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.records import write_rank_record
+
+with process_group(backend="gloo", timeout_s=20) as info:
+    try:
+        save_checkpoint(sys.argv[1], {"args": argparse.Namespace(lr=1)})
+    except CheckpointError as exc:
+        write_rank_record(sys.argv[-1], {"error": str(exc)})
+        raise
+"""
+
+
+def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(tmp_path, write_script):
+    script = write_script("save_fails.py", SAVE_FAILS_ON_RANK0)
+    with pytest.raises(LaunchError):
+        torchrun(script, tmp_path / "c.pt", nproc=2, run_dir=tmp_path / "run", echo=False)
+    records = sorted(
+        (json.loads(p.read_text()) for p in (tmp_path / "run").glob("rank*.json")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in records] == [0, 1]
+    assert "argparse.Namespace" in records[0]["error"]
+    assert records[1]["error"].startswith("rank 0 failed to save")
+    assert not (tmp_path / "c.pt").exists()
+
+
+def resume_run(tmp_path, name, *args):
+    return torchrun(
+        SCRIPTS / "resume.py",
+        "--checkpoint-dir",
+        tmp_path / name,
+        *args,
+        nproc=2,
+        run_dir=tmp_path / f"run-{name}",
+        echo=False,
+        timeout=180,
+    )
+
+
+@pytest.mark.slow
+def test_resume_across_two_launches_is_bitwise_exact(tmp_path):
+    resume_run(tmp_path, "straight", "--epochs", "2")
+    first = resume_run(tmp_path, "split", "--epochs", "2", "--stop-after", "1")
+    assert not (tmp_path / "split" / "final.pt").exists()
+    second = resume_run(tmp_path, "split", "--epochs", "2")  # a new launch resumes
+    assert all(r["resumed_from"] is None and r["epochs_run"] == [0] for r in first.records)
+    assert all(r["resumed_from"] == "snapshot-000000008.pt" for r in second.records)
+    assert all(r["epochs_run"] == [1] and r["steps"] == 16 for r in second.records)
+    a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(k.startswith("module.") for k in a), "final.pt is the plain state_dict"
+    # Without the RNG states the noise differs after the restart: the weights do too.
+    (tmp_path / "norng").mkdir()
+    snapshot = tmp_path / "split" / "snapshot-000000008.pt"
+    (tmp_path / "norng" / snapshot.name).write_bytes(snapshot.read_bytes())
+    resume_run(tmp_path, "norng", "--epochs", "2", "--no-restore-rng")
+    c = torch.load(tmp_path / "norng" / "final.pt", weights_only=True)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_map_location_onto_each_ranks_gpu(tmp_path):
+    from conftest import gpu_count
+
+    result = torchrun(
+        SCRIPTS / "load_anywhere.py",
+        "--dir",
+        tmp_path / "ck",
+        nproc=gpu_count(),
+        run_dir=tmp_path / "run",
+        echo=False,
+        timeout=180,
+    )
+    for record in result.records:
+        assert record["saved_on"] == "cuda:0"
+        assert record["landed"]["device"] == [record["device"]]
+        assert record["landed"]["dict"] == [record["device"]]
+        assert record["landed"]["cpu"] == ["cpu"]
+        assert record["same_weights_everywhere"]
