@@ -99,7 +99,7 @@ def find_unsafe(obj: Any, where: str = "state") -> list[str]:
                 problems.append(f"{where} has a key of type {type(key).__qualname__}")
             problems += find_unsafe(value, f"{where}[{key!r}]")
         return problems
-    if type(obj) in (list, tuple, set, frozenset):
+    if type(obj) in (list, tuple, set):  # not frozenset: weights_only refuses it
         for i, value in enumerate(obj):
             problems += find_unsafe(value, f"{where}[{i}]")
         return problems
@@ -183,9 +183,10 @@ def _group_active() -> bool:
 def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Path:
     """Save ``state`` to ``path`` from global rank 0, atomically; a collective in a job.
 
-    Call it on **every** rank (like a barrier): rank 0 writes with
-    :func:`atomic_save`, the others wait until the file is in place, so a
-    rank that loads right after never sees an old or half-written file. Not
+    Call it on **every** rank: rank 0 writes with :func:`atomic_save`, the
+    others block until the file is in place (rank 0 broadcasts its outcome,
+    which doubles as the barrier), so a rank that loads right after never
+    sees an old or half-written file. Not
     ``local_rank == 0``: that is one writer per node, and nodes sharing a
     disk would still write the same file at once. If rank 0 fails to write,
     every rank raises :class:`CheckpointError` instead of waiting forever.
@@ -195,19 +196,18 @@ def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Pat
     path = Path(path)
     if not _group_active():
         return atomic_save(state, path, check_plain)
-    error: str | None = None
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             atomic_save(state, path, check_plain)
         except Exception as exc:  # reported to every rank below, then re-raised here
-            error = f"{type(exc).__name__}: {exc}"
             failure = exc
     # The broadcast is the barrier: ranks != 0 block until rank 0 has renamed the file.
-    message = [error]
+    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
     dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
     if message[0] is not None:
-        if dist.get_rank() == 0:
-            raise failure
         raise CheckpointError(f"rank 0 failed to save {path}: {message[0]}")
     return path
 
@@ -242,6 +242,14 @@ def _refused_global(message: str) -> str | None:
         return match.group(1)
     match = re.search(r"Unsupported operand \d+|Unsupported class ([\w.]+)", message)
     return match.group(0) if match else None
+
+
+def _corrupt(path: Path, size: int, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a process "
+        f"killed while writing it, or several processes writing it at once (save from "
+        f"global rank 0 only, atomically). torch says: {detail}"
+    )
 
 
 def load_checkpoint(
@@ -282,9 +290,7 @@ def load_checkpoint(
                 f"whoever wrote it. Keep checkpoints to tensors and plain types (dicts, lists, "
                 f"numbers, strings); if this file is your own, re-save it that way."
             ) from None
-        raise CheckpointError(
-            f"checkpoint {path} ({size} bytes) is corrupt: {_first_line(text)}"
-        ) from None
+        raise _corrupt(path, size, _first_line(text)) from None
     except EOFError:
         raise CheckpointError(
             f"checkpoint {path} is empty ({size} bytes): the writer was killed right after "
@@ -310,21 +316,12 @@ def load_checkpoint(
             or "does not match expected size" in text
             or isinstance(exc, KeyError | zipfile.BadZipFile)
         ):
-            raise CheckpointError(
-                f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a "
-                f"process killed while writing it, or several processes writing it at once "
-                f"(save from global rank 0 only, atomically). torch says: "
-                f"{_first_line(text) or type(exc).__name__}"
-            ) from None
+            raise _corrupt(path, size, _first_line(text) or type(exc).__name__) from None
         raise CheckpointError(f"cannot load checkpoint {path}: {_first_line(text)}") from None
     except PermissionError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
     except OSError as exc:  # e.g. EINVAL when the zip index points past the end of a cut file
-        raise CheckpointError(
-            f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a process "
-            f"killed while writing it, or several processes writing it at once. "
-            f"torch says: {exc}"
-        ) from None
+        raise _corrupt(path, size, str(exc)) from None
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -497,7 +494,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state(
             (
                 numpy_state["kind"],
-                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["keys"].cpu().numpy().astype(np.uint32),  # map_location may be a GPU
                 numpy_state["pos"],
                 numpy_state["has_gauss"],
                 numpy_state["cached_gaussian"],

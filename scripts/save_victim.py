@@ -40,6 +40,7 @@ from ddp_tutorial.checkpoint import (
 from ddp_tutorial.records import write_json
 
 MODES = ("torch.save", "atomic_save")
+MAX_ATTEMPTS = 5  # per trial, when a save completes before the kill lands
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,6 +93,9 @@ def kill_mid_save(mode: str, path: Path, version: int, numel: int, full: int) ->
         written = bytes_on_disk(mode, path)
         if full // 4 < written < full:  # visibly under way, not finished
             break
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:  # the save finished before we caught it (a busy machine): a miss, not a trial
+            return {"written_at_kill": written, "killed": False}
         time.sleep(0.0005)
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
@@ -103,11 +107,16 @@ def run_mode(mode: str, directory: Path, trials: int, numel: int) -> dict:
     path = directory / f"{mode.replace('.', '_')}.pt"
     atomic_save(make_state(0, numel), path)  # the previous, good checkpoint
     full = path.stat().st_size
-    outcomes = []
+    outcomes, missed = [], 0
     for k in range(1, trials + 1):
-        for stale in stale_temp_files(directory):
-            stale.unlink()
-        kill = kill_mid_save(mode, path, k, numel, full)
+        for _ in range(MAX_ATTEMPTS):
+            for stale in stale_temp_files(directory):
+                stale.unlink()
+            kill = kill_mid_save(mode, path, k, numel, full)
+            if kill["killed"]:
+                break
+            missed += 1
+            atomic_save(make_state(0, numel), path)  # the save completed: put version 0 back
         temps = stale_temp_files(directory)
         try:
             loaded = load_checkpoint(path)
@@ -142,6 +151,7 @@ def run_mode(mode: str, directory: Path, trials: int, numel: int) -> dict:
         "trials": outcomes,
         "final_version": final_version,
         "temp_files_removed": left_behind,
+        "missed": missed,
     }
 
 
@@ -157,7 +167,8 @@ def main() -> None:
         print(
             f"{mode}: {sum(t['mid_write'] for t in trials)}/{len(trials)} kills landed mid-write, "
             f"previous checkpoint intact after {sum(t['previous_intact'] for t in trials)}, "
-            f"unreadable after {sum(bool(t['error']) for t in trials)}",
+            f"unreadable after {sum(bool(t['error']) for t in trials)} "
+            f"({results[mode]['missed']} saves finished before the kill and were retried)",
             flush=True,
         )
     if args.out:

@@ -92,13 +92,14 @@ def test_find_unsafe_names_the_offending_entries():
     state = {
         "model": OrderedDict(w=torch.zeros(2)),
         "args": argparse.Namespace(a=1),
-        "hist": [1.0, np.float64(2.0)],
+        "hist": [1.0, np.float64(2.0), frozenset({1})],
         "ok": (1, "x", None, torch.float32, torch.Size([2]), torch.device("cpu")),
     }
     problems = find_unsafe(state)
     assert problems == [
         "state['args'] is argparse.Namespace",
         "state['hist'][1] is numpy.float64",
+        "state['hist'][2] is builtins.frozenset",
     ]
 
 
