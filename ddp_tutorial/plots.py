@@ -289,3 +289,39 @@ def knob_bars(knobs: Sequence[Mapping[str, Any]], ax: Any | None = None) -> Figu
     ax.set_xlabel("samples / s")
     ax.grid(alpha=0.3, axis="x")
     return fig
+
+
+# -- fault tolerance (lesson 08) ---------------------------------------------
+def loss_across_restarts(
+    log: Sequence[Mapping[str, Any]],
+    crash_step: int | None = None,
+    resume_step: int | None = None,
+    reference: Sequence[Mapping[str, Any]] | None = None,
+    ax: Any | None = None,
+) -> Figure:
+    """Rank 0's loss per step, one line per attempt; the crash and the resume point marked.
+
+    ``log`` holds ``{"attempt", "step", "loss"}`` rows (``steps.jsonl`` of a
+    run of the template); ``reference`` is an uninterrupted run's log, drawn
+    underneath: an exact resume lies right on top of it.
+    """
+    fig, ax = _axes(ax, figsize=(8, 3.2))
+    if reference:
+        ax.plot([r["step"] for r in reference], [r["loss"] for r in reference], color="0.75",
+                lw=5, label="uninterrupted run")  # fmt: skip
+    for attempt in sorted({r["attempt"] for r in log}):
+        rows = [r for r in log if r["attempt"] == attempt]
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], ".-", lw=1,
+                label=f"attempt {attempt}")  # fmt: skip
+    if crash_step is not None:
+        ax.axvline(
+            crash_step, color="tab:red", ls="--", lw=1, label=f"crash after step {crash_step}"
+        )
+    if resume_step is not None:
+        ax.axvline(resume_step, color="tab:green", ls=":", lw=1.5,
+                   label=f"resumed from snapshot at step {resume_step}")  # fmt: skip
+    ax.set_xlabel("global step")
+    ax.set_ylabel("rank 0 batch loss")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
