@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, gpu_count
 from ddp_tutorial.collectives import OPS, before_after_rows, check_records, expected
 from ddp_tutorial.launch import torchrun
 from ddp_tutorial.records import read_rank_records
@@ -79,6 +79,7 @@ def _legacy(style: str, tmp_path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_legacy_launcher_rejects_the_seed_local_rank_flag_and_the_fix_works(tmp_path):
     seed = _legacy("seed", tmp_path)
     assert seed.returncode != 0
@@ -98,3 +99,16 @@ def test_seed_local_rank_default_is_wrong_under_torchrun(tmp_path):
     )  # fmt: skip
     assert [r["args_local_rank"] for r in result.records] == [1, 1]
     assert [r["env_local_rank"] for r in result.records] == [0, 1]
+
+
+@pytest.mark.gpu
+def test_collectives_on_nccl_one_rank_per_gpu(tmp_path):
+    n = gpu_count()
+    result = torchrun(
+        SCRIPTS / "collectives.py", nproc=n, env={"DDP_TUTORIAL_BACKEND": "nccl"},
+        run_dir=tmp_path, timeout=180, echo=False,
+    )  # fmt: skip
+    records = result.records
+    assert len(records) == n and check_records(records) == []
+    assert all(r["backend"] == "nccl" for r in records)
+    assert [r["device"] for r in records] == [f"cuda:{i}" for i in range(n)]

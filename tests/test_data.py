@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, gpu_count
 from ddp_tutorial.data import (
     GaussianBlobs,
     IndexDataset,
@@ -191,3 +191,22 @@ def test_plots_return_figures_that_render_as_png():
     assert grouped_bars(rows, "w", "rank", "v")._repr_png_().startswith(b"\x89PNG")
     with pytest.raises(ValueError):
         grouped_bars([], "w", "rank", "v")
+
+
+@pytest.mark.gpu
+def test_exact_evaluation_on_nccl_matches_single_process(tmp_path):
+    from ddp_tutorial.launch import torchrun
+
+    n = gpu_count()
+    model = MLP(16, 4)
+    train_classifier(model, GaussianBlobs(600, seed=0), epochs=2)
+    torch.save(model.state_dict(), tmp_path / "mlp.pt")
+    truth = distributed_evaluate(model, GaussianBlobs(301, seed=1))
+    result = torchrun(
+        SCRIPTS / "sampling.py", "--model", tmp_path / "mlp.pt", "--val-length", 301,
+        nproc=n, run_dir=tmp_path / "run", env={"DDP_TUTORIAL_BACKEND": "nccl"},
+        timeout=180, echo=False,
+    )  # fmt: skip
+    for r in result.records:
+        assert r["exact"]["count"] == 301 and r["exact"]["correct"] == truth.correct
+        assert r["naive"]["count"] == 301 + (-301 % n)
