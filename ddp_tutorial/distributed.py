@@ -148,8 +148,34 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            store=_restart_safe_store(world_size, timeout_s),
         )
     return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
+
+
+def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """A per-attempt key space in torchrun's store when restarts are enabled (else None).
+
+    Since torch 2.5 torchrun's workers share the elastic agent's TCPStore, and
+    that store outlives a restart: a new worker can read the *previous*
+    attempt's addresses (a dead rank's port) and fail with "Connection
+    refused" (pytorch/pytorch#135712; the other workaround is
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment).
+    Prefixing every key with the restart count keeps attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
+        return None  # one attempt: nothing stale to read
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    return dist.PrefixStore(f"ddp_tutorial/attempt_{attempt}", store)
 
 
 def cleanup() -> None:

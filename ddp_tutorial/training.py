@@ -21,6 +21,7 @@ What it does differently from the seeds, and why:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -142,6 +143,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.step_times: list[float] = []
         self.resumed_from: dict[str, int] | None = None
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._step_log: Any = None
 
     # -- checkpoints --------------------------------------------------------
     def save_snapshot(self) -> None:
@@ -228,13 +231,18 @@ class Trainer:
             last = now
             self.step += 1
             self.batch_in_epoch += 1
-            self.loss_sum += loss.item()
+            value = loss.item()
+            self.loss_sum += value
             self.loss_count += 1
+            if self._step_log is not None:
+                self._step_log.write(
+                    json.dumps({"attempt": self.attempt, "step": self.step, "loss": value}) + "\n"
+                )
             if bar is not None:
                 bar.update(1)
                 if self.step % 10 == 0:
                     rate = cfg.batch_size * self.info.world_size / self.step_times[-1]
-                    bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}")
+                    bar.set_postfix(loss=f"{value:.3f}", samples_s=f"{rate:.0f}")
             if cfg.save_every and self.step % cfg.save_every == 0:
                 self.save_snapshot()
 
@@ -255,6 +263,23 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         resumed = self.maybe_resume()
+        attempt = self.attempt
+        if cfg.out:
+            # One record per rank per attempt: after a restart, who is who may have changed.
+            write_json(
+                Path(cfg.out) / f"attempt{attempt}-rank{info.rank}.json",
+                {
+                    "attempt": attempt,
+                    "rank": info.rank,
+                    "local_rank": info.local_rank,
+                    "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+                    "world_size": info.world_size,
+                    "pid": os.getpid(),
+                    "resumed_from": self.resumed_from,
+                },
+            )
+            if info.is_main:  # rank 0's loss at every step, across attempts (append, line-buffered)
+                self._step_log = (Path(cfg.out) / "steps.jsonl").open("a", buffering=1)
         steps_per_epoch = self.sampler.num_samples // cfg.batch_size  # drop_last=True
         total = steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
@@ -287,6 +312,9 @@ class Trainer:
         t_end = time.time()
         if bar is not None:
             bar.close()
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
         if not self.history or self.history[-1]["step"] != self.step:
             # stopped mid-epoch by --max-steps: still report and save where we are
             self.history.append(
@@ -341,3 +369,9 @@ class Trainer:
         if cfg.out and info.is_main:
             write_json(Path(cfg.out) / "metrics.json", metrics)
         return metrics
+
+
+def read_step_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rank 0's ``{"attempt", "step", "loss"}`` rows from a run's ``steps.jsonl``, in order."""
+    path = Path(run_dir) / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
