@@ -5,8 +5,9 @@ backend needed) and returns it: a notebook displays it by leaving it as the
 cell's last value, a script saves it with ``fig.savefig(path)``. Figures made
 without pyplot have no display hook in Jupyter, so they are created as
 :class:`NotebookFigure`, a ``Figure`` that renders itself as PNG; new plots in
-this module should start with :func:`new_figure`. Nothing here reads files or launches anything: the
-callers pass the numbers in.
+this module (and notebook cells that lay out several plots) start with
+:func:`new_figure`. Nothing here reads files or launches anything: the callers
+pass the numbers in.
 """
 
 from __future__ import annotations
@@ -18,27 +19,6 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
-
-
-def _register_notebook_display() -> None:
-    """Let a bare ``Figure`` (no pyplot) render as PNG when it ends a notebook cell.
-
-    IPython only knows how to show figures once pyplot's inline backend is
-    active; these figures never touch pyplot, so register the formatter here.
-    """
-    try:
-        from IPython import get_ipython
-        from IPython.core.pylabtools import print_figure
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is None:
-        return
-    png = shell.display_formatter.formatters["image/png"]
-    png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
-
-
-_register_notebook_display()
 
 
 class NotebookFigure(Figure):
