@@ -94,14 +94,12 @@ class Monitor:
             nvml.nvmlShutdown()
             return False
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        value = self.env.get(ENV_VAR)
-        inventory: list[GpuInfo] | int = count
-        if value and any(e.strip().upper().startswith(("GPU-", "MIG-")) for e in value.split(",")):
-            inventory = [
-                GpuInfo(i, "", _text(nvml.nvmlDeviceGetUUID(h)), 0.0, 0.0)
-                for i, h in enumerate(handles)
-            ]
-        physical = logical_to_physical(value, inventory)
+        # UUIDs too, so that CUDA_VISIBLE_DEVICES may name GPUs either way.
+        inventory = [
+            GpuInfo(i, "", _text(nvml.nvmlDeviceGetUUID(h)), 0.0, 0.0)
+            for i, h in enumerate(handles)
+        ]
+        physical = logical_to_physical(self.env.get(ENV_VAR), inventory)
         if not physical:
             nvml.nvmlShutdown()
             return False
