@@ -165,9 +165,8 @@ class Trainer:
             },
         )
         checkpoint.save_checkpoint(checkpoint.snapshot_path(self.ckpt_dir, self.step), state)
-        if self.info.is_main:  # keep the newest KEEP_SNAPSHOTS; the rename made them complete
-            for _, old in checkpoint.list_snapshots(self.ckpt_dir)[:-KEEP_SNAPSHOTS]:
-                old.unlink(missing_ok=True)
+        if self.info.is_main:  # the newest snapshots are complete (renamed), drop older ones
+            checkpoint.prune_snapshots(self.ckpt_dir, keep=KEEP_SNAPSHOTS)
 
     def maybe_resume(self) -> bool:
         """Continue from the newest snapshot in ``checkpoint_dir``, if there is one."""
