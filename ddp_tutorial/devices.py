@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 ENV_VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -233,39 +235,52 @@ def device_for_local_rank(local_rank: int, visible_count: int) -> str:
     return f"cuda:{local_rank}"
 
 
+@contextmanager
+def _nvml() -> Iterator[Any]:
+    """The initialised ``pynvml`` module, or ``None`` where there is no driver."""
+    try:
+        import pynvml
+    except ImportError:  # nvidia-ml-py is a dependency, but be forgiving
+        yield None
+        return
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def gpu_inventory() -> list[GpuInfo]:
     """All physical GPUs via NVML; ``[]`` where there is no driver.
 
     NVML does not create a CUDA context, so this is safe in the notebook
     kernel and in the launcher.
     """
-    try:
-        import pynvml
-    except ImportError:  # nvidia-ml-py is a dependency, but be forgiving
-        return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return []
-    try:
+    with _nvml() as nvml:
+        if nvml is None:
+            return []
         gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             gpus.append(
                 GpuInfo(
                     index=i,
-                    name=name.decode() if isinstance(name, bytes) else name,
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    name=_text(nvml.nvmlDeviceGetName(handle)),
+                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
                     memory_total_mib=mem.total / 2**20,
                     memory_used_mib=mem.used / 2**20,
                 )
             )
         return gpus
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[GpuInfo]:
@@ -290,22 +305,16 @@ def gpu_memory_report() -> list[dict[str, object]]:
     there is no driver. Inside a container NVML may report host pids, so
     callers should not rely on the pids alone; memory used is always there.
     """
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return []
-    try:
+    with _nvml() as nvml:
+        if nvml is None:
+            return []
         rows = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             try:
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except pynvml.NVMLError:
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nvml.NVMLError:
                 procs = []
             rows.append(
                 {
@@ -315,5 +324,3 @@ def gpu_memory_report() -> list[dict[str, object]]:
                 }
             )
         return rows
-    finally:
-        pynvml.nvmlShutdown()
