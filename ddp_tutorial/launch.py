@@ -81,6 +81,7 @@ class RunResult:
     failures: list[RankFailure] = field(default_factory=list)
     timed_out: bool = False
     utilization: Any = None  # filled by ddp_tutorial.monitor when a launch is monitored
+    monitor_overhead: float | None = None  # the sampler's CPU time / wall time (1.0 = a core)
 
     @property
     def ok(self) -> bool:
@@ -257,6 +258,7 @@ class Launch:
         prefix: str,
         monitor: bool,
         monitor_interval: float,
+        stdin: str | None = None,
     ):
         self.script, self.command, self.run_dir = script, cmd, run_dir
         self.check, self.echo, self.prefix = check, echo, prefix
@@ -272,13 +274,15 @@ class Launch:
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
             text=True,
             errors="replace",
             bufsize=1,
             env=env,
             start_new_session=True,  # our own group: a notebook's SIGINT does not hit the ranks raw
         )
+        if stdin is not None:  # e.g. pdb commands for torch.distributed.breakpoint()
+            threading.Thread(target=self._feed, args=(stdin,), daemon=True).start()
         self._sampler = None
         if monitor:
             from ddp_tutorial.monitor import Monitor
@@ -288,6 +292,14 @@ class Launch:
         self._pipe: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
+
+    def _feed(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.close()  # EOF: a reader that wants more gets end-of-file, not a hang
+        except (BrokenPipeError, OSError):
+            pass
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -368,6 +380,7 @@ class Launch:
             failures=parse_failures(output, self.run_dir) if returncode else [],
             timed_out=self.timed_out,
             utilization=sampler.samples() if sampler is not None else None,
+            monitor_overhead=sampler.overhead if sampler is not None else None,
         )
         if sampler is not None:
             sampler.write_csv(self.run_dir / "utilization.csv")
@@ -399,6 +412,7 @@ def start(
     monitor: bool = False,
     monitor_interval: float = 0.5,
     prefix: str = "",
+    stdin: str | None = None,
 ) -> Launch:
     """Start ``script`` under torchrun and return at once; ``.wait()`` gives the result.
 
@@ -423,7 +437,17 @@ def start(
     cmd = _build_command(script, str_args, nproc, run_dir, standalone, torchrun_args, out_flag)
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return Launch(
-        script, cmd, run_dir, child_env, timeout, check, echo, prefix, monitor, monitor_interval
+        script,
+        cmd,
+        run_dir,
+        child_env,
+        timeout,
+        check,
+        echo,
+        prefix,
+        monitor,
+        monitor_interval,
+        stdin,
     )
 
 
@@ -441,6 +465,7 @@ def torchrun(
     out_flag: str | None = "--out",
     monitor: bool = False,
     monitor_interval: float = 0.5,
+    stdin: str | None = None,
 ) -> RunResult:
     """Run ``script`` under torchrun and wait for it.
 
@@ -449,7 +474,9 @@ def torchrun(
     merged over this process's environment (e.g. ``CUDA_VISIBLE_DEVICES``:
     the launcher is the right place to set it, before any CUDA initialises).
     ``echo`` streams the output live. ``monitor`` samples GPU or per-rank CPU
-    utilization while it runs (``result.utilization``).
+    utilization while it runs (``result.utilization``). ``stdin`` is text fed
+    to the launch's standard input, then closed (default: no input at all) —
+    the ranks inherit it, so it can drive ``torch.distributed.breakpoint()``.
 
     With ``check`` (default) a failure raises :class:`LaunchError` naming the
     failed rank and its traceback tail; a timeout raises :class:`LaunchTimeout`
@@ -469,6 +496,7 @@ def torchrun(
         out_flag=out_flag,
         monitor=monitor,
         monitor_interval=monitor_interval,
+        stdin=stdin,
     ).wait()
 
 

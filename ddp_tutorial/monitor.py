@@ -76,6 +76,7 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._cpu_seconds = 0.0
+        self._samples_taken = 0
         self._wall_seconds = 0.0
 
     # -- set-up -------------------------------------------------------------
@@ -186,7 +187,11 @@ class Monitor:
                 continue
 
     def _sample_cpu(self, t: float) -> list[dict[str, Any]]:
-        self._discover()
+        # Walking the process tree is the expensive part: do it every few samples
+        # (ranks restart, workers come and go), not every time.
+        self._samples_taken += 1
+        if not self._procs or self._samples_taken % 4 == 1:
+            self._discover()
         per_rank: dict[int, list[float]] = {}
         for pid, (proc, rank) in list(self._procs.items()):
             try:
