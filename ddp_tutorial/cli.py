@@ -3,6 +3,7 @@
 ``ddp-tutorial env``     what this machine has and how the course will run here
 ``ddp-tutorial course``  execute the notebooks into build/ and print a table
 ``ddp-tutorial strip``   remove notebook outputs before committing
+``ddp-tutorial doctor``  check this machine before training (exit status 1 if something blocks it)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -45,6 +47,18 @@ def _strip(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from ddp_tutorial.doctor import exit_code, format_finding, format_findings, run_checks, to_json
+
+    def show(finding: Any) -> None:  # one line per check as it completes (launches take seconds)
+        if not args.json:
+            print(format_finding(finding), flush=True)
+
+    findings = run_checks(launch=not args.no_launch, timeout=args.timeout, progress=show)
+    print(to_json(findings) if args.json else format_findings(findings).splitlines()[-1])
+    return exit_code(findings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddp-tutorial", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     strip = sub.add_parser("strip", help="strip outputs from notebooks in place")
     strip.add_argument("notebooks", nargs="*", help="notebooks (default: all)")
     strip.set_defaults(func=_strip)
+    doctor = sub.add_parser("doctor", help="check this machine before training")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--no-launch", action="store_true", help="skip the gloo/nccl all_reduce launches"
+    )
+    doctor.add_argument("--timeout", type=float, default=90.0, help="seconds per probe launch")
+    doctor.set_defaults(func=_doctor)
     return parser
 
 

@@ -1,0 +1,490 @@
+"""``ddp-tutorial doctor``: check a machine before it burns GPU hours.
+
+Each check returns a :class:`Finding` — ``ok``, ``warn`` (training runs, but
+slower or fragile), ``fail`` (training will not start, or will hang) or
+``skip`` (not applicable here) — with what was found and, when it is not ok,
+the fix. The command exits non-zero when any check fails.
+
+The checker itself never initialises CUDA: GPUs are counted through NVML
+(:mod:`ddp_tutorial.devices`), and the communication checks run in real
+``torchrun`` launches (:mod:`ddp_tutorial.launch`) of this very file with
+``--probe``: a 2-rank gloo all_reduce on the CPU, and an nccl all_reduce
+across the visible GPUs where there are any. A broken network setting
+(``GLOO_SOCKET_IFNAME`` naming no interface, a firewall) shows up there as it
+would in training — but in seconds, thanks to a short process-group timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATUSES = ("ok", "warn", "fail", "skip")
+SHM_MIN_GIB = 1.0  # below this DataLoader workers run out of shared memory with real batches
+DEFAULT_MASTER_PORT = 29500
+PROBE_TIMEOUT_S = 90.0  # the whole probe launch
+PROBE_PG_TIMEOUT_S = 20.0  # a collective that waits longer than this fails the probe
+
+
+@dataclass
+class Finding:
+    """One check's result: what was found and, if it is not fine, how to fix it."""
+
+    check: str
+    status: str  # one of STATUSES
+    detail: str
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def check_python() -> Finding:
+    v = sys.version_info
+    found = f"Python {platform.python_version()} ({sys.executable})"
+    if v < (3, 10):
+        return Finding("python", "fail", found, "the course needs Python 3.10 or newer")
+    return Finding("python", "ok", found)
+
+
+def check_torch() -> Finding:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        return Finding("torch", "fail", f"cannot import torch: {exc}", "pip install torch")
+    found = f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})"
+    major = int(torch.__version__.split(".")[0])
+    if major < 2:
+        return Finding(
+            "torch", "fail", found, "torch >= 2.0 is needed (torchrun, LOCAL_RANK, --local-rank)"
+        )
+    if not dist.is_available():
+        return Finding(
+            "torch", "fail", found + " without torch.distributed", "install a full build"
+        )
+    return Finding("torch", "ok", found)
+
+
+def check_backends(gpus: int) -> Finding:
+    import torch.distributed as dist
+
+    have = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()}
+    found = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
+    if not have["gloo"] and not (have["nccl"] and gpus):
+        return Finding("backends", "fail", found, "no usable backend: install a build with gloo")
+    if gpus and not have["nccl"]:
+        return Finding(
+            "backends",
+            "warn",
+            found + f"; {gpus} GPU(s) but no NCCL",
+            "GPUs will talk through gloo (slow): install a CUDA build of torch with NCCL",
+        )
+    return Finding("backends", "ok", found)
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+def check_visible_devices(env: Mapping[str, str]) -> Finding:
+    from ddp_tutorial.devices import ENV_VAR, DeviceError, parse_visible_devices
+
+    value = env.get(ENV_VAR)
+    try:
+        entries = parse_visible_devices(value)
+    except DeviceError as exc:
+        return Finding(
+            ENV_VAR,
+            "fail",
+            str(exc),
+            "set it in the launcher's environment to a comma list of distinct GPU ids, "
+            "e.g. CUDA_VISIBLE_DEVICES=0,1 torchrun ...",
+        )
+    if entries is None:
+        return Finding(ENV_VAR, "ok", "unset: every GPU is visible")
+    if entries == []:
+        return Finding(ENV_VAR, "ok", f"{value!r}: every GPU hidden (CPU on purpose)")
+    return Finding(ENV_VAR, "ok", f"{value!r}: cuda:0.. are GPUs {','.join(entries)}")
+
+
+def check_gpus(env: Mapping[str, str]) -> tuple[Finding, int]:
+    """GPUs through NVML (no CUDA context); returns the finding and the visible count."""
+    import torch
+
+    from ddp_tutorial.devices import (
+        DeviceError,
+        gpu_inventory,
+        order_matches_nvidia_smi,
+        visible_gpus,
+    )
+
+    inventory = gpu_inventory()
+    if not inventory:
+        return Finding("gpus", "ok", "no NVIDIA GPU (NVML found none): gloo on the CPU"), 0
+    try:
+        gpus = visible_gpus(env)
+    except DeviceError as exc:
+        return Finding("gpus", "fail", str(exc), "list only GPUs that exist"), 0
+    names = ", ".join(f"cuda:{i}={g.name} (physical {g.index})" for i, g in enumerate(gpus))
+    detail = f"{len(gpus)} of {len(inventory)} visible: {names or 'none'}"
+    if torch.version.cuda is None:
+        return Finding(
+            "gpus",
+            "fail",
+            detail + "; but this torch build has no CUDA",
+            "install a CUDA build of torch (pip index https://download.pytorch.org/whl/cuXXX)",
+        ), len(gpus)
+    if not order_matches_nvidia_smi(env, inventory):
+        return Finding(
+            "gpus",
+            "warn",
+            detail + "; mixed models: CUDA numbers the fastest first, nvidia-smi by PCI bus",
+            "export CUDA_DEVICE_ORDER=PCI_BUS_ID so cuda:N matches nvidia-smi's N",
+        ), len(gpus)
+    return Finding("gpus", "ok", detail), len(gpus)
+
+
+# --------------------------------------------------------------------------- network
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listening socket could *not* be opened on ``host:port`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_port(env: Mapping[str, str]) -> Finding:
+    from ddp_tutorial.launch import free_port
+
+    try:
+        port = free_port()
+    except OSError as exc:
+        return Finding("port", "fail", f"cannot open a TCP port on 127.0.0.1: {exc}", "")
+    raw = env.get("MASTER_PORT")
+    if raw:
+        if not raw.isdigit():
+            return Finding("port", "fail", f"MASTER_PORT={raw!r} is not a port number", "")
+        if port_in_use(int(raw)):
+            return Finding(
+                "port",
+                "fail",
+                f"MASTER_PORT={raw} is already in use (another job?): "
+                "the rendezvous would fail with EADDRINUSE",
+                "pick a free port, or let torchrun choose one: torchrun --standalone",
+            )
+        return Finding("port", "ok", f"MASTER_PORT={raw} is free")
+    if port_in_use(DEFAULT_MASTER_PORT):
+        return Finding(
+            "port",
+            "warn",
+            f"the default port {DEFAULT_MASTER_PORT} is taken: a torchrun without --standalone "
+            "or --master-port would fail with 'address already in use'",
+            "use torchrun --standalone (a free port) or --master-port <free port>",
+        )
+    return Finding("port", "ok", f"free ports available (e.g. {port}); {DEFAULT_MASTER_PORT} free")
+
+
+def _matches_interface(spec: str, names: list[str]) -> list[str]:
+    """Interfaces selected by a GLOO/NCCL_SOCKET_IFNAME value (NCCL's ``^``/``=`` syntax)."""
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    wanted = [w for w in spec.lstrip("=").split(",") if w]
+
+    def hit(name: str) -> bool:
+        return any(name == w if exact else name.startswith(w) for w in wanted)
+
+    return [n for n in names if hit(n) != exclude]
+
+
+def check_interfaces(env: Mapping[str, str]) -> Finding:
+    import psutil
+
+    names = sorted(psutil.net_if_addrs())
+    found, bad = [], []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = env.get(var)
+        if not value:
+            continue
+        # gloo takes exact names (comma list); NCCL takes prefixes, ^ to exclude, = for exact.
+        if var.startswith("GLOO"):
+            chosen = [w for w in value.split(",") if w in names]
+            missing = [w for w in value.split(",") if w not in names]
+        else:
+            chosen = _matches_interface(value, names)
+            missing = [] if chosen else [value]
+        found.append(f"{var}={value!r} -> {chosen or 'nothing'}")
+        if missing:
+            bad.append(f"{var}={value!r} names no interface of this machine ({missing})")
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        host = f"hostname {socket.gethostname()} -> {address}"
+        if address.startswith("127."):
+            host += " (loopback: fine on one machine; across nodes set GLOO_SOCKET_IFNAME)"
+    except OSError as exc:
+        address, host = "", f"hostname {socket.gethostname()} does not resolve ({exc})"
+    detail = "; ".join([*found, host, f"interfaces: {', '.join(names)}"])
+    if bad:
+        return Finding(
+            "network",
+            "fail",
+            "; ".join(bad) + f" (interfaces: {', '.join(names)})",
+            "unset it, or name the interface that reaches the other nodes (see `ip addr`)",
+        )
+    if not address:
+        return Finding(
+            "network",
+            "warn",
+            detail,
+            "gloo finds its address through the hostname: fix /etc/hosts or set GLOO_SOCKET_IFNAME",
+        )
+    return Finding("network", "ok", detail)
+
+
+# --------------------------------------------------------------------------- CPU and memory
+
+
+def check_threads(env: Mapping[str, str], nproc: int) -> Finding:
+    from ddp_tutorial.environment import usable_cores
+
+    cores = usable_cores()
+    raw = env.get("OMP_NUM_THREADS")
+    advice = f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks per node)"
+    if not raw:
+        return Finding(
+            "threads",
+            "ok",
+            f"{cores} cores, {nproc} ranks planned; OMP_NUM_THREADS unset "
+            "(torchrun sets it to 1 per rank when it starts more than one)",
+            advice if cores // nproc > 1 else "",
+        )
+    try:
+        threads = int(raw)
+    except ValueError:
+        return Finding("threads", "fail", f"OMP_NUM_THREADS={raw!r} is not an integer", advice)
+    total = threads * nproc
+    detail = f"OMP_NUM_THREADS={threads} x {nproc} ranks = {total} threads on {cores} cores"
+    if total > cores:
+        return Finding(
+            "threads", "warn", detail + ": oversubscribed (ranks slow each other)", advice
+        )
+    return Finding("threads", "ok", detail)
+
+
+def check_shm(path: str = "/dev/shm") -> Finding:
+    if not os.path.isdir(path):
+        return Finding(
+            "shm",
+            "warn" if sys.platform.startswith("linux") else "skip",
+            f"{path} does not exist",
+            "DataLoader workers (num_workers > 0) need shared memory",
+        )
+    usage = shutil.disk_usage(path)
+    total, free = usage.total / 2**30, usage.free / 2**30
+    detail = f"{path}: {total:.2f} GiB, {free:.2f} GiB free"
+    if total < SHM_MIN_GIB or free < SHM_MIN_GIB / 2:
+        return Finding(
+            "shm",
+            "warn",
+            detail + ": DataLoader workers pass every batch through it "
+            "('bus error' / 'unable to write to file </torch_…>')",
+            "in Docker: --shm-size=8g or --ipc=host; or num_workers=0",
+        )
+    return Finding("shm", "ok", detail)
+
+
+# --------------------------------------------------------------------------- real launches
+
+
+def _probe_launch(backend: str, nproc: int, env: Mapping[str, str], timeout: float) -> Finding:
+    """A real torchrun of this file with ``--probe``: each rank all_reduces its rank."""
+    from ddp_tutorial.launch import LaunchError, torchrun
+
+    name = f"{backend} all_reduce"
+    expected = float(sum(range(nproc)))
+    with tempfile.TemporaryDirectory(prefix="ddp-doctor-") as tmp:
+        probe_env = {**env, "DDP_TUTORIAL_TIMEOUT": str(PROBE_PG_TIMEOUT_S)}
+        try:
+            result = torchrun(
+                Path(__file__),
+                "--probe",
+                "--backend",
+                backend,
+                nproc=nproc,
+                env=probe_env,
+                timeout=timeout,
+                run_dir=tmp,
+                echo=False,
+            )
+        except LaunchError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            cause = next(
+                (ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1]
+            )
+            return Finding(
+                name,
+                "fail",
+                f"{nproc} ranks could not all_reduce: {cause.strip()[:400]}",
+                "read the message: a *_SOCKET_IFNAME naming the wrong interface, a firewall "
+                "between ranks, or a broken driver",
+            )
+        sums = [r.get("sum") for r in result.records]
+        if len(sums) != nproc or any(s != expected for s in sums):
+            return Finding(name, "fail", f"wrong result: {sums}, expected {expected:g}", "")
+        device = result.records[0].get("device")
+        return Finding(
+            name,
+            "ok",
+            f"{nproc} ranks on {device}: sum of ranks = {expected:g} on every rank "
+            f"({result.seconds:.1f} s including start-up)",
+        )
+
+
+def check_gloo(env: Mapping[str, str], timeout: float = PROBE_TIMEOUT_S) -> Finding:
+    # Hide GPUs from the CPU probe: it must not create CUDA contexts.
+    return _probe_launch("gloo", 2, {**env, "CUDA_VISIBLE_DEVICES": ""}, timeout)
+
+
+def check_nccl(env: Mapping[str, str], gpus: int, timeout: float = PROBE_TIMEOUT_S) -> Finding:
+    import torch.distributed as dist
+
+    if gpus == 0:
+        return Finding("nccl all_reduce", "skip", "no GPU visible: nothing for nccl to do here")
+    if not dist.is_nccl_available():
+        return Finding("nccl all_reduce", "skip", "this torch build has no NCCL")
+    return _probe_launch("nccl", gpus, env, timeout)
+
+
+# --------------------------------------------------------------------------- all of it
+
+
+def run_checks(
+    env: Mapping[str, str] | None = None,
+    launch: bool = True,
+    timeout: float = PROBE_TIMEOUT_S,
+    progress: Callable[[Finding], None] | None = None,
+) -> list[Finding]:
+    """Every check, in order; ``launch=False`` skips the two torchrun probes.
+
+    ``env`` replaces ``os.environ`` for the checks and the probes (a test can
+    pass a broken setting without touching its own environment).
+    """
+    env = dict(os.environ if env is None else env)
+    findings: list[Finding] = []
+
+    def add(finding: Finding) -> None:
+        findings.append(finding)
+        if progress is not None:
+            progress(finding)
+
+    add(check_python())
+    torch_finding = check_torch()
+    add(torch_finding)
+    if torch_finding.status == "fail":
+        return findings
+    add(check_visible_devices(env))
+    gpu_finding, gpus = check_gpus(env)
+    add(gpu_finding)
+    add(check_backends(gpus))
+    add(check_port(env))
+    add(check_interfaces(env))
+    add(check_threads(env, gpus or 2))
+    add(check_shm())
+    if launch:
+        add(check_gloo(env, timeout))
+        add(check_nccl(env, gpus, timeout))
+    else:
+        for name in ("gloo all_reduce", "nccl all_reduce"):
+            add(Finding(name, "skip", "not run (--no-launch)"))
+    return findings
+
+
+def blocking(findings: list[Finding]) -> list[Finding]:
+    """The findings that stop training (status ``fail``)."""
+    return [f for f in findings if f.status == "fail"]
+
+
+def exit_code(findings: list[Finding]) -> int:
+    """0 when nothing blocks training, 1 otherwise."""
+    return 1 if blocking(findings) else 0
+
+
+MARKS = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+
+
+def format_finding(f: Finding, width: int = 20) -> str:
+    text = f"[{MARKS[f.status]}] {f.check:<{width}} {f.detail}"
+    if f.fix and f.status in ("warn", "fail"):
+        text += f"\n       {'':<{width}} fix: {f.fix}"
+    return text
+
+
+def format_findings(findings: list[Finding]) -> str:
+    """The report as a terminal shows it, with a verdict at the end."""
+    lines = [format_finding(f) for f in findings]
+    bad = blocking(findings)
+    warns = sum(f.status == "warn" for f in findings)
+    if bad:
+        lines.append(f"\n{len(bad)} problem(s) block training: {', '.join(f.check for f in bad)}.")
+    else:
+        lines.append(f"\nready to train ({warns} warning(s)).")
+    return "\n".join(lines)
+
+
+def to_json(findings: list[Finding]) -> str:
+    return json.dumps(
+        {"ok": not blocking(findings), "findings": [asdict(f) for f in findings]}, indent=1
+    )
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def _probe_main(argv: list[str] | None = None) -> None:
+    """One rank of the communication probe (run by torchrun, never by hand)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ddp_tutorial.distributed import process_group
+    from ddp_tutorial.records import write_rank_record
+
+    parser = argparse.ArgumentParser(description="ddp-tutorial doctor: all_reduce probe")
+    parser.add_argument("--probe", action="store_true", required=True)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    @record
+    def main() -> None:
+        with process_group(backend=args.backend) as info:
+            value = torch.tensor([float(info.rank)], device=info.device)
+            dist.all_reduce(value)
+            write_rank_record(args.out, {"sum": value.item(), "device": str(info.device)})
+
+    main()
+
+
+if __name__ == "__main__":
+    # Run as a file, Python puts ddp_tutorial/ first on sys.path, where names such as
+    # data.py or models.py could shadow other packages' modules: take it off.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    _probe_main()

@@ -1,0 +1,226 @@
+"""The debugging lab: each ``--case`` reproduces one classic DDP failure; ``--fix`` repairs it.
+
+    torchrun --standalone --nproc-per-node 2 scripts/debug_lab.py --case unused
+    TORCH_DISTRIBUTED_DEBUG=INFO torchrun ... scripts/debug_lab.py --case unused   # names them
+    torchrun ... scripts/debug_lab.py --case skip --timeout 3                      # hangs 3 s
+    torchrun ... scripts/debug_lab.py --case skip --monitored --timeout 3          # names rank 1
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... scripts/debug_lab.py --case shape
+    torchrun ... scripts/debug_lab.py --case rank0-eval --timeout 3
+    torchrun ... scripts/debug_lab.py --case uneven --timeout 3
+    torchrun ... scripts/debug_lab.py --case all --fix          # every repaired case, one launch
+    torchrun ... scripts/debug_lab.py --case breakpoint         # rank 0 stops in pdb
+    python -m pdb scripts/debug_lab.py --case keys              # a world of one: plain pdb
+
+Every case is a few lines in a function below, the bug and its fix side by
+side (``if fix:``). The process group gets a short timeout (``--timeout``,
+default ``$DDP_TUTORIAL_TIMEOUT`` or 60 s): a rank stuck in a collective fails
+in seconds with gloo's ``Timed out waiting …`` instead of hanging for the
+default 10 minutes. ``--case breakpoint`` stops rank 0 in pdb with
+``torch.distributed.breakpoint()`` (the others wait at a barrier); it reads
+pdb commands from the terminal that started torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_tutorial.checkpoint import strip_prefixes
+from ddp_tutorial.distributed import DistInfo, process_group
+from ddp_tutorial.records import write_rank_record
+
+FEATURES, CLASSES = 8, 3
+
+
+def batches(rank: int, count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` small deterministic batches for this rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(size, FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g))
+        for _ in range(count)
+    ]
+
+
+def train_steps(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Plain SGD steps; DDP all_reduces the gradients inside ``backward``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+class WithAux(nn.Module):
+    """A model with an auxiliary head that ``forward`` never uses (a common accident)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(FEATURES, CLASSES)
+        self.aux = nn.Linear(FEATURES, CLASSES)  # built, never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def case_unused(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Unused parameters: the second iteration fails ("Expected to have finished reduction")."""
+    torch.manual_seed(0)
+    # The fix: tell DDP to look for unused parameters (or delete/freeze the dead head).
+    model = DDP(WithAux(), find_unused_parameters=fix)
+    losses = train_steps(model, batches(info.rank, 3))
+    return {"losses": losses}
+
+
+def case_skip(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """A collective inside a rank-dependent branch: rank 1 skips it, rank 0 waits for it."""
+    correct = torch.tensor([float(info.rank != 1), 1.0])  # rank 1 had no correct answers
+    # The bug: "nothing to add, skip the all_reduce" — but a collective needs every rank.
+    if fix or correct[0] > 0:
+        if args.monitored:  # debugging aid: rank 0 names every rank that never gets here
+            # (a shorter timeout than the hang's, so that rank 0 reports first)
+            wait = timedelta(seconds=args.timeout / 2)
+            dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
+        dist.all_reduce(correct)
+    dist.barrier()  # e.g. before saving a checkpoint
+    return {"correct": correct.tolist()}
+
+
+def case_shape(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Ranks all_reduce tensors of different shapes (per-rank counts of the classes they saw)."""
+    labels = torch.tensor([0, 1] if info.rank == 0 else [0, 1, 2])
+    # The bug: bincount's length depends on this rank's data. The fix: a fixed length.
+    counts = torch.bincount(labels, minlength=CLASSES if fix else 0).float()
+    dist.all_reduce(counts)
+    return {"counts": counts.tolist()}
+
+
+class WithBatchNorm(nn.Sequential):
+    """Linear + BatchNorm: the BatchNorm buffers are what DDP broadcasts before a forward."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Rank 0 alone evaluates the DDP model: its forward broadcasts buffers — a collective."""
+    torch.manual_seed(0)
+    model = DDP(WithBatchNorm())
+    train_steps(model, batches(info.rank, 2))
+    accuracy = None
+    if info.rank == 0:
+        x, y = batches(99, 1, size=32)[0]
+        # The bug: model(x) on one rank. The fix: the plain module, no DDP, no collective.
+        net = model.module if fix else model
+        net.eval()
+        with torch.no_grad():
+            accuracy = (net(x).argmax(1) == y).float().mean().item()
+        net.train()
+    dist.barrier()  # the others wait here, e.g. before the next epoch
+    return {"accuracy": accuracy}
+
+
+def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Rank 1 has one batch more than rank 0: its last backward waits for a partner."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(FEATURES, CLASSES))
+    data = batches(info.rank, 2 + info.rank)
+    if fix:
+        # Join: a rank that runs out of data shadows the others' all_reduces (with zeros)
+        # until every rank is done, so nobody waits for a batch that never comes.
+        with Join([model]):
+            losses = train_steps(model, data)
+    else:
+        losses = train_steps(model, data)
+    dist.barrier()
+    return {"batches": len(data), "losses": losses}
+
+
+def case_keys(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Weights saved from the DDP wrapper ("module.weight") loaded into the plain model."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(FEATURES, CLASSES))
+    saved = model.state_dict()  # the bug: the wrapper's keys, "module.weight", "module.bias"
+    plain = nn.Linear(FEATURES, CLASSES)
+    if fix:
+        plain.load_state_dict(model.module.state_dict())  # save the module, not the wrapper
+        plain.load_state_dict(strip_prefixes(saved))  # files already written: strip the prefix
+    else:
+        plain.load_state_dict(saved)
+    return {"saved_keys": sorted(saved)}
+
+
+def case_breakpoint(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Stop rank 0 in pdb; the other ranks wait at a barrier until it continues."""
+    answer = 40 + info.rank
+    dist.breakpoint(rank=0)  # pdb on rank 0, reading the launching terminal's stdin
+    answer += 2  # the pdb session may have changed `answer` on rank 0
+    return {"answer": answer}
+
+
+CASES = {
+    "unused": case_unused,
+    "skip": case_skip,
+    "shape": case_shape,
+    "rank0-eval": case_rank0_eval,
+    "uneven": case_uneven,
+    "keys": case_keys,
+    "breakpoint": case_breakpoint,
+}
+FIXABLE = ["unused", "skip", "shape", "rank0-eval", "uneven", "keys"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, choices=[*CASES, "all"])
+    parser.add_argument("--fix", action="store_true", help="run the repaired code")
+    parser.add_argument(
+        "--breakpoint", action="store_true", help="then stop rank 0 in pdb (dist.breakpoint)"
+    )
+    parser.add_argument("--monitored", action="store_true", help="skip: add a monitored_barrier")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("DDP_TUTORIAL_TIMEOUT", "60")),
+        help="seconds a collective may wait before the rank fails",
+    )
+    parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    args = parser.parse_args()
+    if args.case == "all" and not args.fix:
+        parser.error("--case all runs the fixed versions only: add --fix")
+    return args
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    names = FIXABLE if args.case == "all" else [args.case]
+    # Join with a generous timeout (a slow start-up is not a hang), then shorten it: from
+    # here on a collective that waits longer than --timeout fails instead of hanging.
+    with process_group(backend=args.backend, timeout_s=max(args.timeout, 60.0)) as info:
+        dist.barrier()
+        dist.set_timeout(timedelta(seconds=args.timeout))
+        results = {}
+        for name in names:
+            results[name] = CASES[name](info, args.fix, args)
+            print(f"rank {info.rank}: case {name} (fix={args.fix}) finished: {results[name]}")
+        if args.breakpoint and args.case != "breakpoint":
+            results["breakpoint"] = case_breakpoint(info, args.fix, args)
+        write_rank_record(args.out, {"world_size": info.world_size, "cases": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""ddp-tutorial doctor: a healthy machine passes, a broken setting is reported (and exits 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+import torch
+
+from ddp_tutorial import doctor
+from ddp_tutorial.doctor import (
+    Finding,
+    check_interfaces,
+    check_port,
+    check_shm,
+    check_threads,
+    check_visible_devices,
+    exit_code,
+    format_findings,
+    run_checks,
+)
+
+
+def by_name(findings: list[Finding]) -> dict[str, Finding]:
+    return {f.check: f for f in findings}
+
+
+def test_finding_refuses_an_unknown_status():
+    with pytest.raises(ValueError, match="status must be one of"):
+        Finding("x", "bad", "")
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [(None, "ok"), ("", "ok"), ("-1", "ok"), ("0,1", "ok"), ("0,0", "fail"), ("0,,1", "fail")],
+)
+def test_visible_devices(value, status):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    finding = check_visible_devices(env)
+    assert finding.status == status, finding
+    if status == "fail":
+        assert "CUDA would silently see" in finding.detail and finding.fix
+
+
+def test_interfaces():
+    assert check_interfaces({}).status in ("ok", "warn")  # warn only if the hostname is broken
+    assert check_interfaces({"GLOO_SOCKET_IFNAME": "lo"}).status in ("ok", "warn")
+    bad = check_interfaces({"GLOO_SOCKET_IFNAME": "nope0"})
+    assert bad.status == "fail" and "'nope0' names no interface" in bad.detail
+    assert check_interfaces({"NCCL_SOCKET_IFNAME": "^nope"}).status != "fail"  # exclusion
+    assert check_interfaces({"NCCL_SOCKET_IFNAME": "lo"}).status != "fail"  # prefix of "lo"
+    assert check_interfaces({"NCCL_SOCKET_IFNAME": "=nope"}).status == "fail"
+
+
+def test_port_taken_is_a_failure():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        taken = check_port({"MASTER_PORT": str(port)})
+    assert taken.status == "fail" and "already in use" in taken.detail
+    assert "--standalone" in taken.fix
+    assert check_port({"MASTER_PORT": "http"}).status == "fail"
+    assert check_port({}).status in ("ok", "warn")
+
+
+def test_threads(monkeypatch):
+    monkeypatch.setattr("ddp_tutorial.environment.usable_cores", lambda: 4)
+    assert check_threads({}, 2).status == "ok"
+    assert check_threads({"OMP_NUM_THREADS": "2"}, 2).status == "ok"
+    over = check_threads({"OMP_NUM_THREADS": "8"}, 2)
+    assert over.status == "warn" and "16 threads on 4 cores" in over.detail
+    assert "OMP_NUM_THREADS=2" in over.fix
+    assert check_threads({"OMP_NUM_THREADS": "many"}, 2).status == "fail"
+
+
+def test_shm(monkeypatch, tmp_path):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: Usage(64 * 2**20, 0, 64 * 2**20))
+    small = check_shm(str(tmp_path))
+    assert small.status == "warn" and "--shm-size" in small.fix  # Docker's 64 MB default
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: Usage(8 * 2**30, 0, 8 * 2**30))
+    assert check_shm(str(tmp_path)).status == "ok"
+    assert check_shm(str(tmp_path / "missing")).status in ("warn", "skip")
+
+
+def test_static_checks_are_healthy_here_and_touch_no_cuda():
+    findings = run_checks(launch=False)
+    assert exit_code(findings) == 0, format_findings(findings)
+    assert not torch.cuda.is_initialized(), "the checker must not initialise CUDA"
+    names = [f.check for f in findings]
+    assert names == ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "backends", "port",
+                     "network", "threads", "shm", "gloo all_reduce", "nccl all_reduce"]  # fmt: skip
+    assert "ready to train" in format_findings(findings)
+
+
+def test_broken_settings_block_training():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,0", "GLOO_SOCKET_IFNAME": "nope0"}
+    findings = run_checks(env=env, launch=False)
+    failed = [f.check for f in findings if f.status == "fail"]
+    assert failed == ["CUDA_VISIBLE_DEVICES", "network"]
+    assert exit_code(findings) == 1
+    assert "2 problem(s) block training" in format_findings(findings)
+
+
+def test_full_check_with_real_launches_passes_here():
+    findings = by_name(run_checks())
+    assert findings["gloo all_reduce"].status == "ok", findings["gloo all_reduce"]
+    assert "sum of ranks = 1 on every rank" in findings["gloo all_reduce"].detail
+    from conftest import gpu_count
+
+    assert findings["nccl all_reduce"].status == ("ok" if gpu_count() else "skip")
+    assert not torch.cuda.is_initialized()
+
+
+def test_wrong_interface_fails_the_real_all_reduce():
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "nope0"}
+    finding = doctor.check_gloo(env, timeout=120)
+    assert finding.status == "fail"
+    assert "Unable to find address for: nope0" in finding.detail
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_tutorial.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_cli_exit_status():
+    healthy = run_cli("--no-launch", "--json")
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    report = json.loads(healthy.stdout)
+    assert report["ok"] is True and len(report["findings"]) == 11
+    broken = run_cli("--no-launch", CUDA_VISIBLE_DEVICES="1,1")
+    assert broken.returncode == 1
+    assert "[FAIL] CUDA_VISIBLE_DEVICES" in broken.stdout
+    assert "1 problem(s) block training" in broken.stdout
+
+
+@pytest.mark.gpu
+def test_nccl_probe_on_gpus():
+    from conftest import gpu_count
+
+    finding = doctor.check_nccl(dict(os.environ), gpu_count(), timeout=180)
+    assert finding.status == "ok", finding
+    assert "cuda" in finding.detail
