@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_tutorial.checkpoint import unwrap_model
+
 # --------------------------------------------------------------------------- datasets
 
 
@@ -346,16 +348,12 @@ class EvalResult:
     local_count: int  # samples this rank evaluated
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # Evaluate the plain module: a DDP forward may sync buffers, a collective
-    # that ranks with different batch counts would not all join.
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
 @torch.no_grad()
 def local_sums(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
     """``[correct, count, loss_sum]`` over one loader, as float64 (exact for counts < 2**53)."""
-    model = _unwrap(model)
+    # Evaluate the plain module: a DDP forward may sync buffers, a collective
+    # that ranks with different batch counts would not all join.
+    model = unwrap_model(model)
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)

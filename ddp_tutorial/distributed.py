@@ -15,7 +15,6 @@ one process: the same script can be stepped through in a debugger.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ddp_tutorial.launch import free_port
 
 BACKEND_ENV = "DDP_TUTORIAL_BACKEND"
 """Environment override for the backend ("auto", "gloo", "nccl")."""
@@ -109,12 +110,6 @@ def choose_backend(
     return "nccl", f"{gpus} GPU(s) for {local_world_size} local rank(s): nccl"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 
@@ -126,7 +121,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     if "RANK" not in os.environ:
         # Not under torchrun: a world of one, so the script runs in a debugger.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     rank = env_int("RANK", 0)
     local_rank = env_int("LOCAL_RANK", 0)
@@ -178,19 +173,29 @@ def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(f"ddp_tutorial/attempt_{attempt}", store)
 
 
-def cleanup() -> None:
-    """Leave the process group (safe to call twice, or when setup failed)."""
+def cleanup(barrier: bool = False) -> None:
+    """Leave the process group (safe to call twice, or when setup failed).
+
+    ``barrier``: first wait until every rank is done, so that no rank tears
+    down its connections while a peer is still talking to it. Only on a
+    normal exit: after an error the peers may never arrive.
+    """
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
 @contextmanager
 def process_group(backend: str | None = None, timeout_s: float | None = None) -> Iterator[DistInfo]:
     """``with process_group() as info:`` — :func:`cleanup` runs on every exit path."""
+    info = setup(backend, timeout_s)
     try:
-        yield setup(backend, timeout_s)
-    finally:
+        yield info
+    except BaseException:
         cleanup()
+        raise
+    cleanup(barrier=True)
 
 
 def get_rank() -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from ddp_tutorial import perf
 from ddp_tutorial.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import process_group
+from ddp_tutorial.environment import usable_cores
 from ddp_tutorial.models import MLP, build_model
 from ddp_tutorial.records import format_table, write_json
 
@@ -284,13 +284,6 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
     return {"samples_per_sec": metrics["samples_per_sec"], "steps": metrics["steps"]}
 
 
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     from ddp_tutorial.launch import default_nproc
 
@@ -300,7 +293,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "
               f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)  # fmt: skip
         plain_1 = run_plain(args, 1, tmp)
-        plain_all = run_plain(args, cores(), tmp)
+        plain_all = run_plain(args, usable_cores(), tmp)
         world1 = run_ddp(args, 1, tmp, extras=False)
         world_n = run_ddp(args, n, tmp, extras=True)
         template = None if args.no_template else run_template(args, n, tmp)
@@ -322,7 +315,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "allreduce": world_n["allreduce"],
         "knobs": world_n.get("knobs", []),
         "machine": {
-            "cores": cores(),
+            "cores": usable_cores(),
             "threads_per_rank": world_n["threads_per_rank"],
             "torch": torch.__version__,
             "backend": world_n["backend"],

@@ -32,7 +32,9 @@ from ddp_tutorial.records import write_rank_record
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("stray", "clean"), required=True)
-    parser.add_argument("--out", required=True, help="run directory (also holds the checkpoint)")
+    parser.add_argument(
+        "--out", default="runs/cuda_contexts", help="run directory (also holds the checkpoint)"
+    )
     return parser.parse_args()
 
 
@@ -43,6 +45,7 @@ def main() -> None:
         raise SystemExit("cuda_contexts.py needs CUDA GPUs; on a CPU there are no contexts to see")
     with process_group(backend="nccl") as info:  # binds cuda:LOCAL_RANK before init
         path = Path(args.out) / "weights.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
         if info.is_main:
             torch.save({"w": torch.randn(1 << 20, device=info.device)}, path)  # from cuda:0
         dist.barrier()

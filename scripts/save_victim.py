@@ -125,7 +125,8 @@ def run_mode(mode: str, directory: Path, trials: int, numel: int) -> dict:
             error = ""
         except CheckpointError as exc:
             version, intact, error = None, False, str(exc)
-        mid_write = kill["killed"] and (0 < kill["written_at_kill"] < full or bool(temps))
+        # "Mid-write": the kill landed after a quarter of the bytes and before the end.
+        mid_write = kill["killed"] and full // 4 < kill["written_at_kill"] < full
         outcomes.append(
             {
                 "trial": k,
