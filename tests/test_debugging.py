@@ -49,6 +49,7 @@ def lab(tmp_path_factory):
     return results, elapsed
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_lab_cases_all_fail_on_their_own(lab):
     results, elapsed = lab
     for name, run in results.items():
@@ -57,35 +58,41 @@ def test_lab_cases_all_fail_on_their_own(lab):
     assert elapsed < HARD_TIMEOUT
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_port_in_use(lab):
     run = lab[0]["port"]
     assert "EADDRINUSE" in run.output and not run.records
     assert any("address already in use" in ln for ln in key_lines(run.output))
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_unused_parameters_named_with_debug_info(lab):
     out = lab[0]["unused"].output
     assert "Expected to have finished reduction in the prior iteration" in out
     assert "Parameters which did not receive grad for rank 0: aux.bias, aux.weight" in out
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_skipped_collective_hangs_until_the_timeout(lab):
     out = lab[0]["skip"].output
     assert f"Timed out waiting {HANG * 1000}ms" in out
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_monitored_barrier_names_the_missing_rank(lab):
     run = lab[0]["skip-monitored"]
     assert "Rank 1 failed to pass monitoredBarrier" in run.output
     assert "failed to pass monitoredBarrier" in run.rank_log(0, "stderr")  # said by rank 0
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_detail_names_the_shape_mismatch(lab):
     out = lab[0]["shape"].output
     assert "Detected mismatch between collectives on ranks" in out
     assert "Tensor Tensor shapes: 2vs 3" in out
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_unchecked_shape_mismatch_is_not_a_clean_run(lab):
     # Without DETAIL gloo does not compare shapes: a crash, a hang or a wrong sum, never a
     # clean run in which both ranks agree on the counts.
@@ -94,11 +101,13 @@ def test_unchecked_shape_mismatch_is_not_a_clean_run(lab):
     assert not run.ok or len({tuple(c) for c in counts}) > 1
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_rank0_only_evaluation_hangs(lab):
     out = lab[0]["rank0-eval"].output
     assert f"Timed out waiting {HANG * 1000}ms" in out
 
 
+@pytest.mark.slow  # shares one run of eight broken launches
 def test_uneven_inputs_hang(lab):
     assert f"Timed out waiting {HANG * 1000}ms" in lab[0]["uneven"].output
 

@@ -19,6 +19,7 @@ TRAIN = ["--model", "mlp", "--image-size", "8", "--num-samples", "256", "--num-v
          "--epochs", "2", "--batch-size", "32", "--no-progress"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_template_trains_across_two_nodes(tmp_path):
     ckpt = tmp_path / "shared" / "ckpt"
     nodes = multinode(SCRIPTS / "train.py", *TRAIN, "--checkpoint-dir", ckpt, nnodes=2,
@@ -41,6 +42,7 @@ def test_template_trains_across_two_nodes(tmp_path):
     assert final and not any(k.startswith("module.") for k in final), "the plain model's keys"
 
 
+@pytest.mark.slow
 def test_local_rank_zero_guard_means_one_writer_per_node(tmp_path):
     nodes = multinode(SCRIPTS / "save_race.py", "--dir", tmp_path / "disk", "--modes",
                       "local-rank-0,rank-0-atomic", "--rounds", 3, "--numel", 100_000,
@@ -54,6 +56,7 @@ def test_local_rank_zero_guard_means_one_writer_per_node(tmp_path):
         assert rec["results"]["rank-0-atomic"]["ok"] == 3
 
 
+@pytest.mark.slow
 def test_elastic_starts_alone_and_a_missing_node_times_out(tmp_path):
     runs = run_cases(
         {
@@ -100,6 +103,11 @@ def test_sbatch_honours_overrides():
     assert words[0] == "OMP_NUM_THREADS=3"
     assert "a:31000" in words and "/shared/run1" in words
     assert words[words.index("--max-restarts") + 1] == "0"
+
+
+def test_sbatch_never_sets_zero_threads():
+    words = render_sbatch(SBATCH, slurm_env={"SLURM_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "8"})
+    assert words[0] == "OMP_NUM_THREADS=1"
 
 
 def test_render_sbatch_bad_input(tmp_path):
