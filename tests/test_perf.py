@@ -67,6 +67,7 @@ def test_benchmark_quick_writes_every_key(tmp_path):
         "knobs",
         "template",
         "machine",
+        "hardware_ceiling",
     ):
         assert key in r, key
     for key in ("cores", "threads_per_rank", "torch", "backend", "device"):
