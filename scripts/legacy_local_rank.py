@@ -55,11 +55,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     env_local_rank = os.environ.get("LOCAL_RANK")
-    print(
+    line = (
         f"RANK={os.environ.get('RANK')} style={args.style}: args.local_rank={args.local_rank}, "
-        f"env LOCAL_RANK={env_local_rank}, argv={sys.argv[1:]}",
-        flush=True,
+        f"env LOCAL_RANK={env_local_rank}, argv={sys.argv[1:]}\n"
     )
+    # One write per line: two ranks share this pipe, and separate writes of the
+    # text and its newline can interleave with the other rank's.
+    sys.stdout.write(line)
+    sys.stdout.flush()
     if args.out:
         rank = os.environ.get("RANK", "0")
         record = {
