@@ -243,7 +243,9 @@ def allreduce_curve(
     """Measured all_reduce time per message size (log-log) and the fitted ring model."""
     fig, ax = _axes(ax, figsize=(6, 3.5))
     sizes = [r["bytes"] for r in sweep]
-    ax.loglog(sizes, [1e3 * r["seconds"] for r in sweep], "o", label="measured (median)")
+    ax.loglog(sizes, [1e3 * r["seconds"] for r in sweep], "o", mfc="none", label="median")
+    if all("best_seconds" in r for r in sweep):
+        ax.loglog(sizes, [1e3 * r["best_seconds"] for r in sweep], "o", label="best (fitted)")
     if fit is not None:
         label = (
             f"α + 2(N−1)/N·S/B: α = {1e6 * fit['alpha_s']:.0f} µs, "

@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--knob-hidden", type=int, default=None, help="width of the knobs' MLP")
     p.add_argument("--no-knobs", action="store_true")
     p.add_argument("--no-template", action="store_true")
+    p.add_argument("--repeats", type=int, default=None, help="runs per configuration (best kept)")
     # worker roles (internal)
     p.add_argument("--role", choices=["orchestrate", "plain", "ddp"], default="orchestrate")
     p.add_argument("--threads", type=int, default=1)
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (8 if args.quick else 40)
     args.warmup = args.warmup or (2 if args.quick else 5)
     args.knob_hidden = args.knob_hidden or (256 if args.quick else 1024)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     return args
 
 
@@ -147,7 +151,7 @@ def ddp_throughput(
 
 
 def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict[str, float]]:
-    """Median all_reduce time per message size, 1 KB to 64 MB (4 MB in quick mode)."""
+    """All_reduce time (median and best) per message size, 1 KB to 64 MB (4 MB in quick mode)."""
     top = 4 * 2**20 if args.quick else 64 * 2**20
     sizes, size = [], 1024
     while size <= top:
@@ -167,13 +171,18 @@ def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict
                 torch.cuda.synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        t = torch.tensor([perf.percentile(times, 50)], dtype=torch.float64, device=device)
+        # median: the typical call; best: the call undisturbed by anything else on the
+        # machine, what a latency + bandwidth model describes (the fit uses it).
+        t = torch.tensor(
+            [perf.percentile(times, 50), min(times)], dtype=torch.float64, device=device
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        seconds = t.item()
+        seconds, best = t.tolist()
         rows.append(
             {
                 "bytes": size,
                 "seconds": seconds,
+                "best_seconds": best,
                 "busbw_GBps": perf.bus_bandwidth(size, seconds, world) / 1e9,
             }
         )
@@ -293,6 +302,12 @@ def run_ddp(args: argparse.Namespace, nproc: int, tmp: Path, extras: bool) -> di
     return json.loads(out.read_text())
 
 
+def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the highest throughput, with every run's throughput attached."""
+    best = max(runs, key=lambda r: r["samples_per_sec"])
+    return {**best, "repeats": [r["samples_per_sec"] for r in runs]}
+
+
 def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, Any]:
     """scripts/train.py with its monitor, bar and metrics, on the same model and batch."""
     from ddp_tutorial.launch import torchrun
@@ -318,11 +333,22 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(tmpdir)
         print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "
               f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)  # fmt: skip
-        plain_1 = run_plain(args, 1, tmp)
-        plain_all = run_plain(args, usable_cores(), tmp)
-        world1 = run_ddp(args, 1, tmp, extras=False)
-        world_n = run_ddp(args, n, tmp, extras=True)
-        ceiling = run_plain_concurrent(args, n, tmp)
+        # Each configuration `repeats` times, interleaved so that a slow patch of the
+        # machine hits all of them alike; the best run of each is reported (one run's
+        # noise on a small shared VM is tens of percent).
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("p1", "pall", "w1", "wn", "c")}
+        for repeat in range(args.repeats):
+            runs["p1"].append(run_plain(args, 1, tmp))
+            runs["pall"].append(run_plain(args, usable_cores(), tmp))
+            runs["w1"].append(run_ddp(args, 1, tmp, extras=False))
+            runs["wn"].append(run_ddp(args, n, tmp, extras=repeat == 0))
+            runs["c"].append(run_plain_concurrent(args, n, tmp))
+        plain_1, plain_all, world1, ceiling = (best_run(runs[k]) for k in ("p1", "pall", "w1", "c"))
+        world_n = {**runs["wn"][0], **best_run(runs["wn"])}
+        world_n = {**world_n, "allreduce": runs["wn"][0]["allreduce"]}
+        if "knobs" in runs["wn"][0]:
+            world_n["knobs"] = runs["wn"][0]["knobs"]
+            world_n["with_loader"] = runs["wn"][0]["with_loader"]
         template = None if args.no_template else run_template(args, n, tmp)
     result: dict[str, Any] = {
         "plain_1thread": plain_1,
@@ -368,7 +394,8 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     }
     if n > 1:
         sweep = result["allreduce"]
-        fit = perf.fit_ring_model([r["bytes"] for r in sweep], [r["seconds"] for r in sweep], n)
+        best = [r["best_seconds"] for r in sweep]
+        fit = perf.fit_ring_model([r["bytes"] for r in sweep], best, n)
         result["ring_fit"] = fit
     if template is not None:
         bare = world_n["with_loader"]["samples_per_sec"]
