@@ -211,7 +211,11 @@ def parse_failures(output: str, run_dir: Path) -> list[RankFailure]:
             logs = sorted((run_dir / "logs").glob(f"**/attempt_*/{local}/stderr.log"))
             tb = logs[-1].read_text(errors="replace") if logs else m["tb"]
         failures.append(RankFailure(rank, local, code, sig, _tail(tb)))
-    return failures
+    # torchrun stops the surviving ranks with SIGTERM, and it prefers a rank that left an
+    # error file as the "root cause": a rank that died by SIGKILL leaves none, and its peer
+    # (which then failed in a collective and got SIGTERM) can be named instead. A rank
+    # that torchrun did not terminate itself is the better root cause.
+    return sorted(failures, key=lambda f: f.signal == "SIGTERM")
 
 
 def _build_command(

@@ -118,3 +118,33 @@ def test_missing_script_fails_before_launch(tmp_path):
 def test_bad_nproc_fails_before_launch(nproc):
     with pytest.raises(ValueError, match="nproc must be a positive integer"):
         torchrun(SCRIPTS / "hello.py", nproc=nproc)
+
+
+SIGKILLED_PEER_SUMMARY = """
+Failures:
+[1]:
+  time      : 2026-11-29_21:00:01
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 12
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_21:00:00
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 11
+============================================================
+"""
+
+
+def test_a_killed_rank_is_named_before_the_one_torchrun_terminated(tmp_path):
+    """torchrun can call the SIGTERM'd peer the root cause; the SIGKILL'd rank comes first."""
+    from ddp_tutorial.launch import parse_failures
+
+    failures = parse_failures(SIGKILLED_PEER_SUMMARY, tmp_path)
+    assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL"), (0, "SIGTERM")]
