@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -138,6 +139,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     if timeout_s is None:
         timeout_s = float(os.environ.get("DDP_TUTORIAL_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
+        _import_before_init()
         dist.init_process_group(
             backend=name,
             rank=rank,
@@ -146,6 +148,27 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
             store=_restart_safe_store(world_size, timeout_s),
         )
     return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
+
+
+def _import_before_init() -> None:
+    """Import ``torch.distributed.nn`` while no process group exists yet.
+
+    Its functions declare ``group=group.WORLD`` as a default argument, which
+    Python evaluates once, at import. DDP's constructor imports the module
+    (through ``torch._dynamo``), so in a normal script it is imported *after*
+    ``init_process_group`` and its defaults hold the default group for the
+    rest of the process: ``destroy_process_group`` can then never free it.
+    gloo's worker threads stay alive into interpreter shutdown, and a worker
+    that drops the last reference to a finished collective's tensor then
+    needs the GIL; Python kills such a thread inside a C++ destructor and the
+    rank dies with "terminate called without an active exception" (SIGABRT),
+    after training succeeded. Imported first, the defaults are ``None``, and
+    destroying the group really joins its threads while Python is alive.
+    """
+    try:
+        import torch.distributed.nn  # noqa: F401
+    except ImportError:  # a build without RPC: nothing imports it later either
+        pass
 
 
 def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
@@ -196,6 +219,29 @@ def process_group(backend: str | None = None, timeout_s: float | None = None) ->
         cleanup()
         raise
     cleanup(barrier=True)
+
+
+BACKEND_THREAD_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")
+"""Names PyTorch gives a process group's own threads (gloo's I/O loop and workers, nccl's)."""
+
+
+def backend_threads() -> list[str] | None:
+    """Names of this process's process-group threads; ``None`` off Linux.
+
+    After :func:`cleanup` the list should be empty: a group that outlives
+    ``destroy_process_group`` keeps its threads into interpreter shutdown
+    (see :func:`_import_before_init`). Read from ``/proc/self/task``.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while we looked
+            continue
+    return sorted(n for n in names if n.startswith(BACKEND_THREAD_PREFIXES))
 
 
 def get_rank() -> int:

@@ -208,8 +208,11 @@ def parse_failures(output: str, run_dir: Path) -> list[RankFailure]:
         if m["file"] and m["file"] != "<N/A>":
             tb = _read_error_file(m["file"])
         if not tb:
-            logs = sorted((run_dir / "logs").glob(f"**/attempt_*/{local}/stderr.log"))
-            tb = logs[-1].read_text(errors="replace") if logs else m["tb"]
+            # A run directory can hold several launches (a resume): this one wrote last.
+            logs = list((run_dir / "logs").glob(f"**/attempt_*/{local}/stderr.log"))
+            newest = max(logs, key=lambda p: p.stat().st_mtime, default=None)
+            tb = newest.read_text(errors="replace") if newest else ""
+            tb = tb if tb.strip() else m["tb"]
         failures.append(RankFailure(rank, local, code, sig, _tail(tb)))
     # torchrun stops the surviving ranks with SIGTERM, and it prefers a rank that left an
     # error file as the "root cause": a rank that died by SIGKILL leaves none, and its peer
@@ -439,7 +442,9 @@ def start(
     run_dir.mkdir(parents=True, exist_ok=True)
     str_args = [str(a) for a in args]
     cmd = _build_command(script, str_args, nproc, run_dir, standalone, torchrun_args, out_flag)
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # PYTHONFAULTHANDLER: a rank killed by SIGABRT or SIGSEGV prints every thread's
+    # Python stack, so even a crash inside C++ says where Python was.
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     return Launch(
         script,
         cmd,

@@ -148,3 +148,26 @@ def test_a_killed_rank_is_named_before_the_one_torchrun_terminated(tmp_path):
 
     failures = parse_failures(SIGKILLED_PEER_SUMMARY, tmp_path)
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL"), (0, "SIGTERM")]
+
+
+def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
+    """A rank killed by a signal leaves no error file: its stderr tail is the evidence.
+
+    A resumed run writes a second log tree into the same run directory; the
+    message must come from the launch that failed (the newest log), not from
+    the first launch's empty one.
+    """
+    import os
+
+    from ddp_tutorial.launch import parse_failures
+
+    old = tmp_path / "logs" / "ffff_first" / "attempt_0" / "1" / "stderr.log"
+    new = tmp_path / "logs" / "0000_second" / "attempt_0" / "1" / "stderr.log"
+    for path, text in ((old, ""), (new, "terminate called without an active exception\n")):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    os.utime(old, (1_000, 1_000))  # the first launch's log, older (and sorted last by name)
+    summary = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)")
+    failures = parse_failures(summary, tmp_path)
+    assert (failures[0].rank, failures[0].signal) == (1, "SIGABRT")
+    assert "terminate called without an active exception" in failures[0].traceback
