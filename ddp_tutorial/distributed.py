@@ -15,6 +15,7 @@ one process: the same script can be stepped through in a debugger.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def _import_before_init() -> None:
     """
     try:
         import torch.distributed.nn  # noqa: F401
-    except ImportError:  # a build without RPC: nothing imports it later either
+    except ImportError:  # a build without torch.distributed: nothing to pin either
         pass
 
 
@@ -225,23 +226,31 @@ BACKEND_THREAD_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")
 """Names PyTorch gives a process group's own threads (gloo's I/O loop and workers, nccl's)."""
 
 
-def backend_threads() -> list[str] | None:
+def backend_threads(settle_s: float = 0.0) -> list[str] | None:
     """Names of this process's process-group threads; ``None`` off Linux.
 
     After :func:`cleanup` the list should be empty: a group that outlives
     ``destroy_process_group`` keeps its threads into interpreter shutdown
     (see :func:`_import_before_init`). Read from ``/proc/self/task``.
+    ``settle_s``: wait up to that long for the list to empty, because a
+    thread that has just been joined can stay listed for a moment while the
+    kernel removes it (a group that was never freed stays listed).
     """
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return None
-    names = []
-    for task in tasks.iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # the thread ended while we looked
-            continue
-    return sorted(n for n in names if n.startswith(BACKEND_THREAD_PREFIXES))
+    deadline = time.monotonic() + settle_s
+    while True:
+        names: list[str] = []
+        for task in tasks.iterdir():
+            try:
+                names.append((task / "comm").read_text().strip())
+            except OSError:  # the thread ended while we looked
+                continue
+        found = sorted(n for n in names if n.startswith(BACKEND_THREAD_PREFIXES))
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.02)
 
 
 def get_rank() -> int:

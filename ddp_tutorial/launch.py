@@ -89,8 +89,18 @@ class RunResult:
 
     def rank_log(self, rank: int, stream: str = "stdout") -> str:
         """The text one local rank wrote to ``stdout``/``stderr`` (last attempt)."""
-        logs = sorted((self.run_dir / "logs").glob(f"**/attempt_*/{rank}/{stream}.log"))
-        return logs[-1].read_text(errors="replace") if logs else ""
+        log = newest_log(self.run_dir, rank, stream)
+        return log.read_text(errors="replace") if log else ""
+
+
+def newest_log(run_dir: Path, local_rank: int, stream: str = "stderr") -> Path | None:
+    """The log torchrun's ``--log-dir`` got last from ``local_rank`` (``None`` if none).
+
+    By time, not by name: a run directory can hold several launches (a
+    resumed run) and restarts, and the launch ids in the paths are random.
+    """
+    logs = (run_dir / "logs").glob(f"**/attempt_*/{local_rank}/{stream}.log")
+    return max(logs, key=lambda p: p.stat().st_mtime, default=None)
 
 
 class LaunchError(RuntimeError):
@@ -171,6 +181,23 @@ def _tail(text: str, lines: int = TRACEBACK_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+def _crash_report(stderr: str) -> str:
+    """From the line before faulthandler's "Fatal Python error" on, if there is one.
+
+    A rank killed by a signal has no Python traceback; with
+    ``PYTHONFAULTHANDLER`` its stderr ends with the C++ message (e.g.
+    "terminate called without an active exception"), "Fatal Python error:
+    Aborted" and every thread's stack, innermost frame first, then a long
+    list of extension modules. Its first lines are what explain the crash.
+    """
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            report = [x for x in lines[max(i - 1, 0) :] if not x.startswith("Extension modules:")]
+            return "\n".join(report[:TRACEBACK_TAIL_LINES])
+    return stderr
+
+
 def _read_error_file(path: str) -> str:
     """The traceback that ``@record`` saved in torchrun's error file, if any."""
     import json
@@ -208,11 +235,9 @@ def parse_failures(output: str, run_dir: Path) -> list[RankFailure]:
         if m["file"] and m["file"] != "<N/A>":
             tb = _read_error_file(m["file"])
         if not tb:
-            # A run directory can hold several launches (a resume): this one wrote last.
-            logs = list((run_dir / "logs").glob(f"**/attempt_*/{local}/stderr.log"))
-            newest = max(logs, key=lambda p: p.stat().st_mtime, default=None)
-            tb = newest.read_text(errors="replace") if newest else ""
-            tb = tb if tb.strip() else m["tb"]
+            log = newest_log(run_dir, local)
+            tb = log.read_text(errors="replace") if log else ""
+            tb = _crash_report(tb) if tb.strip() else m["tb"]
         failures.append(RankFailure(rank, local, code, sig, _tail(tb)))
     # torchrun stops the surviving ranks with SIGTERM, and it prefers a rank that left an
     # error file as the "root cause": a rank that died by SIGKILL leaves none, and its peer

@@ -45,7 +45,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def group_pinned_by_defaults() -> bool:
-    """Does a torch.distributed.nn default argument hold a process group right now?"""
+    """Does a torch.distributed.nn default argument hold a process group right now?
+
+    Call it only after DDP: importing the module is itself what pins the
+    group, and DDP's constructor has imported it by then anyway.
+    """
     import torch.distributed.nn.functional as F
 
     return any(isinstance(d, dist.ProcessGroup) for d in F.all_reduce.__defaults__ or ())
@@ -79,7 +83,7 @@ def main() -> None:
     threads_in_group = backend_threads()
     pinned = group_pinned_by_defaults()
     cleanup(barrier=True)  # barrier, then destroy_process_group
-    left = backend_threads()
+    left = backend_threads(settle_s=1.0)  # a pinned group's threads stay; joined ones go
     print(f"rank {rank} ({args.init}): backend threads after leaving: {left}", flush=True)
     write_rank_record(
         args.out,

@@ -94,7 +94,7 @@ with process_group(backend="gloo"):
     model(torch.ones(3, 4)).sum().backward()
     print("threads in the group:", backend_threads())
     del model
-print("threads left:", backend_threads())
+print("threads left:", backend_threads(settle_s=1.0))
 """
 
 

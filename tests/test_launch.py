@@ -171,3 +171,29 @@ def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
     failures = parse_failures(summary, tmp_path)
     assert (failures[0].rank, failures[0].signal) == (1, "SIGABRT")
     assert "terminate called without an active exception" in failures[0].traceback
+
+
+def test_a_crash_report_starts_at_the_cpp_message_not_the_module_list(tmp_path):
+    """With faulthandler on, the message shows the C++ line and the crashed thread's stack."""
+    from ddp_tutorial.launch import parse_failures
+
+    log = tmp_path / "logs" / "run" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    threads = "".join(
+        f'Thread 0x{i:x} (most recent call first):\n  File "x.py", line {i}\n\n' for i in range(20)
+    )
+    log.write_text(
+        "rank 1 trained\n"
+        "terminate called without an active exception\n"
+        "Fatal Python error: Aborted\n\n"
+        "Current thread 0x1 (most recent call first):\n  <no Python frame>\n\n"
+        + threads
+        + "Extension modules: numpy, torch._C (total: 2)\n"
+    )
+    summary = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)")
+    report = parse_failures(summary, tmp_path)[0].traceback
+    assert report.splitlines()[:2] == [
+        "terminate called without an active exception",
+        "Fatal Python error: Aborted",
+    ]
+    assert "<no Python frame>" in report and "Extension modules" not in report
