@@ -15,6 +15,7 @@ one process: the same script can be stepped through in a debugger.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,6 +171,19 @@ def _import_before_init() -> None:
         import torch.distributed.nn  # noqa: F401
     except ImportError:  # a build without torch.distributed: nothing to pin either
         pass
+
+
+def group_held_by_defaults() -> bool:
+    """True when ``torch.distributed.nn``'s default arguments hold a process group.
+
+    That is the leak :func:`_import_before_init` prevents. It looks without
+    importing: importing the module after ``init_process_group`` is itself
+    what would pin the group.
+    """
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is None:
+        return False
+    return any(isinstance(d, dist.ProcessGroup) for d in functional.all_reduce.__defaults__ or ())
 
 
 def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -32,8 +33,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.distributed import backend_threads, cleanup, setup
+from ddp_tutorial.anatomy import global_batch, sgd_step, shard, tiny_model
+from ddp_tutorial.distributed import backend_threads, cleanup, group_held_by_defaults, setup
 from ddp_tutorial.records import write_rank_record
+
+PINNING_MODULE = "torch.distributed.nn"  # DDP imports it; its defaults can hold the group
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,31 +48,18 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def group_pinned_by_defaults() -> bool:
-    """Does a torch.distributed.nn default argument hold a process group right now?
-
-    Call it only after DDP: importing the module is itself what pins the
-    group, and DDP's constructor has imported it by then anyway.
-    """
-    import torch.distributed.nn.functional as F
-
-    return any(isinstance(d, dist.ProcessGroup) for d in F.all_reduce.__defaults__ or ())
-
-
 def train_a_little(steps: int) -> float:
     """A few DDP steps and a gathered result: the collectives a real run ends with."""
-    torch.manual_seed(dist.get_rank())
-    model = DDP(
-        torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(tiny_model(seed=rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        model(torch.randn(16, 32)).square().mean().backward()
-        optimizer.step()
-    losses: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, float(model(torch.randn(16, 32)).square().mean()))
-    return sum(losses) / len(losses)  # type: ignore[arg-type]
+    loss = float("nan")
+    for step in range(steps):
+        x, y = global_batch(step, 16 * world)
+        loss = sgd_step(model, shard(x, rank, world), shard(y, rank, world), optimizer)
+    losses: list[float] = [0.0] * world
+    dist.all_gather_object(losses, loss)
+    return sum(losses) / world
 
 
 @record
@@ -79,9 +70,11 @@ def main() -> None:
     else:
         setup(backend="gloo")
     rank = dist.get_rank()
+    imported_at_init = PINNING_MODULE in sys.modules
     loss = train_a_little(args.steps)  # the model is gone when this returns
+    imported_after_ddp = PINNING_MODULE in sys.modules
     threads_in_group = backend_threads()
-    pinned = group_pinned_by_defaults()
+    pinned = group_held_by_defaults()
     cleanup(barrier=True)  # barrier, then destroy_process_group
     left = backend_threads(settle_s=1.0)  # a pinned group's threads stay; joined ones go
     print(f"rank {rank} ({args.init}): backend threads after leaving: {left}", flush=True)
@@ -92,6 +85,8 @@ def main() -> None:
             "final_loss": loss,
             "threads_in_group": threads_in_group,
             "threads_after_leaving": left,
+            "nn_imported_at_init": imported_at_init,
+            "nn_imported_after_ddp": imported_after_ddp,
             "group_pinned_by_defaults": pinned,
             "pid": os.getpid(),
         },

@@ -87,12 +87,13 @@ def test_nccl_on_cpu_machine_fails_clearly_under_torchrun(tmp_path):
 LEAVE_AFTER_DDP = """
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from ddp_tutorial.distributed import backend_threads, process_group
+from ddp_tutorial.distributed import backend_threads, group_held_by_defaults, process_group
 
 with process_group(backend="gloo"):
     model = DDP(torch.nn.Linear(4, 2))  # imports torch.distributed.nn (via torch._dynamo)
     model(torch.ones(3, 4)).sum().backward()
     print("threads in the group:", backend_threads())
+    print("held by a default:", group_held_by_defaults())
     del model
 print("threads left:", backend_threads(settle_s=1.0))
 """
@@ -116,4 +117,5 @@ def test_leaving_the_group_really_frees_it(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "threads in the group: ['gloo" in proc.stdout, proc.stdout  # the check can see them
+    assert "held by a default: False" in proc.stdout, proc.stdout
     assert "threads left: []" in proc.stdout, proc.stdout + proc.stderr

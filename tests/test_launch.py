@@ -150,6 +150,11 @@ def test_a_killed_rank_is_named_before_the_one_torchrun_terminated(tmp_path):
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL"), (0, "SIGTERM")]
 
 
+ABORTED_PEER_SUMMARY = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)").replace(
+    "Signal 9 (SIGKILL)", "Signal 6 (SIGABRT)"
+)
+
+
 def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
     """A rank killed by a signal leaves no error file: its stderr tail is the evidence.
 
@@ -167,8 +172,7 @@ def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
         path.parent.mkdir(parents=True)
         path.write_text(text)
     os.utime(old, (1_000, 1_000))  # the first launch's log, older (and sorted last by name)
-    summary = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)")
-    failures = parse_failures(summary, tmp_path)
+    failures = parse_failures(ABORTED_PEER_SUMMARY, tmp_path)
     assert (failures[0].rank, failures[0].signal) == (1, "SIGABRT")
     assert "terminate called without an active exception" in failures[0].traceback
 
@@ -190,8 +194,7 @@ def test_a_crash_report_starts_at_the_cpp_message_not_the_module_list(tmp_path):
         + threads
         + "Extension modules: numpy, torch._C (total: 2)\n"
     )
-    summary = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)")
-    report = parse_failures(summary, tmp_path)[0].traceback
+    report = parse_failures(ABORTED_PEER_SUMMARY, tmp_path)[0].traceback
     assert report.splitlines()[:2] == [
         "terminate called without an active exception",
         "Fatal Python error: Aborted",
