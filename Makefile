@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test lab lint format strip gpu-check clean
+.PHONY: run test test-fast lab lint format strip gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP)  ## lint + the whole pytest suite (unit, torchrun, notebooks)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun and no notebook
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -m "not torchrun and not notebook" $(PYTEST_ARGS)
 
 lab: $(STAMP)  ## JupyterLab on notebooks/ (token auth stays on)
 	$(BIN)/jupyter lab notebooks/

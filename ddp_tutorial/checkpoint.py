@@ -28,25 +28,16 @@ This module is what every script in the course uses:
   ``_orig_mod.`` (``torch.compile``) with torch's
   ``consume_prefix_in_state_dict_if_present`` and checks keys strictly,
   listing missing/unexpected keys and shape mismatches.
-* :func:`training_state` / :func:`restore_training_state` — everything an
-  exact resume needs: model, optimizer, AMP scaler, epoch, step, position in
-  the epoch, the sampler's epoch and every rank's RNG states.
 
-A training-state checkpoint is a plain dict (format :data:`FORMAT_VERSION`)::
-
-    {"format": 1, "model": {...}, "optimizer": {...}, "scaler": {...} | None,
-     "epoch": int,            # the epoch to run next (or the one in progress)
-     "step": int,             # optimizer steps done in total
-     "batch_in_epoch": int,   # batches of `epoch` already consumed (0 at an epoch boundary)
-     "sampler_epoch": int,    # the value passed to sampler.set_epoch
-     "world_size": int, "rng": [per-rank capture_rng_state()], "extra": {...}}
+What goes *into* a resumable checkpoint (optimizer, position in the epoch, RNG
+states) and how snapshot folders are kept is :mod:`ddp_tutorial.snapshots`;
+this module only makes files safe.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import random
 import re
 import uuid
 import zipfile
@@ -60,11 +51,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-FORMAT_VERSION = 1
+from ddp_tutorial.models import unwrap_model
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 """Prefixes added by wrappers: DDP/DataParallel ``module.``, ``torch.compile`` ``_orig_mod.``."""
 
-SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)\.pt$")
 TEMP_SUFFIX = ".tmp"
 
 PathLike = str | os.PathLike[str]
@@ -176,7 +167,7 @@ def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
     return path
 
 
-def _group_active() -> bool:
+def group_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
@@ -194,7 +185,7 @@ def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Pat
     Without a process group (one process) it is just :func:`atomic_save`.
     """
     path = Path(path)
-    if not _group_active():
+    if not group_active():
         return atomic_save(state, path, check_plain)
     failure: Exception | None = None
     if dist.get_rank() == 0:
@@ -264,6 +255,27 @@ def load_checkpoint(
     (seed 001: a file written by rank 0 opened on rank 1's GPU), or a callable.
     Every failure is a :class:`CheckpointError` naming the file and the problem.
     """
+    path = _existing_file(path)
+    size = path.stat().st_size
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        raise _unpickling_error(path, size, str(exc)) from None
+    except EOFError:
+        raise CheckpointError(
+            f"checkpoint {path} is empty ({size} bytes): the writer was killed right after "
+            f"opening it, or it is still being written by another process"
+        ) from None
+    except (RuntimeError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise _load_error(path, size, exc) from None
+    except PermissionError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
+    except OSError as exc:  # e.g. EINVAL when the zip index points past the end of a cut file
+        raise _corrupt(path, size, str(exc)) from None
+
+
+def _existing_file(path: PathLike) -> Path:
+    """``path`` if it is a file; otherwise an error that lists what the folder does hold."""
     path = Path(path)
     if not path.exists():
         hint = ""
@@ -275,64 +287,47 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
-    size = path.stat().st_size
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if "Weights only load failed" in text:
-            what = _refused_global(text) or "an object that is not a tensor or a plain value"
-            raise CheckpointError(
-                f"checkpoint {path} holds {what}, which torch.load(weights_only=True) refuses "
-                f"to rebuild. That refusal is a security feature: unpickling an arbitrary "
-                f"object can run any code its author chose, so a downloaded or shared "
-                f"checkpoint must never be loaded with weights_only=False unless you trust "
-                f"whoever wrote it. Keep checkpoints to tensors and plain types (dicts, lists, "
-                f"numbers, strings); if this file is your own, re-save it that way."
-            ) from None
-        raise _corrupt(path, size, _first_line(text)) from None
-    except EOFError:
-        raise CheckpointError(
-            f"checkpoint {path} is empty ({size} bytes): the writer was killed right after "
-            f"opening it, or it is still being written by another process"
-        ) from None
-    except (RuntimeError, KeyError, ValueError, zipfile.BadZipFile) as exc:
-        text = str(exc)
-        if "Attempting to deserialize object on a CUDA device" in text or (
-            "CUDA" in text and "is_available" in text
-        ):
-            raise CheckpointError(
-                f"checkpoint {path} holds tensors saved on a GPU and this process has no CUDA "
-                f"device for them: load it with map_location='cpu' (or this rank's device). "
-                f"torch says: {_first_line(text)}"
-            ) from None
-        if "legacy .tar format" in text:
-            raise CheckpointError(
-                f"checkpoint {path} uses the legacy (pre-1.6) tar format, which "
-                f"weights_only=True cannot read; re-save it with a current torch.save"
-            ) from None
-        if (
-            "PytorchStreamReader" in text
-            or "does not match expected size" in text
-            or isinstance(exc, KeyError | zipfile.BadZipFile)
-        ):
-            raise _corrupt(path, size, _first_line(text) or type(exc).__name__) from None
-        raise CheckpointError(f"cannot load checkpoint {path}: {_first_line(text)}") from None
-    except PermissionError as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
-    except OSError as exc:  # e.g. EINVAL when the zip index points past the end of a cut file
-        raise _corrupt(path, size, str(exc)) from None
+    return path
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
+def _unpickling_error(path: Path, size: int, text: str) -> CheckpointError:
+    """``weights_only`` refusing an object (say why that is a feature), or a corrupt file."""
+    if "Weights only load failed" not in text:
+        return _corrupt(path, size, _first_line(text))
+    what = _refused_global(text) or "an object that is not a tensor or a plain value"
+    return CheckpointError(
+        f"checkpoint {path} holds {what}, which torch.load(weights_only=True) refuses "
+        f"to rebuild. That refusal is a security feature: unpickling an arbitrary "
+        f"object can run any code its author chose, so a downloaded or shared "
+        f"checkpoint must never be loaded with weights_only=False unless you trust "
+        f"whoever wrote it. Keep checkpoints to tensors and plain types (dicts, lists, "
+        f"numbers, strings); if this file is your own, re-save it that way."
+    )
+
+
+def _load_error(path: Path, size: int, exc: Exception) -> CheckpointError:
+    """torch's RuntimeError/KeyError/… in words: GPU tensors, legacy format, corruption."""
+    text = str(exc)
+    if "Attempting to deserialize object on a CUDA device" in text or (
+        "CUDA" in text and "is_available" in text
+    ):
+        return CheckpointError(
+            f"checkpoint {path} holds tensors saved on a GPU and this process has no CUDA "
+            f"device for them: load it with map_location='cpu' (or this rank's device). "
+            f"torch says: {_first_line(text)}"
+        )
+    if "legacy .tar format" in text:
+        return CheckpointError(
+            f"checkpoint {path} uses the legacy (pre-1.6) tar format, which "
+            f"weights_only=True cannot read; re-save it with a current torch.save"
+        )
+    if (
+        "PytorchStreamReader" in text
+        or "does not match expected size" in text
+        or isinstance(exc, KeyError | zipfile.BadZipFile)
+    ):
+        return _corrupt(path, size, _first_line(text) or type(exc).__name__)
+    return CheckpointError(f"cannot load checkpoint {path}: {_first_line(text)}")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -440,198 +435,6 @@ def load_model_state(
         raise CheckpointError("; ".join(parts[:-1]) + ". " + parts[-1])
     target.load_state_dict(state_dict, strict=strict)
     return missing, unexpected
-
-
-# --------------------------------------------------------------------------- RNG states
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's random number generator states, as tensors and plain values.
-
-    torch (CPU), every CUDA device when CUDA is initialised, Python's
-    ``random`` and numpy's global generator (when numpy is installed). Noise
-    augmentation, dropout and DataLoader worker seeds all draw from these: an
-    exact resume must put them back.
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {
-        "kind": str(kind),
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what :func:`capture_rng_state` captured (the inverse, exactly)."""
-    try:
-        torch.set_rng_state(state["torch"].cpu())
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"not an RNG state from capture_rng_state(): {exc}") from None
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            raise CheckpointError(
-                f"RNG state holds {len(cuda)} CUDA generator(s) but this process sees "
-                f"{torch.cuda.device_count()} device(s): resume with the same GPUs visible"
-            )
-        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
-    numpy_state = state.get("numpy")
-    if numpy_state is not None:
-        import numpy as np
-
-        np.random.set_state(
-            (
-                numpy_state["kind"],
-                numpy_state["keys"].cpu().numpy().astype(np.uint32),  # map_location may be a GPU
-                numpy_state["pos"],
-                numpy_state["has_gauss"],
-                numpy_state["cached_gaussian"],
-            )
-        )
-
-
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's :func:`capture_rng_state`, indexed by rank (a collective in a job).
-
-    Rank 0 writes the checkpoint, but each rank's generators are different
-    (different dropout masks, noise): all of them must be saved for an exact
-    resume. Without a process group: a list of one.
-    """
-    mine = capture_rng_state()
-    if not _group_active() or dist.get_world_size() == 1:
-        return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return [
-        {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states
-    ]
-
-
-# --------------------------------------------------------------------------- training state
-
-
-def training_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    epoch: int,
-    step: int,
-    batch_in_epoch: int = 0,
-    sampler_epoch: int | None = None,
-    scaler: Any = None,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Everything needed to continue training exactly; a collective (gathers RNG states).
-
-    Call on every rank, then pass the result to :func:`save_checkpoint`.
-    ``epoch`` is the epoch to run next, or the one in progress with
-    ``batch_in_epoch`` batches of it already done (a mid-epoch snapshot).
-    """
-    world_size = dist.get_world_size() if _group_active() else 1
-    return {
-        "format": FORMAT_VERSION,
-        "model": model_state(model),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "epoch": int(epoch),
-        "step": int(step),
-        "batch_in_epoch": int(batch_in_epoch),
-        "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
-        "world_size": world_size,
-        "rng": gather_rng_states(),
-        "extra": dict(extra or {}),
-    }
-
-
-def restore_training_state(
-    state: Mapping[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: Any = None,
-    restore_rng: bool = True,
-) -> dict[str, int]:
-    """Load a :func:`training_state` back; returns its epoch/step/batch_in_epoch/sampler_epoch.
-
-    This rank gets its own RNG state back; with a different world size that
-    is impossible and :class:`CheckpointError` says so (pass
-    ``restore_rng=False`` to continue with fresh random streams, not exactly).
-    """
-    if not isinstance(state, Mapping) or state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"not a training state of format {FORMAT_VERSION} "
-            f"(keys: {list(state)[:8] if isinstance(state, Mapping) else type(state).__name__})"
-        )
-    load_model_state(model, state, strict=True)
-    if optimizer is not None:
-        if state.get("optimizer") is None:
-            raise CheckpointError("the training state holds no optimizer state")
-        optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    if restore_rng:
-        rank = dist.get_rank() if _group_active() else 0
-        world_size = dist.get_world_size() if _group_active() else 1
-        rngs = state["rng"]
-        if len(rngs) != world_size:
-            raise CheckpointError(
-                f"the checkpoint holds RNG states of {len(rngs)} rank(s) but this job has "
-                f"{world_size}: an exact resume needs the same world size "
-                f"(or pass restore_rng=False)"
-            )
-        restore_rng_state(rngs[rank])
-    return {k: int(state[k]) for k in ("epoch", "step", "batch_in_epoch", "sampler_epoch")}
-
-
-# --------------------------------------------------------------------------- snapshots
-
-
-def snapshot_path(directory: PathLike, step: int) -> Path:
-    """``directory/snapshot-000000123.pt``: zero-padded so names sort like steps."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return Path(directory) / f"snapshot-{step:09d}.pt"
-
-
-def list_snapshots(directory: PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every snapshot in ``directory``, oldest first (temp files ignored)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for p in directory.iterdir():
-        match = SNAPSHOT_PATTERN.match(p.name)
-        if match and p.is_file():
-            found.append((int(match.group(1)), p))
-    return sorted(found)
-
-
-def latest_snapshot(directory: PathLike) -> Path | None:
-    """The snapshot with the highest step in ``directory``, or None (nothing to resume)."""
-    snapshots = list_snapshots(directory)
-    return snapshots[-1][1] if snapshots else None
-
-
-def prune_snapshots(directory: PathLike, keep: int = 2) -> list[Path]:
-    """Delete all but the newest ``keep`` snapshots (call on rank 0); returns what was removed."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    removed = []
-    for _, path in list_snapshots(directory)[:-keep]:
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    return removed
 
 
 def stale_temp_files(directory: PathLike) -> list[Path]:

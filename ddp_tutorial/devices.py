@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-ENV_VAR = "CUDA_VISIBLE_DEVICES"
+from ddp_tutorial.settings import DEVICE_ORDER_ENV, VISIBLE_DEVICES_ENV
 
 
 class DeviceError(ValueError):
@@ -39,7 +39,6 @@ class GpuInfo:
 
 
 UUID_PREFIXES = ("GPU-", "MIG-")
-ORDER_VAR = "CUDA_DEVICE_ORDER"
 
 
 def cuda_reading(value: str | None) -> list[str] | None:
@@ -79,7 +78,9 @@ def cuda_reading(value: str | None) -> list[str] | None:
 def _refuse(value: str, problem: str) -> DeviceError:
     seen = cuda_reading(value)
     what = "no GPU at all" if not seen else f"only {','.join(seen)!r}"
-    return DeviceError(f"{ENV_VAR}={value!r}: {problem} CUDA would silently see {what}.")
+    return DeviceError(
+        f"{VISIBLE_DEVICES_ENV}={value!r}: {problem} CUDA would silently see {what}."
+    )
 
 
 def parse_visible_devices(value: str | None) -> list[str] | None:
@@ -122,7 +123,7 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
             raise _refuse(
                 value,
                 f"{entry!r} is negative, and CUDA stops reading at a negative id. "
-                f"To hide every GPU set {ENV_VAR}='' (or '-1' on its own).",
+                f"To hide every GPU set {VISIBLE_DEVICES_ENV}='' (or '-1' on its own).",
             )
         else:
             entry = str(int(entry))
@@ -146,20 +147,20 @@ def _resolve(entry: str, inventory: Sequence[GpuInfo] | int) -> int:
             raise DeviceError(f"cannot resolve UUID {entry!r} without the NVML inventory")
         if entry.startswith("MIG-"):
             raise DeviceError(
-                f"{ENV_VAR}: {entry!r} is a MIG instance, not a whole GPU; it has no "
+                f"{VISIBLE_DEVICES_ENV}: {entry!r} is a MIG instance, not a whole GPU; it has no "
                 "physical GPU index to map to."
             )
         # CUDA accepts any unique prefix of a UUID.
         found = [gpu.index for gpu in inventory if gpu.uuid.startswith(entry)]
         if len(found) > 1:
-            raise DeviceError(f"{ENV_VAR}: UUID prefix {entry!r} matches GPUs {found}")
+            raise DeviceError(f"{VISIBLE_DEVICES_ENV}: UUID prefix {entry!r} matches GPUs {found}")
         if not found:
-            raise DeviceError(f"{ENV_VAR}: no GPU on this machine has UUID {entry!r}")
+            raise DeviceError(f"{VISIBLE_DEVICES_ENV}: no GPU on this machine has UUID {entry!r}")
         return found[0]
     index = int(entry)
     if index >= count:
         raise DeviceError(
-            f"{ENV_VAR}: GPU {index} does not exist; this machine has {count} GPU(s)"
+            f"{VISIBLE_DEVICES_ENV}: GPU {index} does not exist; this machine has {count} GPU(s)"
             + (f" (physical ids 0..{count - 1})." if count else ".")
         )
     return index
@@ -188,7 +189,7 @@ def physical_to_logical(value: str | None, inventory: Sequence[GpuInfo] | int) -
 def mapping_table(value: str | None, inventory: Sequence[GpuInfo] | int) -> list[dict[str, object]]:
     """One row per visible GPU: the device name a process uses and the card it really is."""
     return [
-        {"CUDA_VISIBLE_DEVICES": value, "device": f"cuda:{logical}", "physical (nvidia-smi)": phys}
+        {VISIBLE_DEVICES_ENV: value, "device": f"cuda:{logical}", "physical (nvidia-smi)": phys}
         for logical, phys in enumerate(logical_to_physical(value, inventory))
     ]
 
@@ -196,9 +197,9 @@ def mapping_table(value: str | None, inventory: Sequence[GpuInfo] | int) -> list
 def device_order(env: Mapping[str, str] | None = None) -> str:
     """``CUDA_DEVICE_ORDER`` as CUDA applies it: ``FASTEST_FIRST`` unless set."""
     env = os.environ if env is None else env
-    order = env.get(ORDER_VAR, "FASTEST_FIRST") or "FASTEST_FIRST"
+    order = env.get(DEVICE_ORDER_ENV, "FASTEST_FIRST") or "FASTEST_FIRST"
     if order not in ("FASTEST_FIRST", "PCI_BUS_ID"):
-        raise DeviceError(f"{ORDER_VAR}={order!r}: must be 'FASTEST_FIRST' or 'PCI_BUS_ID'")
+        raise DeviceError(f"{DEVICE_ORDER_ENV}={order!r}: must be 'FASTEST_FIRST' or 'PCI_BUS_ID'")
     return order
 
 
@@ -230,7 +231,7 @@ def device_for_local_rank(local_rank: int, visible_count: int) -> str:
         raise DeviceError(
             f"local rank {local_rank} needs a GPU of its own but only {visible_count} "
             f"are visible: start at most {visible_count} processes per node "
-            f"(torchrun --nproc-per-node {visible_count}) or widen {ENV_VAR}."
+            f"(torchrun --nproc-per-node {visible_count}) or widen {VISIBLE_DEVICES_ENV}."
         )
     return f"cuda:{local_rank}"
 
@@ -254,7 +255,8 @@ def _nvml() -> Iterator[Any]:
         pynvml.nvmlShutdown()
 
 
-def _text(value: str | bytes) -> str:
+def nvml_text(value: str | bytes) -> str:
+    """NVML strings as str: older nvidia-ml-py bindings return bytes, newer ones str."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -274,8 +276,8 @@ def gpu_inventory() -> list[GpuInfo]:
             gpus.append(
                 GpuInfo(
                     index=i,
-                    name=_text(nvml.nvmlDeviceGetName(handle)),
-                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                    name=nvml_text(nvml.nvmlDeviceGetName(handle)),
+                    uuid=nvml_text(nvml.nvmlDeviceGetUUID(handle)),
                     memory_total_mib=mem.total / 2**20,
                     memory_used_mib=mem.used / 2**20,
                 )
@@ -289,7 +291,7 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[GpuInfo]:
     inventory = gpu_inventory()
     if not inventory:
         return []
-    return [inventory[i] for i in logical_to_physical(env.get(ENV_VAR), inventory)]
+    return [inventory[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
 
 
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:

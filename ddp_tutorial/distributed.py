@@ -15,6 +15,7 @@ one process: the same script can be stepped through in a debugger.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -26,12 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp_tutorial.launch import free_port
-
-BACKEND_ENV = "DDP_TUTORIAL_BACKEND"
-"""Environment override for the backend ("auto", "gloo", "nccl")."""
-
-DEFAULT_TIMEOUT_S = 60.0
+from ddp_tutorial import settings
+from ddp_tutorial.settings import env_int
 
 
 class BackendError(RuntimeError):
@@ -53,17 +50,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer from the environment, with a clear error when it is not one."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
 def choose_backend(
@@ -130,7 +116,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     local_rank = env_int("LOCAL_RANK", 0)
     world_size = env_int("WORLD_SIZE", 1)
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
-    requested = backend or os.environ.get(BACKEND_ENV, "auto")
+    requested = backend or settings.backend()
     name, reason = choose_backend(requested, local_world_size)
     if name == "nccl":
         # Bind first: otherwise every rank's first CUDA call lands on cuda:0.
@@ -139,7 +125,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     else:
         device = torch.device("cpu")
     if timeout_s is None:
-        timeout_s = float(os.environ.get("DDP_TUTORIAL_TIMEOUT", DEFAULT_TIMEOUT_S))
+        timeout_s = settings.timeout_s()
     if not dist.is_initialized():
         _import_before_init()
         dist.init_process_group(
@@ -265,6 +251,17 @@ def backend_threads(settle_s: float = 0.0) -> list[str] | None:
         if not found or time.monotonic() >= deadline:
             return found
         time.sleep(0.02)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for a rendezvous endpoint).
+
+    Here because a world of one needs it (:func:`setup` without torchrun);
+    the launcher uses the same function for multi-node rendezvous endpoints.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def get_rank() -> int:

@@ -85,3 +85,14 @@ def build_model(
             raise ValueError(f"resnet18 takes 3 input channels, got {in_channels}")
         return resnet18(num_classes, image_size)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model

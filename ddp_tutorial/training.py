@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddp_tutorial import checkpoint
+from ddp_tutorial import checkpoint, snapshots
 from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.distributed import DistInfo, print0
 from ddp_tutorial.models import build_model
@@ -151,7 +151,7 @@ class Trainer:
         """A full snapshot (a collective: every rank's RNG state is gathered)."""
         if self.ckpt_dir is None:
             return
-        state = checkpoint.training_state(
+        state = snapshots.training_state(
             self.model,
             self.optimizer,
             epoch=self.epoch,
@@ -164,17 +164,17 @@ class Trainer:
                 "config": asdict(self.cfg),
             },
         )
-        checkpoint.save_checkpoint(checkpoint.snapshot_path(self.ckpt_dir, self.step), state)
+        checkpoint.save_checkpoint(snapshots.snapshot_path(self.ckpt_dir, self.step), state)
         if self.info.is_main:  # the newest snapshots are complete (renamed), drop older ones
-            checkpoint.prune_snapshots(self.ckpt_dir, keep=KEEP_SNAPSHOTS)
+            snapshots.prune_snapshots(self.ckpt_dir, keep=KEEP_SNAPSHOTS)
 
     def maybe_resume(self) -> bool:
         """Continue from the newest snapshot in ``checkpoint_dir``, if there is one."""
-        path = checkpoint.latest_snapshot(self.ckpt_dir) if self.ckpt_dir else None
+        path = snapshots.latest_snapshot(self.ckpt_dir) if self.ckpt_dir else None
         if path is None:
             return False
         state = checkpoint.load_checkpoint(path, map_location=self.device)
-        where = checkpoint.restore_training_state(state, self.model, self.optimizer)
+        where = snapshots.restore_training_state(state, self.model, self.optimizer)
         self.epoch, self.step = where["epoch"], where["step"]
         self.batch_in_epoch = where["batch_in_epoch"]
         extra = state["extra"]
@@ -262,49 +262,16 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         resumed = self.maybe_resume()
-        attempt = self.attempt
         if cfg.out:
-            # One record per rank per attempt: after a restart, who is who may have changed.
-            write_json(
-                Path(cfg.out) / f"attempt{attempt}-rank{info.rank}.json",
-                {
-                    "attempt": attempt,
-                    "rank": info.rank,
-                    "local_rank": info.local_rank,
-                    "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-                    "world_size": info.world_size,
-                    "pid": os.getpid(),
-                    "resumed_from": self.resumed_from,
-                },
-            )
-            if info.is_main:  # rank 0's loss at every step, across attempts (append, line-buffered)
-                self._step_log = (Path(cfg.out) / "steps.jsonl").open("a", buffering=1)
+            self._open_attempt_records()
         steps_per_epoch = self.sampler.num_samples // cfg.batch_size  # drop_last=True
-        total = steps_per_epoch * cfg.epochs
-        if cfg.max_steps is not None:
-            total = min(total, cfg.max_steps)
-        bar = None
-        if info.is_main and cfg.progress:
-            from tqdm.auto import tqdm
-
-            # A log file or a notebook gets a line every few seconds, a terminal a live bar.
-            interval = 0.5 if sys.stderr.isatty() else 5.0
-            bar = tqdm(
-                total=total, initial=self.step, desc="train", unit="step", mininterval=interval
-            )
+        bar = self._progress_bar(steps_per_epoch) if info.is_main and cfg.progress else None
         t_start = time.time()
         while self.epoch < cfg.epochs and not self._finished():
             self.train_epoch(bar)
             if self._finished() and self.batch_in_epoch < steps_per_epoch:
                 break  # --max-steps stopped mid-epoch
-            self.history.append(
-                {
-                    "epoch": self.epoch,
-                    "step": self.step,
-                    "train_loss": self.mean_train_loss(),
-                    "val_accuracy": self.validate(),
-                }
-            )
+            self._end_of_epoch_row()
             self.epoch += 1
             self.batch_in_epoch, self.loss_sum, self.loss_count = 0, 0.0, 0
             self.save_snapshot()  # the end of every epoch always saves
@@ -316,19 +283,50 @@ class Trainer:
             self._step_log = None
         if not self.history or self.history[-1]["step"] != self.step:
             # stopped mid-epoch by --max-steps: still report and save where we are
-            self.history.append(
-                {
-                    "epoch": self.epoch,
-                    "step": self.step,
-                    "train_loss": self.mean_train_loss(),
-                    "val_accuracy": self.validate(),
-                }
-            )
+            self._end_of_epoch_row()
             self.save_snapshot()
         if self.ckpt_dir is not None:
             # The deliverable: the plain model, no "module." prefix, weights_only-loadable.
             checkpoint.save_checkpoint(self.ckpt_dir / FINAL_NAME, self.model.module.state_dict())
         return self._metrics(t_start, t_end, resumed)
+
+    def _open_attempt_records(self) -> None:
+        """One record per rank per attempt (after a restart, who is who may have changed)."""
+        info, out = self.info, Path(self.cfg.out)
+        write_json(
+            out / f"attempt{self.attempt}-rank{info.rank}.json",
+            {
+                "attempt": self.attempt,
+                "rank": info.rank,
+                "local_rank": info.local_rank,
+                "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+                "world_size": info.world_size,
+                "pid": os.getpid(),
+                "resumed_from": self.resumed_from,
+            },
+        )
+        if info.is_main:  # rank 0's loss at every step, across attempts (append, line-buffered)
+            self._step_log = (out / "steps.jsonl").open("a", buffering=1)
+
+    def _progress_bar(self, steps_per_epoch: int) -> Any:
+        from tqdm.auto import tqdm
+
+        total = steps_per_epoch * self.cfg.epochs
+        if self.cfg.max_steps is not None:
+            total = min(total, self.cfg.max_steps)
+        # A log file or a notebook gets a line every few seconds, a terminal a live bar.
+        interval = 0.5 if sys.stderr.isatty() else 5.0
+        return tqdm(total=total, initial=self.step, desc="train", unit="step", mininterval=interval)
+
+    def _end_of_epoch_row(self) -> None:
+        self.history.append(
+            {
+                "epoch": self.epoch,
+                "step": self.step,
+                "train_loss": self.mean_train_loss(),
+                "val_accuracy": self.validate(),
+            }
+        )
 
     def _metrics(self, t_start: float, t_end: float, resumed: bool) -> dict[str, Any]:
         cfg, info = self.cfg, self.info

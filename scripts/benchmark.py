@@ -39,13 +39,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_tutorial import perf
-from ddp_tutorial.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import process_group
-from ddp_tutorial.environment import usable_cores
+from ddp_tutorial.lessons import perf
+from ddp_tutorial.lessons.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.models import MLP, build_model
 from ddp_tutorial.records import format_table, write_json
+from ddp_tutorial.settings import usable_cores
 
 HERE = Path(__file__).resolve()
 
@@ -292,7 +292,7 @@ def run_plain_concurrent(args: argparse.Namespace, n: int, tmp: Path) -> dict[st
 
 
 def run_ddp(args: argparse.Namespace, nproc: int, tmp: Path, extras: bool) -> dict[str, Any]:
-    from ddp_tutorial.launch import torchrun
+    from ddp_tutorial.harness.launch import torchrun
 
     out = tmp / f"ddp{nproc}.json"
     extra = ["--extras"] if extras else []
@@ -310,7 +310,7 @@ def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, Any]:
     """scripts/train.py with its monitor, bar and metrics, on the same model and batch."""
-    from ddp_tutorial.launch import torchrun
+    from ddp_tutorial.harness.launch import torchrun
 
     steps = args.steps + args.warmup
     samples = steps * args.batch_size * nproc
@@ -326,7 +326,7 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
-    from ddp_tutorial.launch import default_nproc
+    from ddp_tutorial.harness.launch import default_nproc
 
     n = args.nproc or default_nproc()
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmpdir:

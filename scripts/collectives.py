@@ -24,8 +24,8 @@ import socket
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_tutorial.collectives import run_collectives
 from ddp_tutorial.distributed import setup
+from ddp_tutorial.lessons.collectives import run_collectives
 from ddp_tutorial.records import write_rank_record
 
 # The variables torchrun sets for every worker (the "environment contract").

@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_tutorial.devices import gpu_memory_report
 from ddp_tutorial.distributed import process_group
 from ddp_tutorial.records import write_rank_record
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,7 +63,7 @@ def main() -> None:
                 "pid": os.getpid(),
                 "device": str(info.device),
                 "loaded_on": str(state["w"].device),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
                 "nvml": gpu_memory_report(),
             },
         )

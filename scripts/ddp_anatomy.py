@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.anatomy import (
+from ddp_tutorial.distributed import DistInfo, process_group
+from ddp_tutorial.lessons.anatomy import (
     CommCounter,
     UnusedBranch,
     counting_allreduce_hook,
@@ -37,7 +38,6 @@ from ddp_tutorial.anatomy import (
     time_steps,
     tiny_model,
 )
-from ddp_tutorial.distributed import DistInfo, process_group
 from ddp_tutorial.models import SmallCNN
 from ddp_tutorial.records import write_rank_record
 

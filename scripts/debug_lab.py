@@ -23,7 +23,6 @@ pdb commands from the terminal that started torchrun.
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_tutorial import settings
 from ddp_tutorial.checkpoint import strip_prefixes
 from ddp_tutorial.distributed import DistInfo, process_group
 from ddp_tutorial.records import write_rank_record
@@ -193,7 +193,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=float(os.environ.get("DDP_TUTORIAL_TIMEOUT", "60")),
+        default=settings.timeout_s(),
         help="seconds a collective may wait before the rank fails",
     )
     parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")

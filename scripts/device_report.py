@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_tutorial.devices import DeviceError, device_for_local_rank, visible_gpu_count
 from ddp_tutorial.distributed import process_group
 from ddp_tutorial.records import write_rank_record
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,7 +73,7 @@ def main() -> None:
                 "local_world_size": info.local_world_size,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
                 "gpus_per_node": gpus,
                 "seed_000_device": seed_000,
                 "seed_000_outcome": rule_outcome(seed_000, gpus),

@@ -13,7 +13,7 @@ finds the snapshot and runs the second epoch:
 
 Both leave ``final.pt`` (the plain model ``state_dict()``) in the checkpoint
 directory; on the CPU the two are bitwise equal. What makes that possible is
-what the snapshot holds (:func:`ddp_tutorial.checkpoint.training_state`):
+what the snapshot holds (:func:`ddp_tutorial.snapshots.training_state`):
 the weights, the optimizer's momentum buffers, the epoch (so the
 DistributedSampler gets the same ``set_epoch`` and the same shuffle), the
 step, and every rank's RNG states (this script adds random noise to its
@@ -33,20 +33,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_tutorial.checkpoint import (
-    is_save_epoch,
-    latest_snapshot,
-    list_snapshots,
-    load_checkpoint,
-    model_state,
-    restore_training_state,
-    save_checkpoint,
-    snapshot_path,
-    training_state,
-)
+from ddp_tutorial.checkpoint import is_save_epoch, load_checkpoint, model_state, save_checkpoint
 from ddp_tutorial.distributed import print0, process_group
 from ddp_tutorial.models import MLP
 from ddp_tutorial.records import write_rank_record
+from ddp_tutorial.snapshots import (
+    latest_snapshot,
+    list_snapshots,
+    restore_training_state,
+    snapshot_path,
+    training_state,
+)
 
 
 def parse_args() -> argparse.Namespace:

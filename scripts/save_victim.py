@@ -31,12 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_tutorial.checkpoint import (
-    CheckpointError,
-    atomic_save,
-    load_checkpoint,
-    stale_temp_files,
-)
+from ddp_tutorial.checkpoint import CheckpointError, atomic_save, load_checkpoint, stale_temp_files
 from ddp_tutorial.records import write_json
 
 MODES = ("torch.save", "atomic_save")

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.anatomy import global_batch, sgd_step, shard, tiny_model
 from ddp_tutorial.distributed import backend_threads, cleanup, group_held_by_defaults, setup
+from ddp_tutorial.lessons.anatomy import global_batch, sgd_step, shard, tiny_model
 from ddp_tutorial.records import write_rank_record
 
 PINNING_MODULE = "torch.distributed.nn"  # DDP imports it; its defaults can hold the group

@@ -1,4 +1,4 @@
-"""Shared fixtures: paths, the hello script, and a guard against leaked processes."""
+"""Shared fixtures: paths, the GPU skip, a guard against leaked processes and unmarked launches."""
 
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def processes_running(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+@pytest.fixture(autouse=True)
+def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A test that starts torchrun must say so (``@pytest.mark.torchrun``).
+
+    ``make test-fast`` leaves those out; this keeps the marker honest, so the
+    edit loop never pays for a launch it did not ask for.
+    """
+    if any(request.node.get_closest_marker(m) for m in ("torchrun", "notebook", "gpu")):
+        return
+    from ddp_tutorial.harness import processes
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} starts torchrun: mark it @pytest.mark.torchrun"
+        )
+
+    monkeypatch.setattr(processes, "spawn", refuse)
 
 
 @pytest.fixture

@@ -1,4 +1,8 @@
-"""ddp_tutorial.data: datasets, sampler claims (lesson 02), exact distributed evaluation."""
+"""ddp_tutorial.data: datasets, sampler claims (lesson 02), exact distributed evaluation.
+
+The 2-rank exact evaluation of scripts/sampling.py against one process is
+asserted by notebooks/02_data_sampling.ipynb.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from ddp_tutorial.data import (
     expected_padding,
     sampler_shards,
     shard_report,
-    train_classifier,
 )
+from ddp_tutorial.lessons.sampling import train_classifier
 from ddp_tutorial.models import MLP, SmallCNN
 
 # ---------------------------------------------------------------- sampler claims
@@ -134,39 +138,6 @@ def test_blobs_are_learnable_but_not_perfect():
 # ---------------------------------------------------------------- exact evaluation
 
 
-def test_exact_evaluation_against_single_process_with_two_gloo_ranks(tmp_path):
-    """2 gloo ranks, 301 samples: exact == one process; the padded one counts 302."""
-    from ddp_tutorial.launch import torchrun
-
-    model = MLP(16, 4)
-    train_classifier(model, GaussianBlobs(600, seed=0), epochs=2)
-    torch.save(model.state_dict(), tmp_path / "mlp.pt")
-    val_length = 301
-    truth = distributed_evaluate(model, GaussianBlobs(val_length, seed=1))  # no process group
-    assert truth.count == val_length and 0 < truth.correct < val_length
-
-    result = torchrun(
-        SCRIPTS / "sampling.py",
-        "--model", tmp_path / "mlp.pt", "--val-length", val_length, "--length", 11,
-        nproc=2, run_dir=tmp_path / "run", env={"DDP_TUTORIAL_BACKEND": "gloo"},
-        timeout=120, echo=False,
-    )  # fmt: skip
-    records = result.records
-    assert [r["rank"] for r in records] == [0, 1]
-    for r in records:
-        exact, naive = r["exact"], r["naive"]
-        assert exact["count"] == val_length and exact["correct"] == truth.correct
-        assert exact["accuracy"] == pytest.approx(truth.accuracy, abs=1e-12)
-        assert exact["loss"] == pytest.approx(truth.loss, rel=1e-6)
-        assert naive["count"] == val_length + 1, "the padded sampler repeats one sample"
-        assert naive["accuracy"] != pytest.approx(truth.accuracy, abs=1e-9)
-    assert sorted(r["exact"]["local_count"] for r in records) == [150, 151]
-    # What the real ranks' loaders yielded is what sampler_shards predicts.
-    predicted = sampler_shards(11, 2, epochs=3)
-    for r in records:
-        assert r["with_set_epoch"] == [epoch[r["rank"]] for epoch in predicted]
-
-
 # ---------------------------------------------------------------- batch arithmetic, plots
 
 
@@ -180,7 +151,7 @@ def test_batch_plan_global_batch_is_per_rank_batch_times_world_size():
 
 
 def test_plots_return_figures_that_render_as_png():
-    from ddp_tutorial.plots import NotebookFigure, grouped_bars, sampler_index_map
+    from ddp_tutorial.harness.plots import NotebookFigure, grouped_bars, sampler_index_map
 
     fig = sampler_index_map(
         {"a": sampler_shards(9, 2, 2), "b": sampler_shards(9, 2, 2, drop_last=True)}, 9
@@ -195,7 +166,7 @@ def test_plots_return_figures_that_render_as_png():
 
 @pytest.mark.gpu
 def test_exact_evaluation_on_nccl_matches_single_process(tmp_path):
-    from ddp_tutorial.launch import torchrun
+    from ddp_tutorial.harness.launch import torchrun
 
     n = gpu_count()
     model = MLP(16, 4)

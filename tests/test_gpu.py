@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, gpu_count
-from ddp_tutorial.launch import torchrun
+from ddp_tutorial.harness.launch import torchrun
 
 pytestmark = pytest.mark.gpu
 

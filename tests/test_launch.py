@@ -1,4 +1,10 @@
-"""The launcher against the real torchrun: success, failure, timeout, env, bad input."""
+"""The launcher against the real torchrun: failure, timeout, env, bad input.
+
+A successful launch with rank prefixes and per-rank records is lesson 00's
+first cell (notebooks/00_environment.ipynb asserts it on scripts/hello.py);
+here one failing launch serves every assertion about failures, and the
+scripts import no torch, so that a launch costs only torchrun's own start-up.
+"""
 
 from __future__ import annotations
 
@@ -8,77 +14,100 @@ import time
 import pytest
 
 from conftest import SCRIPTS, processes_running
-from ddp_tutorial.launch import LaunchError, LaunchTimeout, torchrun
+from ddp_tutorial.harness.failures import LaunchError, LaunchTimeout, parse_failures
+from ddp_tutorial.harness.launch import RunResult, raise_for_failure, start, torchrun
 
+# No torch in the ranks: they start in a fraction of a second.
 FAILING = """
-import os
-from torch.distributed.elastic.multiprocessing.errors import record
-
-@record
-def main():
-    if os.environ["RANK"] == "1":
-        raise ValueError("deliberate failure on rank 1")
-
-if __name__ == "__main__":
-    main()
+import json, os, sys, time
+out, rank = sys.argv[-1], os.environ["RANK"]
+record = {"rank": int(rank), "pid": os.getpid(), "marker": os.environ.get("DDP_TEST_MARKER")}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(record, f)
+print("rank", rank, "wrote its record", flush=True)
+if rank == "1":
+    time.sleep(1)  # rank 0 has finished by then: the failure is rank 1's alone
+    raise ValueError("deliberate failure on rank 1")
 """
 
 HANGING = """
-import os, sys, time
-from ddp_tutorial.records import write_rank_record
-write_rank_record(sys.argv[-1], {"pid": os.getpid()})
+import json, os, sys, time
+with open(os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"rank": int(os.environ["RANK"]), "pid": os.getpid()}, f)
 print("rank", os.environ["RANK"], "hanging", flush=True)
 time.sleep(3600)
 """
 
-ENV_REPORT = """
-import os, sys
-from ddp_tutorial.records import write_rank_record
-write_rank_record(sys.argv[-1], {"marker": os.environ.get("DDP_TEST_MARKER"),
-                                  "omp": os.environ.get("OMP_NUM_THREADS")})
-"""
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> tuple[RunResult, float, RunResult]:
+    """A 2-rank launch in which rank 1 fails (start(), check=False), beside a slower one."""
+    run_dir = tmp_path_factory.mktemp("failing")
+    script = run_dir / "fails.py"
+    script.write_text(FAILING)
+    sleeper = run_dir / "sleeps.py"
+    sleeper.write_text("import time\ntime.sleep(4)\n")
+    t0 = time.monotonic()
+    launch = start(script, nproc=2, run_dir=run_dir, echo=False, check=False,
+                   env={"DDP_TEST_MARKER": "hello-from-parent"})  # fmt: skip
+    returned_after = time.monotonic() - t0
+    assert not launch.done
+    slow = start(sleeper, nproc=1, run_dir=run_dir / "slow", echo=False, out_flag=None)
+    slower = slow.wait()  # collected first, although it ends last
+    result = launch.wait()
+    assert launch.wait() is result
+    return result, returned_after, slower
 
 
-def test_hello_two_ranks(tmp_path):
-    result = torchrun(SCRIPTS / "hello.py", nproc=2, run_dir=tmp_path / "run", echo=False)
-    assert result.ok and result.returncode == 0
-    assert [r["rank"] for r in result.records] == [0, 1]
-    assert {r["all_reduce_sum"] for r in result.records} == {1.0}
-    assert len({r["pid"] for r in result.records}) == 2
-    # output streamed with rank prefixes, and per-rank logs kept on disk
-    assert "[default0]:rank 0/2" in result.output and "[default1]:rank 1/2" in result.output
-    assert "rank 1/2" in result.rank_log(1)
+@pytest.mark.torchrun
+def test_start_returns_before_the_launch_ends(failed):
+    assert failed[1] < 2
 
 
-def test_failing_rank_names_rank_and_traceback(tmp_path, write_script):
-    script = write_script("fails.py", FAILING)
+@pytest.mark.torchrun
+def test_seconds_end_when_the_output_ends_not_when_it_is_collected(failed):
+    result, _, slower = failed
+    assert slower.ok and result.seconds < slower.seconds - 1
+
+
+@pytest.mark.torchrun
+def test_check_false_returns_the_failed_result(failed):
+    result = failed[0]
+    assert not result.ok and result.returncode != 0 and result.failures[0].rank == 1
+
+
+@pytest.mark.torchrun
+def test_failing_rank_is_named_with_its_traceback(failed):
+    result = failed[0]
     with pytest.raises(LaunchError) as info:
-        torchrun(script, nproc=2, run_dir=tmp_path / "run", echo=False, out_flag=None)
+        raise_for_failure("fails.py", result, timeout=60)
     message = str(info.value)
     assert "rank 1 exited with code 1" in message
     assert "ValueError: deliberate failure on rank 1" in message
     assert 'fails.py", line' in message  # the traceback tail, not just the summary
-    failures = info.value.result.failures
-    assert failures[0].rank == 1 and failures[0].exitcode == 1
+    assert result.failures[0].exitcode == 1
 
 
-def test_check_false_returns_result(tmp_path, write_script):
-    script = write_script("fails.py", FAILING)
-    result = torchrun(
-        script, nproc=2, run_dir=tmp_path / "r", echo=False, check=False, out_flag=None
-    )
-    assert not result.ok and result.returncode != 0 and result.failures[0].rank == 1
+@pytest.mark.torchrun
+def test_env_override_reaches_ranks_and_output_is_kept_per_rank(failed):
+    result = failed[0]
+    assert [r["marker"] for r in result.records] == ["hello-from-parent"] * 2
+    assert "DDP_TEST_MARKER" not in os.environ  # the parent's environment is untouched
+    # output streamed with rank prefixes, and per-rank logs kept on disk
+    assert "[default1]:rank 1 wrote its record" in result.output
+    assert "rank 1 wrote its record" in result.rank_log(1)
+    assert "deliberate failure" in result.rank_log(1, "stderr")
 
 
+@pytest.mark.torchrun
 def test_timeout_kills_everything(tmp_path, write_script):
     script = write_script("hangs_for_test.py", HANGING)
-    start = time.monotonic()
+    start_time = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        # 20 s: both ranks must have started (torch's import alone takes seconds on a busy box)
-        torchrun(script, nproc=2, run_dir=tmp_path / "run", timeout=20, echo=False)
-    elapsed = time.monotonic() - start
-    assert elapsed < 40, f"timeout took {elapsed:.0f}s to take effect"
-    assert "did not finish within 20 s" in str(info.value)
+        torchrun(script, nproc=2, run_dir=tmp_path / "run", timeout=12, echo=False)
+    elapsed = time.monotonic() - start_time
+    assert elapsed < 30, f"timeout took {elapsed:.0f}s to take effect"
+    assert "did not finish within 12 s" in str(info.value)
     worker_pids = [r["pid"] for r in info.value.result.records]
     assert len(worker_pids) == 2, "both ranks had started before the timeout"
     time.sleep(0.5)
@@ -94,19 +123,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def test_env_override_reaches_ranks(tmp_path, write_script):
-    script = write_script("env_report.py", ENV_REPORT)
-    result = torchrun(
-        script,
-        nproc=2,
-        run_dir=tmp_path / "run",
-        echo=False,
-        env={"DDP_TEST_MARKER": "hello-from-parent", "OMP_NUM_THREADS": "1"},
-    )
-    assert [r["marker"] for r in result.records] == ["hello-from-parent"] * 2
-    assert "DDP_TEST_MARKER" not in os.environ  # the parent's environment is untouched
 
 
 def test_missing_script_fails_before_launch(tmp_path):
@@ -144,8 +160,6 @@ Root Cause (first observed failure):
 
 def test_a_killed_rank_is_named_before_the_one_torchrun_terminated(tmp_path):
     """torchrun can call the SIGTERM'd peer the root cause; the SIGKILL'd rank comes first."""
-    from ddp_tutorial.launch import parse_failures
-
     failures = parse_failures(SIGKILLED_PEER_SUMMARY, tmp_path)
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL"), (0, "SIGTERM")]
 
@@ -164,8 +178,6 @@ def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
     """
     import os
 
-    from ddp_tutorial.launch import parse_failures
-
     old = tmp_path / "logs" / "ffff_first" / "attempt_0" / "1" / "stderr.log"
     new = tmp_path / "logs" / "0000_second" / "attempt_0" / "1" / "stderr.log"
     for path, text in ((old, ""), (new, "terminate called without an active exception\n")):
@@ -179,8 +191,6 @@ def test_a_crash_without_traceback_shows_this_launchs_stderr(tmp_path):
 
 def test_a_crash_report_starts_at_the_cpp_message_not_the_module_list(tmp_path):
     """With faulthandler on, the message shows the C++ line and the crashed thread's stack."""
-    from ddp_tutorial.launch import parse_failures
-
     log = tmp_path / "logs" / "run" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)
     threads = "".join(

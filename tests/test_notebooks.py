@@ -1,4 +1,4 @@
-"""Every lesson notebook executes top to bottom with ddp_tutorial.course, within budget.
+"""Every lesson notebook executes top to bottom with ddp_tutorial.harness.course, within budget.
 
 New notebooks are picked up automatically. Notebooks in git carry no outputs
 and exactly one `parameters` cell.
@@ -35,7 +35,7 @@ def test_notebook_is_committed_clean(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, tmp_path):
     pytest.importorskip("nbclient")
-    from ddp_tutorial.course import run_notebook
+    from ddp_tutorial.harness.course import run_notebook
 
     result = run_notebook(path, output_dir=tmp_path, timeout=BUDGET_S, html=False)
     assert result.ok, f"{path.name} failed in cell {result.failed_cell}:\n{result.error[-4000:]}"

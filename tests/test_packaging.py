@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-import yaml
+import pytest
 
 from conftest import REPO
+
+# A GPU box for `make gpu-check` may lack the dev extras: skip, never fail collection.
+yaml = pytest.importorskip("yaml")
 
 try:
     import tomllib
@@ -33,14 +33,11 @@ def test_torch_is_a_range_not_a_pin():
     assert torch and not any("==" in d for d in torch), "users need their own CUDA builds"
 
 
-def test_cli_env_prints_report():
-    out = subprocess.run(
-        [sys.executable, "-m", "ddp_tutorial.cli", "env"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+def test_cli_env_prints_report(capsys):
+    from ddp_tutorial.harness.cli import main
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
     assert "torch" in out and "course plan" in out and "backends" in out
 
 

@@ -1,5 +1,10 @@
-"""Lessons 03-04 against real ranks: DDP's anatomy, equivalence, no_sync, unused
-parameters (gloo, real torchrun), the two-node LOCAL_RANK table, and the GPU paths.
+"""Lessons 03-04: what runs outside the notebooks, and the GPU paths.
+
+DDP's anatomy (broadcast at construction, averaged gradients, buckets,
+no_sync, unused parameters, BatchNorm) is asserted on a real 2-rank launch
+of scripts/ddp_anatomy.py by notebooks/04_ddp_wrapping.ipynb, and the
+two-node LOCAL_RANK table by notebooks/03_device_mapping.ipynb; here are the
+launcher's multi-node failure handling and the pure pieces.
 """
 
 from __future__ import annotations
@@ -13,102 +18,16 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, gpu_count, processes_running
-from ddp_tutorial.anatomy import shard, train_single, tutorial_series_run
-from ddp_tutorial.launch import LaunchError, multinode, shell_command, start, torchrun
+from ddp_tutorial.harness.failures import LaunchError
+from ddp_tutorial.harness.launch import shell_command, torchrun
+from ddp_tutorial.harness.multinode import multinode
+from ddp_tutorial.lessons.anatomy import shard, train_single, tutorial_series_run
 
 STEPS, BATCH, LR, SEED = 5, 32, 0.1, 100
 
 
 def vec(values: list[float]) -> torch.Tensor:
     return torch.tensor(values)
-
-
-@pytest.fixture(scope="module")
-def anatomy(tmp_path_factory) -> list[dict]:
-    """One 2-rank launch of every experiment (launches are the expensive part)."""
-    run_dir = tmp_path_factory.mktemp("anatomy")
-    result = torchrun(
-        SCRIPTS / "ddp_anatomy.py",
-        "--steps", STEPS, "--batch-size", BATCH, "--lr", LR, "--seed", SEED,
-        "--timing-steps", 5,
-        nproc=2, run_dir=run_dir, echo=False, timeout=240,
-        env={"DDP_TUTORIAL_BACKEND": "gloo"},
-    )  # fmt: skip
-    assert [r["rank"] for r in result.records] == [0, 1]
-    return result.records
-
-
-def test_construction_broadcasts_rank0_parameters(anatomy):
-    r0, r1 = (r["wrap"] for r in anatomy)
-    assert not torch.equal(vec(r0["params_before_wrap"]), vec(r1["params_before_wrap"]))
-    assert torch.equal(vec(r1["params_after_wrap"]), vec(r0["params_before_wrap"]))
-    assert r0["module_is_wrapped_model"] and r1["module_is_wrapped_model"]
-
-
-def test_gradients_are_the_average_of_local_gradients(anatomy):
-    w = [r["wrap"] for r in anatomy]
-    mean = (vec(w[0]["local_grad_step0"]) + vec(w[1]["local_grad_step0"])) / 2
-    assert not torch.allclose(vec(w[0]["local_grad_step0"]), vec(w[1]["local_grad_step0"]))
-    for rank in w:
-        torch.testing.assert_close(vec(rank["ddp_grad_step0"]), mean)
-
-
-def test_all_reduce_per_bucket_covers_every_gradient_once(anatomy):
-    w = anatomy[0]["wrap"]
-    assert w["allreduce_numel_per_step"] == [w["num_params"]] * STEPS
-    assert max(w["allreduce_calls_per_step"]) >= 2, "a tiny bucket cap gives several buckets"
-    assert w["allreduce_calls_default_buckets"] == 1
-    assert sum(w["bucket_numels_last_step"]) == w["num_params"]
-
-
-def test_ddp_on_shards_equals_one_process_on_the_global_batch(anatomy):
-    reference = train_single(SEED, STEPS, BATCH, LR)
-    finals = [vec(r["wrap"]["params_after_steps"]) for r in anatomy]
-    assert torch.equal(finals[0], finals[1]), "replicas stay identical"
-    torch.testing.assert_close(finals[0], reference)
-    assert not torch.allclose(finals[0], vec(anatomy[0]["wrap"]["params_after_wrap"]))
-
-
-def test_no_sync_accumulation_equals_one_big_batch_with_fewer_all_reduces(anatomy):
-    for record in anatomy:
-        ns = record["no_sync"]
-        torch.testing.assert_close(
-            vec(ns["accumulate_no_sync"]["grad"]), vec(ns["one_big_batch"]["grad"])
-        )
-        torch.testing.assert_close(
-            vec(ns["accumulate_naive"]["grad"]), vec(ns["one_big_batch"]["grad"])
-        )
-        assert ns["accumulate_no_sync"]["allreduce_calls"] == 1
-        assert ns["accumulate_naive"]["allreduce_calls"] == 2
-
-
-def test_unused_parameters_error_and_fixes(anatomy):
-    for record in anatomy:
-        u = record["unused"]
-        assert u["error_iteration"] == 1, "the error surfaces at the NEXT forward"
-        assert "Expected to have finished reduction in the prior iteration" in u["error"]
-        assert "find_unused_parameters=True" in u["error"]
-        for flag in ("find_unused_parameters", "static_graph"):
-            assert len(u[flag]) == 3 and u[f"{flag}_aux_grad"] is None
-        assert u["same_result_with_and_without"]
-        assert u["step_ms_default"] > 0 and u["step_ms_find_unused"] > 0
-
-
-def test_batchnorm_statistics_differ_and_syncbn_needs_gpus(anatomy):
-    means = [vec(r["batchnorm"]["bn_running_mean"]) for r in anatomy]
-    assert not torch.allclose(means[0], means[1])
-    for record in anatomy:
-        bn = record["batchnorm"]
-        assert bn["converted_types"] == ["SyncBatchNorm"]
-        assert bn["syncbn_error"] == "ValueError: SyncBatchNorm layers only work with GPU modules"
-
-
-def test_cpu_module_refuses_device_ids(anatomy):
-    for record in anatomy:
-        assert (
-            "device_ids and output_device arguments only work"
-            in (record["device_ids"]["cpu_device_ids_error"])
-        )
 
 
 # -- pure pieces -------------------------------------------------------------------
@@ -133,31 +52,6 @@ def test_shard_refuses_uneven_batches():
 # -- launching several torchruns at once -----------------------------------------
 
 
-def test_two_nodes_local_rank_is_not_rank(tmp_path):
-    results = multinode(
-        SCRIPTS / "device_report.py", "--gpus-per-node", 2,
-        nnodes=2, nproc_per_node=2, run_dir=tmp_path, echo=False, timeout=120,
-        env={"DDP_TUTORIAL_BACKEND": "gloo"},
-        node_env=[{"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}],
-    )  # fmt: skip
-    assert len(results) == 2 and all(r.ok for r in results)
-    rows = sorted((rec for r in results for rec in r.records), key=lambda rec: rec["rank"])
-    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
-    for result in results:  # each node holds local ranks 0 and 1 of one group
-        assert sorted(rec["local_rank"] for rec in result.records) == [0, 1]
-        assert len({rec["group_rank"] for rec in result.records}) == 1
-    for row in rows:
-        assert row["world_size"] == 4 and row["all_reduce_sum"] == 6.0
-        assert row["rank"] == row["group_rank"] * 2 + row["local_rank"]
-        assert row["package_device"] == f"cuda:{row['local_rank']}"
-        assert row["seed_000_device"] == f"cuda:{row['rank']}"
-    assert [r["seed_000_outcome"] for r in rows[2:]] == ["no such GPU (node has 2)"] * 2
-    assert "--node-rank" in results[1].command and "c10d" in results[1].command
-    for value, result in zip(("", "-1"), results, strict=True):  # node_env reaches its node only
-        assert {rec["cuda_visible_devices"] for rec in result.records} == {value}
-    assert (tmp_path / "node0").is_dir() and (tmp_path / "node1").is_dir()
-
-
 FAILS_ON_NODE_1 = """
 import os, time
 import torch.distributed as dist
@@ -175,6 +69,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.torchrun
 def test_multinode_failure_names_node_and_kills_the_rest(tmp_path, write_script):
     script = write_script("fails_node1.py", FAILS_ON_NODE_1)
     t0 = time.monotonic()
@@ -199,15 +94,6 @@ def test_shell_command_is_what_a_user_types():
            "--log-dir", "runs/x/logs", "--tee", "3",
            "s.py", "--lr", "1", "--out", "runs/x"]  # fmt: skip
     assert shell_command(cmd) == "torchrun --nproc-per-node 2 s.py --lr 1"
-
-
-def test_start_returns_before_the_launch_ends(tmp_path):
-    t0 = time.monotonic()
-    launch = start(SCRIPTS / "hello.py", nproc=1, run_dir=tmp_path, echo=False)
-    assert time.monotonic() - t0 < 2 and not launch.done
-    result = launch.wait()
-    assert result.ok and [r["rank"] for r in result.records] == [0]
-    assert launch.wait() is result
 
 
 # -- GPU paths (make gpu-check) ----------------------------------------------------

@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+
 FIELDS = ("t", "wall", "kind", "id", "util", "mem_mib")
 
 
@@ -88,7 +90,7 @@ class Monitor:
             nvml.nvmlInit()
         except Exception:  # NVMLError: no driver, no library
             return False
-        from ddp_tutorial.devices import ENV_VAR, GpuInfo, logical_to_physical
+        from ddp_tutorial.devices import GpuInfo, logical_to_physical, nvml_text
 
         count = nvml.nvmlDeviceGetCount()
         if count == 0:
@@ -97,10 +99,10 @@ class Monitor:
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         # UUIDs too, so that CUDA_VISIBLE_DEVICES may name GPUs either way.
         inventory = [
-            GpuInfo(i, "", _text(nvml.nvmlDeviceGetUUID(h)), 0.0, 0.0)
+            GpuInfo(i, "", nvml_text(nvml.nvmlDeviceGetUUID(h)), 0.0, 0.0)
             for i, h in enumerate(handles)
         ]
-        physical = logical_to_physical(self.env.get(ENV_VAR), inventory)
+        physical = logical_to_physical(self.env.get(VISIBLE_DEVICES_ENV), inventory)
         if not physical:
             nvml.nvmlShutdown()
             return False
@@ -281,29 +283,3 @@ def summarize(
         }
         for k, v in sorted(out.items())
     }
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def step_breakdown(records: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per rank, mean ms per step of: extra work, DDP forward+backward (incl. waiting), step.
-
-    For records holding per-step lists ``eval``, ``forward``, ``backward`` and
-    ``step`` (seconds), as ``scripts/imbalance.py`` writes them. A rank whose
-    DDP time exceeds its peers' by roughly another rank's extra work spent that
-    time waiting inside a collective.
-    """
-    rows = []
-    for r in records:
-        n = len(r["step"])
-        rows.append(
-            {
-                "rank": r["rank"],
-                "extra ms": 1000 * sum(r["eval"]) / n,
-                "ddp ms": 1000 * (sum(r["forward"]) + sum(r["backward"])) / n,
-                "step ms": 1000 * sum(r["step"]) / n,
-            }
-        )
-    return rows

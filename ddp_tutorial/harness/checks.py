@@ -1,38 +1,28 @@
-"""``ddp-tutorial doctor``: check a machine before it burns GPU hours.
+"""The static checks of ``ddp-tutorial doctor``: versions, devices, network, CPU and memory.
 
-Each check returns a :class:`Finding` — ``ok``, ``warn`` (training runs, but
+Each returns a :class:`Finding` — ``ok``, ``warn`` (training runs, but
 slower or fragile), ``fail`` (training will not start, or will hang) or
 ``skip`` (not applicable here) — with what was found and, when it is not ok,
-the fix. The command exits non-zero when any check fails.
-
-The checker itself never initialises CUDA: GPUs are counted through NVML
-(:mod:`ddp_tutorial.devices`), and the communication checks run in real
-``torchrun`` launches (:mod:`ddp_tutorial.launch`) of this very file with
-``--probe``: a 2-rank gloo all_reduce on the CPU, and an nccl all_reduce
-across the visible GPUs where there are any. A broken network setting
-(``GLOO_SOCKET_IFNAME`` naming no interface, a firewall) shows up there as it
-would in training — but in seconds, thanks to a short process-group timeout.
+the fix. None of them initialises CUDA: GPUs are counted through NVML.
+:mod:`ddp_tutorial.harness.doctor` adds the real launches and the report.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
 import socket
 import sys
-import tempfile
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddp_tutorial import settings
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 STATUSES = ("ok", "warn", "fail", "skip")
 SHM_MIN_GIB = 1.0  # below this DataLoader workers run out of shared memory with real batches
 DEFAULT_MASTER_PORT = 29500
-PROBE_TIMEOUT_S = 90.0  # the whole probe launch
-PROBE_PG_TIMEOUT_S = 20.0  # a collective that waits longer than this fails the probe
 
 
 @dataclass
@@ -100,24 +90,24 @@ def check_backends(gpus: int) -> Finding:
 
 
 def check_visible_devices(env: Mapping[str, str]) -> Finding:
-    from ddp_tutorial.devices import ENV_VAR, DeviceError, parse_visible_devices
+    from ddp_tutorial.devices import DeviceError, parse_visible_devices
 
-    value = env.get(ENV_VAR)
+    value = env.get(VISIBLE_DEVICES_ENV)
     try:
         entries = parse_visible_devices(value)
     except DeviceError as exc:
         return Finding(
-            ENV_VAR,
+            VISIBLE_DEVICES_ENV,
             "fail",
             str(exc),
             "set it in the launcher's environment to a comma list of distinct GPU ids, "
             "e.g. CUDA_VISIBLE_DEVICES=0,1 torchrun ...",
         )
     if entries is None:
-        return Finding(ENV_VAR, "ok", "unset: every GPU is visible")
+        return Finding(VISIBLE_DEVICES_ENV, "ok", "unset: every GPU is visible")
     if entries == []:
-        return Finding(ENV_VAR, "ok", f"{value!r}: every GPU hidden (CPU on purpose)")
-    return Finding(ENV_VAR, "ok", f"{value!r}: cuda:0.. are GPUs {','.join(entries)}")
+        return Finding(VISIBLE_DEVICES_ENV, "ok", f"{value!r}: every GPU hidden (CPU on purpose)")
+    return Finding(VISIBLE_DEVICES_ENV, "ok", f"{value!r}: cuda:0.. are GPUs {','.join(entries)}")
 
 
 def check_gpus(env: Mapping[str, str]) -> tuple[Finding, int]:
@@ -171,7 +161,7 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def check_port(env: Mapping[str, str]) -> Finding:
-    from ddp_tutorial.launch import free_port
+    from ddp_tutorial.distributed import free_port
 
     try:
         port = free_port()
@@ -262,9 +252,7 @@ def check_interfaces(env: Mapping[str, str]) -> Finding:
 
 
 def check_threads(env: Mapping[str, str], nproc: int) -> Finding:
-    from ddp_tutorial.environment import usable_cores
-
-    cores = usable_cores()
+    cores = settings.usable_cores()
     raw = env.get("OMP_NUM_THREADS")
     advice = f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks per node)"
     if not raw:
@@ -308,183 +296,3 @@ def check_shm(path: str = "/dev/shm") -> Finding:
             "in Docker: --shm-size=8g or --ipc=host; or num_workers=0",
         )
     return Finding("shm", "ok", detail)
-
-
-# --------------------------------------------------------------------------- real launches
-
-
-def _probe_launch(backend: str, nproc: int, env: Mapping[str, str], timeout: float) -> Finding:
-    """A real torchrun of this file with ``--probe``: each rank all_reduces its rank."""
-    from ddp_tutorial.launch import LaunchError, torchrun
-
-    name = f"{backend} all_reduce"
-    expected = float(sum(range(nproc)))
-    with tempfile.TemporaryDirectory(prefix="ddp-doctor-") as tmp:
-        probe_env = {**env, "DDP_TUTORIAL_TIMEOUT": str(PROBE_PG_TIMEOUT_S)}
-        try:
-            result = torchrun(
-                Path(__file__),
-                "--probe",
-                "--backend",
-                backend,
-                nproc=nproc,
-                env=probe_env,
-                timeout=timeout,
-                run_dir=tmp,
-                echo=False,
-            )
-        except LaunchError as exc:
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            cause = next(
-                (ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1]
-            )
-            return Finding(
-                name,
-                "fail",
-                f"{nproc} ranks could not all_reduce: {cause.strip()[:400]}",
-                "read the message: a *_SOCKET_IFNAME naming the wrong interface, a firewall "
-                "between ranks, or a broken driver",
-            )
-        sums = [r.get("sum") for r in result.records]
-        if len(sums) != nproc or any(s != expected for s in sums):
-            return Finding(name, "fail", f"wrong result: {sums}, expected {expected:g}", "")
-        device = result.records[0].get("device")
-        return Finding(
-            name,
-            "ok",
-            f"{nproc} ranks on {device}: sum of ranks = {expected:g} on every rank "
-            f"({result.seconds:.1f} s including start-up)",
-        )
-
-
-def check_gloo(env: Mapping[str, str], timeout: float = PROBE_TIMEOUT_S) -> Finding:
-    # Hide GPUs from the CPU probe: it must not create CUDA contexts.
-    return _probe_launch("gloo", 2, {**env, "CUDA_VISIBLE_DEVICES": ""}, timeout)
-
-
-def check_nccl(env: Mapping[str, str], gpus: int, timeout: float = PROBE_TIMEOUT_S) -> Finding:
-    import torch.distributed as dist
-
-    if gpus == 0:
-        return Finding("nccl all_reduce", "skip", "no GPU visible: nothing for nccl to do here")
-    if not dist.is_nccl_available():
-        return Finding("nccl all_reduce", "skip", "this torch build has no NCCL")
-    return _probe_launch("nccl", gpus, env, timeout)
-
-
-# --------------------------------------------------------------------------- all of it
-
-
-def run_checks(
-    env: Mapping[str, str] | None = None,
-    launch: bool = True,
-    timeout: float = PROBE_TIMEOUT_S,
-    progress: Callable[[Finding], None] | None = None,
-) -> list[Finding]:
-    """Every check, in order; ``launch=False`` skips the two torchrun probes.
-
-    ``env`` replaces ``os.environ`` for the checks and the probes (a test can
-    pass a broken setting without touching its own environment).
-    """
-    env = dict(os.environ if env is None else env)
-    findings: list[Finding] = []
-
-    def add(finding: Finding) -> None:
-        findings.append(finding)
-        if progress is not None:
-            progress(finding)
-
-    add(check_python())
-    torch_finding = check_torch()
-    add(torch_finding)
-    if torch_finding.status == "fail":
-        return findings
-    add(check_visible_devices(env))
-    gpu_finding, gpus = check_gpus(env)
-    add(gpu_finding)
-    add(check_backends(gpus))
-    add(check_port(env))
-    add(check_interfaces(env))
-    add(check_threads(env, gpus or 2))
-    add(check_shm())
-    if launch:
-        add(check_gloo(env, timeout))
-        add(check_nccl(env, gpus, timeout))
-    else:
-        for name in ("gloo all_reduce", "nccl all_reduce"):
-            add(Finding(name, "skip", "not run (--no-launch)"))
-    return findings
-
-
-def blocking(findings: list[Finding]) -> list[Finding]:
-    """The findings that stop training (status ``fail``)."""
-    return [f for f in findings if f.status == "fail"]
-
-
-def exit_code(findings: list[Finding]) -> int:
-    """0 when nothing blocks training, 1 otherwise."""
-    return 1 if blocking(findings) else 0
-
-
-MARKS = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
-
-
-def format_finding(f: Finding, width: int = 20) -> str:
-    text = f"[{MARKS[f.status]}] {f.check:<{width}} {f.detail}"
-    if f.fix and f.status in ("warn", "fail"):
-        text += f"\n       {'':<{width}} fix: {f.fix}"
-    return text
-
-
-def format_findings(findings: list[Finding]) -> str:
-    """The report as a terminal shows it, with a verdict at the end."""
-    lines = [format_finding(f) for f in findings]
-    bad = blocking(findings)
-    warns = sum(f.status == "warn" for f in findings)
-    if bad:
-        lines.append(f"\n{len(bad)} problem(s) block training: {', '.join(f.check for f in bad)}.")
-    else:
-        lines.append(f"\nready to train ({warns} warning(s)).")
-    return "\n".join(lines)
-
-
-def to_json(findings: list[Finding]) -> str:
-    return json.dumps(
-        {"ok": not blocking(findings), "findings": [asdict(f) for f in findings]}, indent=1
-    )
-
-
-# --------------------------------------------------------------------------- the probe
-
-
-def _probe_main(argv: list[str] | None = None) -> None:
-    """One rank of the communication probe (run by torchrun, never by hand)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from ddp_tutorial.distributed import process_group
-    from ddp_tutorial.records import write_rank_record
-
-    parser = argparse.ArgumentParser(description="ddp-tutorial doctor: all_reduce probe")
-    parser.add_argument("--probe", action="store_true", required=True)
-    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-
-    @record
-    def main() -> None:
-        with process_group(backend=args.backend) as info:
-            value = torch.tensor([float(info.rank)], device=info.device)
-            dist.all_reduce(value)
-            write_rank_record(args.out, {"sum": value.item(), "device": str(info.device)})
-
-    main()
-
-
-if __name__ == "__main__":
-    # Run as a file, Python puts ddp_tutorial/ first on sys.path, where names such as
-    # data.py or models.py could shadow other packages' modules: take it off.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    _probe_main()

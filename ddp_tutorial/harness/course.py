@@ -23,7 +23,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # ddp_tutorial/harness/course.py
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -158,7 +158,7 @@ def run_course(
     return results
 
 
-def format_table(results: Iterable[NotebookResult]) -> str:
+def results_table(results: Iterable[NotebookResult]) -> str:
     """``notebook | seconds | status`` as a plain-text table."""
     results = list(results)
     width = max([len("notebook")] + [len(r.path.name) for r in results])

@@ -155,7 +155,7 @@ def utilization_timeline(
 ) -> Figure:
     """A line per GPU (or per rank on CPU) over time; the training window shaded.
 
-    ``rows`` are :mod:`ddp_tutorial.monitor` samples; ``window`` is in wall
+    ``rows`` are :mod:`ddp_tutorial.harness.monitor` samples; ``window`` is in wall
     time (epoch seconds, as the ranks report it) and is drawn relative to the
     first sample. ``column``: ``"util"`` (%) or ``"mem_mib"``.
     """

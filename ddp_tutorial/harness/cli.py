@@ -16,7 +16,7 @@ from typing import Any
 
 
 def _env(args: argparse.Namespace) -> int:
-    from ddp_tutorial.environment import environment_report, format_report
+    from ddp_tutorial.harness.environment import environment_report, format_report
 
     report = environment_report()
     print(json.dumps(report, indent=1) if args.json else format_report(report))
@@ -24,22 +24,26 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _course(args: argparse.Namespace) -> int:
-    from ddp_tutorial.course import format_table, notebooks, run_course
+    from ddp_tutorial.harness.course import notebooks, results_table, run_course
 
     paths = [Path(p) for p in args.notebooks] or notebooks()
+    if not paths:
+        print("ddp-tutorial course: no lesson notebooks found (run it from a checkout of the "
+              "repository: notebooks/ beside ddp_tutorial/)", file=sys.stderr)  # fmt: skip
+        return 2
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         print(f"ddp-tutorial course: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
     results = run_course(paths, output_dir=args.output_dir, timeout=args.timeout)
     print()
-    print(format_table(results))
+    print(results_table(results))
     print(f"\nexecuted notebooks and HTML in {args.output_dir}/")
     return 0 if all(r.ok for r in results) else 1
 
 
 def _strip(args: argparse.Namespace) -> int:
-    from ddp_tutorial.course import notebooks, strip_outputs
+    from ddp_tutorial.harness.course import notebooks, strip_outputs
 
     for path in [Path(p) for p in args.notebooks] or notebooks():
         if strip_outputs(path):
@@ -48,7 +52,13 @@ def _strip(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ddp_tutorial.doctor import exit_code, format_finding, format_findings, run_checks, to_json
+    from ddp_tutorial.harness.doctor import (
+        exit_code,
+        format_finding,
+        format_findings,
+        run_checks,
+        to_json,
+    )
 
     def show(finding: Any) -> None:  # one line per check as it completes (launches take seconds)
         if not args.json:

@@ -19,10 +19,12 @@ import re
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from ddp_tutorial.launch import Launch, RunResult, kill_tree, start
+from ddp_tutorial.harness.launch import LaunchSpec, RunResult, run_together
+from ddp_tutorial.harness.processes import kill_tree
 
 KEY_PATTERNS = (
     r"Timed out waiting \d+ms",
@@ -132,122 +134,30 @@ def run_with_input(
     )
 
 
-@dataclass
-class Case:
-    """One launch of the lab: a script, its arguments, extra environment, torchrun flags."""
-
-    script: str | os.PathLike[str]
-    args: Sequence[object] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    standalone: bool = True
-    torchrun_args: Sequence[str] = ()
-    nproc: int = 2
-
-
-def rendezvous_node(
-    script: str | os.PathLike[str],
-    *args: object,
-    nnodes: str = "2",
-    rdzv_conf: str = "",
-    nproc: int = 1,
-    port: int | None = None,
-    run_id: str | None = None,
-) -> Case:
-    """One node's torchrun of a multi-node job whose c10d rendezvous is hosted here.
-
-    ``nnodes`` is torchrun's ``--nnodes`` ("2", or "1:2" for an elastic job);
-    ``rdzv_conf`` its ``--rdzv-conf`` (e.g. ``"join_timeout=5"``: how long to
-    wait for missing nodes, 600 s by default). Started alone, it shows what
-    a node sees when the others do not come.
-    """
-    from ddp_tutorial.launch import free_port
-
-    port = port or free_port()
-    rdzv = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", run_id or f"job-{port}"]  # fmt: skip
-    if rdzv_conf:
-        rdzv += ["--rdzv-conf", rdzv_conf]
-    return Case(script, args, nproc=nproc, standalone=False, torchrun_args=rdzv)
+def case(
+    script: str | os.PathLike[str], args: Sequence[object] = (), nproc: int = 2, **options: Any
+) -> LaunchSpec:
+    """One launch of the lab: 2 ranks unless said otherwise; ``options``: see LaunchSpec."""
+    return LaunchSpec(script, args, nproc=nproc, **options)
 
 
 def run_cases(
-    cases: Mapping[str, Case], timeout: float = 120.0, run_dir: str | os.PathLike[str] | None = None
+    cases: Mapping[str, LaunchSpec],
+    timeout: float = 120.0,
+    run_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, RunResult]:
     """Start every case at once under torchrun, wait for all; ``{name: RunResult}``.
 
     The broken cases mostly *wait* (for a timeout to end a hang), so running
     them side by side costs little more than the slowest one. Failures are
-    results here, not exceptions (``check=False``): the lab reads them.
-    ``timeout`` is the hard limit per launch, after which it is killed.
+    results here, not exceptions: the lab reads them. ``timeout`` is the hard
+    limit per launch, after which it is killed; case ``name`` writes to
+    ``run_dir/name``.
     """
     base = Path(run_dir) if run_dir is not None else None
-    launches: dict[str, Launch] = {}
-    try:
-        for name, case in cases.items():
-            launches[name] = start(
-                case.script,
-                *case.args,
-                nproc=case.nproc,
-                env=dict(case.env),
-                timeout=timeout,
-                run_dir=base / name if base is not None else None,
-                check=False,
-                echo=False,
-                standalone=case.standalone,
-                torchrun_args=case.torchrun_args,
-            )
-        return {name: launch.wait() for name, launch in launches.items()}
-    except BaseException:
-        for launch in launches.values():
-            launch.kill()
-        raise
-
-
-def render_sbatch(
-    script: str | os.PathLike[str],
-    args: Sequence[str] = (),
-    nodes: Sequence[str] = ("node01", "node02"),
-    slurm_env: Mapping[str, str] | None = None,
-    timeout: float = 30.0,
-) -> list[str]:
-    """The command a SLURM job script would run, without a cluster: a dry run.
-
-    Debugging a job script in the queue costs an allocation per attempt.
-    This runs it with ``bash`` under a fake SLURM environment — the variables
-    ``sbatch`` sets (``SLURM_JOB_NODELIST``, ``SLURM_NNODES``, ``SLURM_JOB_ID``,
-    …, overridable with ``slurm_env``), a stand-in ``scontrol`` that lists
-    ``nodes``, and ``DRY_RUN=1``, which the course's job script honours by
-    printing its command (after the variables it exports) instead of running
-    it. Returns the words, e.g. ``["OMP_NUM_THREADS=8", "srun", …, "torchrun", …]``.
-    """
-    import shlex
-    import tempfile
-
-    if not nodes:
-        raise ValueError("render_sbatch: need at least one node name")
-    with tempfile.TemporaryDirectory(prefix="fake-slurm-") as tmp:
-        scontrol = Path(tmp) / "scontrol"
-        listing = " ".join(shlex.quote(n) for n in nodes)
-        scontrol.write_text(
-            f"#!/bin/sh\n# fake: `scontrol show hostnames`\nprintf '%s\\n' {listing}\n"
-        )
-        scontrol.chmod(0o755)
-        env = {
-            **os.environ,
-            "PATH": f"{tmp}{os.pathsep}{os.environ.get('PATH', '')}",
-            "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": f"{nodes[0]},{nodes[-1]}" if len(nodes) > 1 else nodes[0],
-            "SLURM_NNODES": str(len(nodes)),
-            "SLURM_GPUS_ON_NODE": "8",
-            "SLURM_CPUS_PER_TASK": "64",
-            **(slurm_env or {}),
-            "DRY_RUN": "1",
-        }
-        if "OMP_NUM_THREADS" not in (slurm_env or {}):
-            env.pop("OMP_NUM_THREADS", None)  # let the script compute it, as on a fresh node
-        done = subprocess.run(
-            ["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=timeout
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} failed (exit {done.returncode}): {done.stderr.strip()}")
-    return shlex.split(done.stdout)
+    specs = {
+        name: replace(spec, timeout=timeout, echo=False,
+                      run_dir=base / name if base is not None else spec.run_dir)
+        for name, spec in cases.items()
+    }  # fmt: skip
+    return run_together(specs)

@@ -17,17 +17,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ddp_tutorial.devices import ENV_VAR, DeviceError, visible_gpus
+from ddp_tutorial import settings
+from ddp_tutorial.devices import DeviceError, visible_gpus
 from ddp_tutorial.distributed import choose_backend
-from ddp_tutorial.launch import default_nproc
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+from ddp_tutorial.harness.launch import default_nproc
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
 def environment_report() -> dict[str, Any]:
@@ -46,7 +40,7 @@ def environment_report() -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_cuda_build": torch.version.cuda,
-        "cpu_cores": usable_cores(),
+        "cpu_cores": settings.usable_cores(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "dev_shm_gib": round(shm / 2**30, 2) if shm is not None else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -56,7 +50,7 @@ def environment_report() -> dict[str, Any]:
             "nccl": dist.is_nccl_available(),
             "mpi": dist.is_mpi_available(),
         },
-        "cuda_visible_devices": os.environ.get(ENV_VAR),
+        "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
         "gpu_error": gpu_error,
         "gpus": [
             {
@@ -83,7 +77,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("/dev/shm", f"{report['dev_shm_gib']} GiB"),
         ("OMP_NUM_THREADS", report["omp_num_threads"] or "unset"),
         ("backends", backends),
-        ("CUDA_VISIBLE_DEVICES", report["cuda_visible_devices"] or "unset"),
+        (VISIBLE_DEVICES_ENV, report["cuda_visible_devices"] or "unset"),
     ]
     if report["gpus"]:
         for g in report["gpus"]:

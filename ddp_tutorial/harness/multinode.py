@@ -1,0 +1,125 @@
+"""Several torchrun "nodes" of one job on this machine: the multi-node lessons without a cluster.
+
+Each node is the command you would type on one machine of a real cluster:
+``torchrun --nnodes N --node-rank i --rdzv-backend c10d --rdzv-endpoint
+host:port --rdzv-id JOB …``. :func:`rendezvous_args` builds those flags (the
+one place they are written), :func:`rendezvous_node` describes one such node
+as a :class:`~ddp_tutorial.harness.launch.LaunchSpec`, and :func:`multinode`
+starts all nodes of a job together through
+:func:`~ddp_tutorial.harness.launch.run_together`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddp_tutorial.distributed import free_port
+from ddp_tutorial.harness.failures import LaunchError
+from ddp_tutorial.harness.launch import (
+    LaunchSpec,
+    RunResult,
+    default_run_dir,
+    raise_for_failure,
+    run_together,
+)
+
+
+def rendezvous_args(
+    nnodes: int | str,
+    endpoint: str,
+    run_id: str,
+    node_rank: int | None = None,
+    conf: str = "",
+) -> list[str]:
+    """torchrun's flags for a c10d rendezvous at ``endpoint`` (``host:port``).
+
+    ``nnodes``: ``2``, or ``"1:2"`` for an elastic job. ``node_rank``: only a
+    hint with c10d (the rendezvous decides each node's ``GROUP_RANK``).
+    ``conf``: ``--rdzv-conf``, e.g. ``"join_timeout=5"`` (how long to wait for
+    missing nodes, 600 s by default) or ``"is_host=1"``.
+    """
+    args = ["--nnodes", str(nnodes)]
+    if node_rank is not None:
+        args += ["--node-rank", str(node_rank)]
+    args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+    if conf:
+        args += ["--rdzv-conf", conf]
+    return args
+
+
+def rendezvous_node(
+    script: str | os.PathLike[str],
+    *args: object,
+    nnodes: str = "2",
+    rdzv_conf: str = "",
+    nproc: int = 1,
+    port: int | None = None,
+    run_id: str | None = None,
+) -> LaunchSpec:
+    """One node's torchrun of a multi-node job whose c10d rendezvous is hosted here.
+
+    Started alone (with :func:`run_together`), it shows what a node sees when
+    the others do not come.
+    """
+    port = port or free_port()
+    rdzv = rendezvous_args(nnodes, f"127.0.0.1:{port}", run_id or f"job-{port}", conf=rdzv_conf)
+    return LaunchSpec(script, args, nproc=nproc, standalone=False, torchrun_args=rdzv)
+
+
+def multinode(
+    script: str | os.PathLike[str],
+    *args: object,
+    nnodes: int = 2,
+    nproc_per_node: int | None = None,
+    node_env: Sequence[Mapping[str, str]] | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    **options: Any,
+) -> list[RunResult]:
+    """One job on ``nnodes`` "nodes" that all live on this machine; one result per node.
+
+    Node ``i`` writes to ``RUN_DIR/node{i}`` and its echoed lines start with
+    ``[node i]``; ``node_env[i]`` adds variables for node ``i`` only (over
+    ``env``). Other ``options`` (``env``, ``timeout``, ``run_dir``, ``check``,
+    ``echo``, ``torchrun_args``) are :class:`LaunchSpec`'s. Note that with
+    c10d the rendezvous, not ``--node-rank``, decides each node's
+    ``GROUP_RANK`` (the ranks' records say which it got).
+
+    If one node fails or times out the others are killed (they would wait
+    for it until the rendezvous timeout); with ``check`` the first failure
+    is raised, naming the node.
+    """
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"multinode: nnodes must be a positive integer, got {nnodes!r}")
+    if node_env is not None and len(node_env) != nnodes:
+        raise ValueError(f"multinode: node_env needs {nnodes} entries, got {len(node_env)}")
+    check = options.pop("check", True)
+    base = Path(options.pop("run_dir", None) or default_run_dir(script))
+    env, extra = options.pop("env", None) or {}, list(options.pop("torchrun_args", ()))
+    port = port or free_port(host)
+    specs = {}
+    for node in range(nnodes):
+        # node 0 hosts the rendezvous store; the others connect to it
+        rdzv = rendezvous_args(nnodes, f"{host}:{port}", f"{Path(script).stem}-{port}",
+                               node_rank=node, conf=f"is_host={1 if node == 0 else 0}")  # fmt: skip
+        specs[node] = LaunchSpec(
+            script, args, nproc=nproc_per_node, run_dir=base / f"node{node}",
+            env={**env, **(node_env[node] if node_env else {})}, standalone=False,
+            torchrun_args=[*rdzv, *extra], prefix=f"[node {node}]", **options,
+        )  # fmt: skip
+    results = run_together(specs, stop_on_failure=True)
+    if check:
+        # A timed-out node first, then one that says why it failed, then any failed node.
+        order = sorted(results, key=lambda n: (not results[n].timed_out, not results[n].failures))
+        for node in order:
+            try:
+                raise_for_failure(Path(script).name, results[node], specs[node].timeout)
+            except LaunchError as exc:
+                message = f"node {node}: {exc}"
+                if results[node].timed_out:
+                    message += "\nEvery node was killed."
+                raise type(exc)(message, exc.result) from None
+    return list(results.values())

@@ -1,0 +1,69 @@
+"""Every environment variable the course itself reads, with its default, in one place.
+
+Rank side and host side both read these (a launcher sets them, a rank obeys
+them), so the names live here rather than in either: a rank that imports this
+module pulls in nothing but the standard library. torchrun's own contract
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, …) is read where it is used, in
+:mod:`ddp_tutorial.distributed`; :func:`env_int` reads any of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+BACKEND_ENV = "DDP_TUTORIAL_BACKEND"
+"""The backend every rank uses: "auto" (nccl when each local rank has a GPU, else gloo),
+"gloo" or "nccl"."""
+BACKEND_DEFAULT = "auto"
+
+TIMEOUT_ENV = "DDP_TUTORIAL_TIMEOUT"
+"""Seconds a collective (and the rendezvous) may wait before the rank fails."""
+TIMEOUT_DEFAULT_S = 60.0
+
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+"""Which GPUs a process may see, read by the CUDA driver once, when CUDA initialises."""
+DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
+"""How CUDA numbers GPUs: "FASTEST_FIRST" (its default) or "PCI_BUS_ID" (nvidia-smi's order)."""
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def backend(env: Mapping[str, str] | None = None) -> str:
+    """The requested backend (``$DDP_TUTORIAL_BACKEND``, default "auto")."""
+    return _env(env).get(BACKEND_ENV) or BACKEND_DEFAULT
+
+
+def timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """The collective timeout in seconds (``$DDP_TUTORIAL_TIMEOUT``, default 60)."""
+    raw = _env(env).get(TIMEOUT_ENV)
+    if not raw:
+        return TIMEOUT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
+    """An integer from the environment, with a clear error when it is not one."""
+    raw = _env(env).get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
