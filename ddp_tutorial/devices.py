@@ -36,6 +36,7 @@ class GpuInfo:
     uuid: str
     memory_total_mib: float
     memory_used_mib: float
+    mig: bool = False  # MIG mode on: CUDA shows its instances, never the whole GPU
 
 
 UUID_PREFIXES = ("GPU-", "MIG-")
@@ -147,8 +148,10 @@ def _resolve(entry: str, inventory: Sequence[GpuInfo] | int) -> int:
             raise DeviceError(f"cannot resolve UUID {entry!r} without the NVML inventory")
         if entry.startswith("MIG-"):
             raise DeviceError(
-                f"{VISIBLE_DEVICES_ENV}: {entry!r} is a MIG instance, not a whole GPU; it has no "
-                "physical GPU index to map to."
+                f"{VISIBLE_DEVICES_ENV}: {entry!r} is a MIG instance, not a whole GPU. CUDA "
+                "shows a process one MIG instance at most, so one node cannot run several "
+                "ranks on them; the course runs one rank per whole GPU. List whole GPUs "
+                "(indices or GPU- UUIDs), or run one single-rank job per instance."
             )
         # CUDA accepts any unique prefix of a UUID.
         found = [gpu.index for gpu in inventory if gpu.uuid.startswith(entry)]
@@ -260,6 +263,33 @@ def nvml_text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _mig_enabled(nvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # "Not Supported": a GPU without MIG (anything before A100)
+        return False
+    return bool(current)
+
+
+def read_inventory(nvml: Any) -> list[GpuInfo]:
+    """Every physical GPU from an initialised ``pynvml`` module (a fake in tests)."""
+    gpus = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        gpus.append(
+            GpuInfo(
+                index=i,
+                name=nvml_text(nvml.nvmlDeviceGetName(handle)),
+                uuid=nvml_text(nvml.nvmlDeviceGetUUID(handle)),
+                memory_total_mib=mem.total / 2**20,
+                memory_used_mib=mem.used / 2**20,
+                mig=_mig_enabled(nvml, handle),
+            )
+        )
+    return gpus
+
+
 def gpu_inventory() -> list[GpuInfo]:
     """All physical GPUs via NVML; ``[]`` where there is no driver.
 
@@ -267,31 +297,35 @@ def gpu_inventory() -> list[GpuInfo]:
     kernel and in the launcher.
     """
     with _nvml() as nvml:
-        if nvml is None:
-            return []
-        gpus = []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                GpuInfo(
-                    index=i,
-                    name=nvml_text(nvml.nvmlDeviceGetName(handle)),
-                    uuid=nvml_text(nvml.nvmlDeviceGetUUID(handle)),
-                    memory_total_mib=mem.total / 2**20,
-                    memory_used_mib=mem.used / 2**20,
-                )
-            )
-        return gpus
+        return read_inventory(nvml) if nvml is not None else []
+
+
+def cuda_visible(env: Mapping[str, str], inventory: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The GPUs CUDA will show a process started with ``env``, in logical order.
+
+    The one answer to "what will CUDA see" for the launcher (how many ranks),
+    the monitor (which GPUs to sample), the test suite (are there GPUs) and the
+    doctor. NVML and CUDA disagree where MIG is on: NVML lists the physical
+    GPUs, CUDA shows a process one MIG instance at most. The course runs one
+    rank per whole GPU, so such a setup is refused here, with what to do,
+    rather than discovered as eight ranks on one device.
+    """
+    visible = [inventory[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
+    mig = [gpu.index for gpu in visible if gpu.mig]
+    if mig:
+        raise DeviceError(
+            f"MIG mode is on for GPU(s) {mig}: CUDA would show each process a single MIG "
+            f"instance, not {len(visible)} GPU(s), so the ranks of a node could not each have "
+            f"a GPU. The course needs whole GPUs: set {VISIBLE_DEVICES_ENV} to GPUs without MIG, "
+            "or turn MIG off (nvidia-smi -i ID -mig 0, as root, then reset the GPU)."
+        )
+    return visible
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[GpuInfo]:
-    """The GPUs a process started with ``env`` would see, in logical order."""
-    env = os.environ if env is None else env
+    """The GPUs a process started with ``env`` would see (:func:`cuda_visible` on NVML's list)."""
     inventory = gpu_inventory()
-    if not inventory:
-        return []
-    return [inventory[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
+    return cuda_visible(os.environ if env is None else env, inventory) if inventory else []
 
 
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:

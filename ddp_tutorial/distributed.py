@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,9 +104,14 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     """Initialise the default process group from torchrun's environment.
 
     ``backend``: "auto" (default, or ``$DDP_TUTORIAL_BACKEND``), "gloo" or
-    "nccl". ``timeout_s`` bounds how long a collective (and the initial
-    rendezvous) may wait: a rank that never arrives fails the job in
-    seconds, not in the default 10 minutes.
+    "nccl". ``timeout_s`` (default ``$DDP_TUTORIAL_TIMEOUT``, 60 s) bounds how
+    long a collective may wait: a rank that never arrives fails the job in
+    seconds, not in the default 10 minutes. Joining gets longer
+    (``$DDP_TUTORIAL_INIT_TIMEOUT``, 600 s): a slow ``import torch`` on a busy
+    shared filesystem is not a bug. On GPUs the rank is bound to
+    ``cuda:LOCAL_RANK`` twice over: ``set_device`` (where ``.cuda()`` and
+    new tensors go) and ``device_id`` (the communicator is created for that
+    device now, so an NCCL problem shows at init, not at the first collective).
     """
     if "RANK" not in os.environ:
         # Not under torchrun: a world of one, so the script runs in a debugger.
@@ -116,26 +122,103 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     local_rank = env_int("LOCAL_RANK", 0)
     world_size = env_int("WORLD_SIZE", 1)
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
+    timeout_s = settings.timeout_s() if timeout_s is None else timeout_s
+    init_timeout_s = max(settings.init_timeout_s(), timeout_s)
     requested = backend or settings.backend()
     name, reason = choose_backend(requested, local_world_size)
-    if name == "nccl":
+    if requested == "auto" and world_size > local_world_size:
+        name, reason = agree_across_nodes(name, reason, rank, world_size, init_timeout_s)
+    warning = fallback_warning(requested, name, reason)
+    if warning and local_rank == 0:
+        print(warning, file=sys.stderr, flush=True)
+    device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
         # Bind first: otherwise every rank's first CUDA call lands on cuda:0.
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if timeout_s is None:
-        timeout_s = settings.timeout_s()
     if not dist.is_initialized():
         _import_before_init()
         dist.init_process_group(
-            backend=name,
+            **init_options(name, device, init_timeout_s),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            store=_restart_safe_store(world_size, timeout_s),
+            store=_restart_safe_store(world_size, init_timeout_s),
         )
+        if timeout_s != init_timeout_s:
+            _set_collective_timeout(timeout_s)
     return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
+
+
+def init_options(backend: str, device: torch.device, init_timeout_s: float) -> dict[str, Any]:
+    """What :func:`setup` passes to ``init_process_group`` (a pure function, for tests).
+
+    ``device_id`` only for a GPU: it binds the group to that device (and
+    creates the NCCL communicator eagerly); it does *not* call ``set_device``.
+    """
+    options: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=init_timeout_s)}
+    if device.type == "cuda":
+        options["device_id"] = device
+    return options
+
+
+def _set_collective_timeout(timeout_s: float) -> None:
+    """The collectives' timeout, once everyone has joined (``dist.set_timeout``, torch 2.8+)."""
+    set_timeout = getattr(dist, "set_timeout", None)
+    if set_timeout is None:  # older torch: the same call under its private name
+        from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
+    set_timeout(timedelta(seconds=timeout_s))
+
+
+def fallback_warning(requested: str, backend: str, reason: str) -> str | None:
+    """A loud line when "auto" runs on the CPU although this machine has GPUs."""
+    if requested != "auto" or backend != "gloo" or not torch.cuda.is_available():
+        return None
+    gpus = torch.cuda.device_count()
+    return (
+        f"WARNING: this node has {gpus} GPU(s), but the job runs on the CPU with gloo "
+        f"({reason}). Start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
+        f"to train on them."
+    )
+
+
+def agree_backends(choices: list[str]) -> tuple[str, str]:
+    """One backend for every rank, from each rank's own choice (a pure function).
+
+    Each node decides "auto" from its own GPUs; two nodes that decide
+    differently would hang in ``init_process_group``. Agreed: that backend.
+    Not agreed: gloo everywhere (every node can run it), and the reason says
+    which ranks could not use nccl.
+    """
+    if len(set(choices)) == 1:
+        return choices[0], f"every rank chose {choices[0]}"
+    without = [r for r, c in enumerate(choices) if c != "nccl"]
+    return "gloo", (
+        f"the nodes disagree: ranks {without} cannot use nccl (no GPU of their own), so "
+        f"every rank uses gloo on the CPU. Give every rank a GPU, or set "
+        f"{settings.BACKEND_ENV} to the same value on every node."
+    )
+
+
+def exchange(store: dist.Store, rank: int, world_size: int, value: str) -> list[str]:
+    """Every rank's ``value``, in rank order, through a key-value store (before init)."""
+    store.set(f"ddp_tutorial/backend/{rank}", value)
+    return [store.get(f"ddp_tutorial/backend/{r}").decode() for r in range(world_size)]
+
+
+def agree_across_nodes(
+    name: str, reason: str, rank: int, world_size: int, timeout_s: float
+) -> tuple[str, str]:
+    """Make every node of a multi-node "auto" job use the same backend (torchrun's store)."""
+    store = _agent_store(world_size, timeout_s)
+    if store is None:
+        raise BackendError(
+            f"a multi-node job with backend 'auto' needs torchrun's store to agree on one "
+            f"backend across nodes; set {settings.BACKEND_ENV}=nccl (GPU nodes) or gloo on "
+            f"every node instead."
+        )
+    agreed, why = agree_backends(exchange(store, rank, world_size, name))
+    if agreed != name and rank == 0:
+        print(f"WARNING: {why}", file=sys.stderr, flush=True)
+    return agreed, reason if agreed == name else why
 
 
 def _import_before_init() -> None:
@@ -172,20 +255,18 @@ def group_held_by_defaults() -> bool:
     return any(isinstance(d, dist.ProcessGroup) for d in functional.all_reduce.__defaults__ or ())
 
 
-def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
-    """A per-attempt key space in torchrun's store when restarts are enabled (else None).
+def _agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """torchrun's own TCPStore (MASTER_ADDR:MASTER_PORT), per restart attempt; else None.
 
     Since torch 2.5 torchrun's workers share the elastic agent's TCPStore, and
     that store outlives a restart: a new worker can read the *previous*
-    attempt's addresses (a dead rank's port) and fail with "Connection
-    refused" (pytorch/pytorch#135712; the other workaround is
+    attempt's keys (a dead rank's address) and fail with "Connection refused"
+    (pytorch/pytorch#135712; the other workaround is
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment).
     Prefixing every key with the restart count keeps attempts apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    if env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
-        return None  # one attempt: nothing stale to read
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -195,6 +276,13 @@ def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
     )
     attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     return dist.PrefixStore(f"ddp_tutorial/attempt_{attempt}", store)
+
+
+def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """The store for ``init_process_group`` when restarts are enabled (else None: torch's own)."""
+    if env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
+        return None  # one attempt: nothing stale to read
+    return _agent_store(world_size, timeout_s)
 
 
 def cleanup(barrier: bool = False) -> None:

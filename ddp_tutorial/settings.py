@@ -21,6 +21,10 @@ TIMEOUT_ENV = "DDP_TUTORIAL_TIMEOUT"
 """Seconds a collective (and the rendezvous) may wait before the rank fails."""
 TIMEOUT_DEFAULT_S = 60.0
 
+INIT_TIMEOUT_ENV = "DDP_TUTORIAL_INIT_TIMEOUT"
+"""Seconds every rank may take to join the process group (a slow ``import torch`` is not a bug)."""
+INIT_TIMEOUT_DEFAULT_S = 600.0
+
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 """Which GPUs a process may see, read by the CUDA driver once, when CUDA initialises."""
 DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
@@ -38,15 +42,24 @@ def backend(env: Mapping[str, str] | None = None) -> str:
 
 def timeout_s(env: Mapping[str, str] | None = None) -> float:
     """The collective timeout in seconds (``$DDP_TUTORIAL_TIMEOUT``, default 60)."""
-    raw = _env(env).get(TIMEOUT_ENV)
+    return _seconds(_env(env), TIMEOUT_ENV, TIMEOUT_DEFAULT_S)
+
+
+def init_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """How long joining the group may take (``$DDP_TUTORIAL_INIT_TIMEOUT``, default 600)."""
+    return _seconds(_env(env), INIT_TIMEOUT_ENV, INIT_TIMEOUT_DEFAULT_S)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
     if not raw:
-        return TIMEOUT_DEFAULT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
     return value
 
 

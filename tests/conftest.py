@@ -12,17 +12,31 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 
 
-def gpu_count() -> int:
-    """Visible GPUs via NVML (no CUDA initialised in the test process)."""
-    from ddp_tutorial.devices import visible_gpu_count
+def gpu_view() -> tuple[int, str]:
+    """``(GPUs CUDA will show the ranks, why none)``, via NVML: no CUDA in the test process.
 
-    return visible_gpu_count()
+    A setup the course refuses (MIG) counts as no GPU, with the refusal as the
+    reason: collection must never crash on it.
+    """
+    from ddp_tutorial.devices import DeviceError, visible_gpu_count
+
+    try:
+        count = visible_gpu_count()
+    except DeviceError as exc:
+        return 0, str(exc)
+    return count, "" if count else "none visible via NVML"
+
+
+def gpu_count() -> int:
+    """Visible GPUs (see :func:`gpu_view`)."""
+    return gpu_view()[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if gpu_count() > 0:
+    count, why = gpu_view()
+    if count > 0:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible via NVML)")
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({why})")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -76,3 +90,85 @@ def write_script(tmp_path: Path):
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+# -- a fake NVML: this machine has no driver -------------------------------------------
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_gpu(index: int, uuid: str | None = None, name: str = "H100", mig: bool = False):
+    """One physical GPU as :func:`fake_pynvml` serves it (80 GB, 1 MiB used)."""
+    from ddp_tutorial.devices import GpuInfo
+
+    return GpuInfo(index, name, uuid or f"GPU-{index:08d}-aaaa", 80_000.0, 1.0, mig=mig)
+
+
+def fake_pynvml(
+    gpus: list | None,
+    pids: dict[int, list[int]] | None = None,
+    driver_cuda: int = 12040,
+    failing: set[str] = frozenset(),
+):
+    """A stand-in for the ``pynvml`` module; ``gpus=None``: no driver.
+
+    Utilization of GPU ``i`` is ``10 * i`` %, its memory used ``(i + 1)`` GiB;
+    ``failing`` names NVML calls that raise (as MIG and vGPU devices do for
+    utilization: "Not Supported"); ``driver_cuda`` is what
+    ``nvmlSystemGetCudaDriverVersion`` reports (12040: CUDA 12.4).
+    """
+    import types
+
+    mod = types.ModuleType("pynvml")
+    mod.NVMLError = FakeNVMLError
+    state = {"inits": 0}
+
+    def init():
+        if gpus is None:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+        state["inits"] += 1
+
+    def shutdown():
+        state["inits"] -= 1
+
+    def call(name, fn):
+        def wrapped(*args):
+            if name in failing:
+                raise FakeNVMLError("Not Supported")
+            return fn(*args)
+
+        return wrapped
+
+    mod.nvmlInit = init
+    mod.nvmlShutdown = shutdown
+    mod.nvmlDeviceGetCount = lambda: len(gpus)
+    mod.nvmlDeviceGetHandleByIndex = lambda i: gpus[i]
+    mod.nvmlDeviceGetName = lambda h: h.name.encode()  # old bindings return bytes
+    mod.nvmlDeviceGetUUID = lambda h: h.uuid
+    mod.nvmlDeviceGetMemoryInfo = call("nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(
+        total=int(h.memory_total_mib * 2**20), used=(h.index + 1) * 2**30, free=0))  # fmt: skip
+    mod.nvmlDeviceGetUtilizationRates = call(
+        "nvmlDeviceGetUtilizationRates", lambda h: types.SimpleNamespace(gpu=10 * h.index, memory=0)
+    )
+    mod.nvmlDeviceGetMigMode = call("nvmlDeviceGetMigMode", lambda h: [int(h.mig), int(h.mig)])
+    mod.nvmlSystemGetCudaDriverVersion = lambda: driver_cuda
+    mod.nvmlSystemGetDriverVersion = lambda: "550.54.15"
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=p) for p in (pids or {}).get(h.index, [])
+    ]
+    mod.state = state
+    return mod
+
+
+@pytest.fixture
+def nvml(monkeypatch: pytest.MonkeyPatch):
+    """``nvml(gpus, ...)`` installs :func:`fake_pynvml` as ``pynvml`` and returns it."""
+
+    def install(gpus, **kwargs):
+        mod = fake_pynvml(gpus, **kwargs)
+        monkeypatch.setitem(sys.modules, "pynvml", mod)
+        return mod
+
+    return install

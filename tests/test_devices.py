@@ -8,12 +8,10 @@ same there, and every value it refuses must be one CUDA would misread.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
+from conftest import fake_gpu
 from ddp_tutorial import devices
 from ddp_tutorial.devices import (
     DeviceError,
@@ -201,50 +199,6 @@ def test_order_matches_nvidia_smi():
 # -- NVML (faked: this machine has no driver) ------------------------------------
 
 
-class FakeNVMLError(Exception):
-    pass
-
-
-def fake_pynvml(gpus: list[GpuInfo] | None, pids: dict[int, list[int]] | None = None):
-    """A stand-in for the ``pynvml`` module; ``gpus=None``: no driver."""
-    mod = types.ModuleType("pynvml")
-    mod.NVMLError = FakeNVMLError
-    state = {"inits": 0}
-
-    def init():
-        if gpus is None:
-            raise FakeNVMLError("NVML Shared Library Not Found")
-        state["inits"] += 1
-
-    def shutdown():
-        state["inits"] -= 1
-
-    mod.nvmlInit = init
-    mod.nvmlShutdown = shutdown
-    mod.nvmlDeviceGetCount = lambda: len(gpus)
-    mod.nvmlDeviceGetHandleByIndex = lambda i: gpus[i]
-    mod.nvmlDeviceGetName = lambda h: h.name.encode()  # old bindings return bytes
-    mod.nvmlDeviceGetUUID = lambda h: h.uuid
-    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        total=int(h.memory_total_mib * 2**20), used=int(h.memory_used_mib * 2**20)
-    )
-    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [
-        types.SimpleNamespace(pid=p) for p in (pids or {}).get(h.index, [])
-    ]
-    mod.state = state
-    return mod
-
-
-@pytest.fixture
-def nvml(monkeypatch):
-    def install(gpus, pids=None):
-        mod = fake_pynvml(gpus, pids)
-        monkeypatch.setitem(sys.modules, "pynvml", mod)
-        return mod
-
-    return install
-
-
 def test_inventory_without_driver(nvml):
     nvml(None)
     assert devices.gpu_inventory() == []
@@ -271,7 +225,7 @@ def test_gpu_memory_report_lists_processes_per_gpu(nvml):
     nvml([_gpu(0, "GPU-a"), _gpu(1, "GPU-b")], pids={0: [30, 10], 1: [20]})
     report = devices.gpu_memory_report()
     assert [r["pids"] for r in report] == [[10, 30], [20]]
-    assert report[0]["memory_used_mib"] == 1.0
+    assert report[0]["memory_used_mib"] == 1024.0  # the fake: (index + 1) GiB
 
 
 def test_nothing_here_initialises_cuda():
@@ -279,3 +233,22 @@ def test_nothing_here_initialises_cuda():
     devices.visible_gpu_count()
     devices.gpu_memory_report()
     assert not torch.cuda.is_initialized()
+
+
+def test_mig_is_refused_with_what_to_do_not_counted_as_gpus(nvml):
+    """MIG on, no CUDA_VISIBLE_DEVICES: NVML lists 8 GPUs, CUDA would show one instance."""
+    nvml([fake_gpu(i, mig=True) for i in range(8)])
+    with pytest.raises(DeviceError, match="MIG mode is on for GPU.*whole GPUs"):
+        devices.visible_gpu_count({})
+    nvml([fake_gpu(0, mig=True), fake_gpu(1), fake_gpu(2)])
+    assert devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "1,2"}) == 2  # MIG-free GPUs
+    with pytest.raises(DeviceError, match="is a MIG instance, not a whole GPU"):
+        devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "MIG-0a1b2c3d"})
+
+
+def test_collection_survives_a_mig_machine(nvml):
+    import conftest
+
+    nvml([fake_gpu(i, mig=True) for i in range(2)])
+    count, why = conftest.gpu_view()
+    assert count == 0 and "MIG" in why

@@ -85,3 +85,101 @@ def test_nccl_on_cpu_machine_fails_clearly_under_torchrun(tmp_path):
             env={"DDP_TUTORIAL_TIMEOUT": "20"},
         )
     assert "BackendError" in str(info.value) and "nccl" in str(info.value)
+
+
+# -- GPU node and multi-node decisions, proven without a GPU ----------------------------
+
+
+def test_a_gpu_rank_is_bound_by_device_id_with_a_generous_join_timeout():
+    import torch
+
+    from ddp_tutorial.distributed import init_options
+
+    gpu = init_options("nccl", torch.device("cuda", 3), 600.0)
+    assert gpu["device_id"] == torch.device("cuda", 3) and gpu["backend"] == "nccl"
+    assert gpu["timeout"].total_seconds() == 600.0
+    assert "device_id" not in init_options("gloo", torch.device("cpu"), 600.0)
+
+
+def test_nodes_that_disagree_all_fall_back_to_gloo():
+    from ddp_tutorial.distributed import agree_backends
+
+    assert agree_backends(["nccl"] * 4)[0] == "nccl"
+    backend, why = agree_backends(["nccl", "nccl", "gloo", "gloo"])
+    assert backend == "gloo" and "ranks [2, 3] cannot use nccl" in why
+
+
+def test_every_rank_reads_every_choice_through_the_store():
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddp_tutorial.distributed import exchange, free_port
+
+    port = free_port()
+    wait = timedelta(seconds=20)
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=wait, wait_for_workers=False)
+    seen = {}
+
+    def rank(r: int, choice: str) -> None:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+        seen[r] = exchange(store, r, 2, choice)
+
+    threads = [threading.Thread(target=rank, args=(r, c)) for r, c in ((0, "nccl"), (1, "gloo"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    del master
+    assert seen == {0: ["nccl", "gloo"], 1: ["nccl", "gloo"]}
+
+
+def test_auto_on_a_gpu_node_with_too_many_ranks_warns(monkeypatch):
+    import torch
+
+    from ddp_tutorial.distributed import fallback_warning
+
+    assert fallback_warning("auto", "gloo", "no GPU") is None  # this machine: none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    warning = fallback_warning("auto", "gloo", "2 GPU(s) for 4 local ranks")
+    assert warning.startswith("WARNING: this node has 2 GPU(s)") and "--nproc-per-node 2" in warning
+    assert fallback_warning("gloo", "gloo", "gloo requested") is None  # asked for: no warning
+
+
+SLOW_JOIN = """
+import os, sys, time
+import torch, torch.distributed as dist
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.records import write_rank_record
+
+rank = int(os.environ["RANK"])
+if rank == 1:
+    time.sleep(3.5)  # a slow start (import on a busy shared filesystem): must not fail the join
+record = {}
+with process_group(backend="gloo", timeout_s=2) as info:
+    if rank == 1:
+        time.sleep(3.5)  # a rank late for a collective: must fail within the 2 s timeout
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        record["error"] = None
+    except Exception as exc:
+        record["error"] = type(exc).__name__
+    record["waited_s"] = time.monotonic() - t0
+    write_rank_record(sys.argv[-1], record)
+    os._exit(0)  # the group is broken on purpose: leave without the closing barrier
+"""
+
+
+@pytest.mark.torchrun
+def test_joining_may_take_long_but_a_collective_times_out_fast(tmp_path, write_script):
+    from ddp_tutorial.harness.launch import torchrun
+
+    script = write_script("slow_join.py", SLOW_JOIN)
+    result = torchrun(script, nproc=2, run_dir=tmp_path / "run", echo=False, timeout=120,
+                      env={"DDP_TUTORIAL_INIT_TIMEOUT": "60"})  # fmt: skip
+    r0 = result.records[0]
+    assert r0["error"] is not None, "rank 0 waited past the 2 s collective timeout"
+    assert r0["waited_s"] < 3.4, r0

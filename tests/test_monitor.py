@@ -7,11 +7,11 @@ monitor costs under 1 % of a core.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import math
 
 import pytest
 
-from conftest import gpu_count
+from conftest import fake_gpu, fake_pynvml, gpu_count
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.monitor import Monitor, read_samples_csv, summarize
 
@@ -26,38 +26,6 @@ rank = int(os.environ["RANK"])
 with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "start": start, "end": time.time()}, f)
 """
-
-
-class FakeNVML:
-    """Just enough of pynvml: 4 GPUs whose utilization is 10 * physical id."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, count: int = 4):
-        self.count = count
-        self.initialised = 0
-
-    def nvmlInit(self):
-        self.initialised += 1
-
-    def nvmlShutdown(self):
-        self.initialised -= 1
-
-    def nvmlDeviceGetCount(self):
-        return self.count
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetUUID(self, handle):
-        return f"GPU-{handle:08d}-aaaa"
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        return SimpleNamespace(gpu=10 * handle, memory=0)
-
-    def nvmlDeviceGetMemoryInfo(self, handle):
-        return SimpleNamespace(used=(handle + 1) * 2**30, total=80 * 2**30, free=0)
 
 
 @pytest.mark.torchrun
@@ -85,6 +53,11 @@ def test_cpu_mode_sees_both_ranks_busy(tmp_path, write_script):
     assert read_samples_csv(tmp_path / "utilization.csv") == rows
 
 
+def FakeNVML(count: int = 4, **kwargs):  # noqa: N802 - reads like the class it stands for
+    """4 GPUs whose utilization is 10 * physical id (see conftest.fake_pynvml)."""
+    return fake_pynvml([fake_gpu(i, f"GPU-{i:08d}-aaaa") for i in range(count)], **kwargs)
+
+
 def test_gpu_mode_maps_physical_to_logical_ids():
     nvml = FakeNVML()
     mon = Monitor(env={"CUDA_VISIBLE_DEVICES": "3,1"}, nvml=nvml, interval=0.05)
@@ -96,7 +69,7 @@ def test_gpu_mode_maps_physical_to_logical_ids():
     assert set(by_id) == {0, 1}
     assert by_id[0]["util"] == 30.0 and by_id[1]["util"] == 10.0  # cuda:0 is physical 3
     assert by_id[0]["mem_mib"] == 4 * 1024.0
-    assert nvml.initialised == 0, "NVML shut down after stop()"
+    assert nvml.state["inits"] == 0, "NVML shut down after stop()"
 
 
 def test_gpu_mode_accepts_uuids():
@@ -104,6 +77,41 @@ def test_gpu_mode_accepts_uuids():
     with mon:
         pass
     assert {r["util"] for r in mon.samples()} == {20.0}
+
+
+def test_only_the_ranks_gpus_are_sampled():
+    """2 ranks on an 8-GPU box: cuda:0 and cuda:1, not six idle cards beside them."""
+    mon = Monitor(env={}, nvml=FakeNVML(8), interval=0.05, nproc=2)
+    with mon:
+        pass
+    assert {r["id"] for r in mon.samples()} == {0, 1}
+    mon = Monitor(env={"CUDA_VISIBLE_DEVICES": "6,7,5"}, nvml=FakeNVML(8), interval=0.05, nproc=2)
+    with mon:
+        pass
+    assert {(r["id"], r["util"]) for r in mon.samples()} == {(0, 60.0), (1, 70.0)}
+
+
+def test_a_refused_reading_is_nan_and_sampling_goes_on():
+    nvml = FakeNVML(2, failing={"nvmlDeviceGetUtilizationRates"})  # MIG, vGPU: "Not Supported"
+    mon = Monitor(env={}, nvml=nvml, interval=0.02, nproc=2)
+    with mon:
+        import time
+
+        time.sleep(0.2)
+    rows = mon.samples()
+    assert len(rows) >= 6, "the thread kept sampling after the first refusal"
+    assert all(math.isnan(r["util"]) for r in rows) and all(r["mem_mib"] > 0 for r in rows)
+    stats = summarize(rows)
+    assert stats[0]["samples"] == 0 and math.isnan(stats[0]["util_mean"])
+    assert stats[1]["mem_max_mib"] == 2 * 1024.0
+
+
+def test_mig_gpus_are_not_sampled_and_the_monitor_says_why():
+    gpus = [fake_gpu(0, mig=True), fake_gpu(1, mig=True)]
+    mon = Monitor(env={}, nvml=fake_pynvml(gpus), interval=0.05)
+    with mon:
+        pass
+    assert mon.mode == "cpu" and "MIG mode is on" in mon.note
 
 
 def test_no_visible_gpu_falls_back_to_cpu():

@@ -207,8 +207,9 @@ class Launch:
             if spec.monitor:
                 from ddp_tutorial.harness.monitor import Monitor
 
+                nproc = spec.nproc if spec.nproc is not None else default_nproc(spec.env)
                 self._sampler = Monitor(
-                    root_pid=self.proc.pid, env=env, interval=spec.monitor_interval
+                    root_pid=self.proc.pid, env=env, interval=spec.monitor_interval, nproc=nproc
                 )
                 self._sampler.start()
         except BaseException:

@@ -20,6 +20,7 @@ measured (:attr:`Monitor.overhead`) so the lesson can state it.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import threading
 import time
@@ -30,9 +31,8 @@ from typing import Any
 
 import psutil
 
-from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
-
 FIELDS = ("t", "wall", "kind", "id", "util", "mem_mib")
+NAN = float("nan")
 
 
 def _load_nvml() -> ModuleType | None:
@@ -48,9 +48,11 @@ class Monitor:
 
     ``root_pid``: the launcher whose descendants are the ranks (default: this
     process). ``env``: the environment the ranks were started with (for
-    ``CUDA_VISIBLE_DEVICES``). ``nvml``: the NVML module (``pynvml``) — a fake
-    can be passed in tests; ``None`` loads the real one; with no GPU found the
-    monitor falls back to CPU mode.
+    ``CUDA_VISIBLE_DEVICES``). ``nproc``: ranks per node; only their GPUs
+    (``cuda:0`` … ``cuda:nproc-1``) are sampled. ``nvml``: the NVML module
+    (``pynvml``) — a fake can be passed in tests; ``None`` loads the real one;
+    with no usable GPU the monitor falls back to CPU mode (``note`` says why,
+    e.g. MIG). A reading NVML refuses is recorded as NaN.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class Monitor:
         interval: float = 0.5,
         nvml: ModuleType | Any | None = None,
         mode: str = "auto",
+        nproc: int | None = None,
     ):
         if interval <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval}")
@@ -70,6 +73,8 @@ class Monitor:
         self.interval = interval
         self._nvml = nvml
         self._requested_mode = mode
+        self.nproc = nproc
+        self.note = ""  # why GPU sampling is off, when NVML sees GPUs the ranks cannot use
         self.mode = "cpu"
         self._handles: list[tuple[int, Any]] = []  # (logical id, NVML handle)
         self._procs: dict[int, tuple[psutil.Process, int]] = {}  # pid -> (process, rank)
@@ -90,24 +95,24 @@ class Monitor:
             nvml.nvmlInit()
         except Exception:  # NVMLError: no driver, no library
             return False
-        from ddp_tutorial.devices import GpuInfo, logical_to_physical, nvml_text
+        from ddp_tutorial.devices import DeviceError, cuda_visible, read_inventory
 
-        count = nvml.nvmlDeviceGetCount()
-        if count == 0:
-            nvml.nvmlShutdown()
-            return False
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        # UUIDs too, so that CUDA_VISIBLE_DEVICES may name GPUs either way.
-        inventory = [
-            GpuInfo(i, "", nvml_text(nvml.nvmlDeviceGetUUID(h)), 0.0, 0.0)
-            for i, h in enumerate(handles)
-        ]
-        physical = logical_to_physical(self.env.get(VISIBLE_DEVICES_ENV), inventory)
-        if not physical:
+        try:
+            inventory = read_inventory(nvml)
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(len(inventory))]
+            visible = cuda_visible(self.env, inventory) if inventory else []
+        except (DeviceError, nvml.NVMLError) as exc:  # e.g. MIG: say why, sample the CPU
+            self.note = f"GPU sampling off: {exc}"
+            visible = []
+        # The ranks' GPUs only: rank r uses cuda:LOCAL_RANK, the r-th visible GPU; an
+        # idle card beside them is not part of this job.
+        if self.nproc is not None:
+            visible = visible[: self.nproc]
+        if not visible:
             nvml.nvmlShutdown()
             return False
         self._nvml = nvml
-        self._handles = [(logical, handles[p]) for logical, p in enumerate(physical)]
+        self._handles = [(logical, handles[gpu.index]) for logical, gpu in enumerate(visible)]
         return True
 
     def start(self) -> Monitor:
@@ -164,9 +169,16 @@ class Monitor:
     def _sample_gpu(self, t: float) -> list[dict[str, Any]]:
         rows = []
         for logical, handle in self._handles:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-            rows.append({"t": t, "kind": "gpu", "id": logical, "util": float(util), "mem_mib": mem})
+            row = {"t": t, "kind": "gpu", "id": logical, "util": NAN, "mem_mib": NAN}
+            try:  # one failed reading is a gap in the data, not the end of sampling
+                row["util"] = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except self._nvml.NVMLError:  # "Not Supported" on MIG and many vGPUs
+                pass
+            try:
+                row["mem_mib"] = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+            except self._nvml.NVMLError:
+                pass
+            rows.append(row)
         return rows
 
     def _discover(self) -> None:
@@ -257,27 +269,35 @@ def read_samples_csv(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         ]
 
 
+def _max(current: float, value: float) -> float:
+    return value if math.isnan(current) else max(current, value)
+
+
 def summarize(
     rows: list[dict[str, Any]], window: tuple[float, float] | None = None
 ) -> dict[int, dict[str, float]]:
     """Mean/max utilization and peak memory per device or rank, optionally in a time window.
 
     The window (e.g. the training phase reported by the ranks) keeps start-up
-    and shutdown, when nobody computes, out of the balance check.
+    and shutdown, when nobody computes, out of the balance check. A reading
+    NVML refused (NaN) is left out; a device with no reading at all has NaN
+    statistics and ``samples`` 0.
     """
     out: dict[int, dict[str, float]] = {}
     for row in rows:
         if window and not (window[0] <= row["t"] <= window[1]):
             continue
-        s = out.setdefault(row["id"], {"n": 0, "util_sum": 0.0, "util_max": 0.0, "mem_max": 0.0})
-        s["n"] += 1
-        s["util_sum"] += row["util"]
-        s["util_max"] = max(s["util_max"], row["util"])
-        s["mem_max"] = max(s["mem_max"], row["mem_mib"])
+        s = out.setdefault(row["id"], {"n": 0, "util_sum": 0.0, "util_max": NAN, "mem_max": NAN})
+        if not math.isnan(row["util"]):
+            s["n"] += 1
+            s["util_sum"] += row["util"]
+            s["util_max"] = _max(s["util_max"], row["util"])
+        if not math.isnan(row["mem_mib"]):
+            s["mem_max"] = _max(s["mem_max"], row["mem_mib"])
     return {
         k: {
             "samples": v["n"],
-            "util_mean": v["util_sum"] / v["n"],
+            "util_mean": v["util_sum"] / v["n"] if v["n"] else NAN,
             "util_max": v["util_max"],
             "mem_max_mib": v["mem_max"],
         }
