@@ -50,14 +50,16 @@ SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)\.pt$")
 def capture_rng_state() -> dict[str, Any]:
     """This process's random number generator states, as tensors and plain values.
 
-    torch (CPU), every CUDA device when CUDA is initialised, Python's
-    ``random`` and numpy's global generator (when numpy is installed). Noise
-    augmentation, dropout and DataLoader worker seeds all draw from these: an
-    exact resume must put them back.
+    torch (CPU), this rank's own CUDA device when CUDA is initialised (the
+    current device: ``cuda:LOCAL_RANK``), Python's ``random`` and numpy's
+    global generator (when numpy is installed). Noise augmentation, dropout and
+    DataLoader worker seeds all draw from these: an exact resume must put them
+    back. Only the rank's own device: a restart that sees other GPUs, or
+    another number of them, still restores the generator this rank used.
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy ships with torch wheels
@@ -83,12 +85,13 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         raise CheckpointError(f"not an RNG state from capture_rng_state(): {exc}") from None
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
+        if isinstance(cuda, list | tuple):
             raise CheckpointError(
-                f"RNG state holds {len(cuda)} CUDA generator(s) but this process sees "
-                f"{torch.cuda.device_count()} device(s): resume with the same GPUs visible"
+                "this RNG state holds every visible GPU's generator (an older snapshot); "
+                "only the rank's own device can be restored safely: resume with "
+                "restore_rng=False, or from a snapshot written by this version"
             )
-        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+        torch.cuda.set_rng_state(cuda.cpu(), torch.cuda.current_device())
     numpy_state = state.get("numpy")
     if numpy_state is not None:
         import numpy as np
@@ -234,3 +237,31 @@ def prune_snapshots(directory: PathLike, keep: int = 2) -> list[Path]:
         path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+def agreed_latest_snapshot(directory: PathLike | None) -> Path | None:
+    """The newest snapshot as global rank 0 sees it, the same path on every rank.
+
+    Each rank listing the folder itself can pick different snapshots: on a
+    cached or eventually consistent filesystem a node may not see the newest
+    file yet, and ranks that resume from different steps train different
+    models without any error. Rank 0 chooses and broadcasts (a collective: call
+    it on every rank); a rank that cannot read the chosen file fails with a
+    message that says why, instead of resuming from something else.
+    """
+    choice: list[str | None] = [None]
+    if not group_active() or dist.get_rank() == 0:
+        latest = latest_snapshot(directory) if directory is not None else None
+        choice = [str(latest) if latest is not None else None]
+    if group_active() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    path = Path(choice[0])
+    if not path.is_file():
+        rank = dist.get_rank() if group_active() else 0
+        raise CheckpointError(
+            f"rank {rank} cannot read {path}, the snapshot rank 0 resumes from: every node "
+            f"must see the same checkpoint directory (a shared filesystem, not a per-node copy)"
+        )
+    return path

@@ -170,7 +170,7 @@ class Trainer:
 
     def maybe_resume(self) -> bool:
         """Continue from the newest snapshot in ``checkpoint_dir``, if there is one."""
-        path = snapshots.latest_snapshot(self.ckpt_dir) if self.ckpt_dir else None
+        path = snapshots.agreed_latest_snapshot(self.ckpt_dir)  # rank 0 decides for all
         if path is None:
             return False
         state = checkpoint.load_checkpoint(path, map_location=self.device)

@@ -370,3 +370,67 @@ def test_map_location_onto_each_ranks_gpu(tmp_path):
         assert record["landed"]["dict"] == [record["device"]]
         assert record["landed"]["cpu"] == ["cpu"]
         assert record["same_weights_everywhere"]
+
+
+def test_each_rank_saves_and_restores_its_own_gpu_generator_only(monkeypatch):
+    """A restart that sees another set (or number) of GPUs restores what this rank used."""
+    calls = {"get": [], "set": []}
+    device = {"current": 3}
+
+    def get_rng_state(index):
+        calls["get"].append(index)
+        return torch.full((8,), index, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device["current"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: calls["set"].append((s[0], i)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    state = capture_rng_state()
+    assert calls["get"] == [3] and torch.equal(
+        state["cuda"], torch.full((8,), 3, dtype=torch.uint8)
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # restarted on a 4-GPU node
+    device["current"] = 1  # as local rank 1
+    restore_rng_state(state)
+    assert calls["set"] == [(3, 1)], "its own generator, onto its own device"
+    with pytest.raises(CheckpointError, match="every visible GPU's generator"):
+        restore_rng_state({**state, "cuda": [state["cuda"]] * 8})
+
+
+AGREE = """
+import os, sys
+from pathlib import Path
+from ddp_tutorial import snapshots
+from ddp_tutorial.checkpoint import CheckpointError
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.records import write_rank_record
+
+folder = Path(sys.argv[1])
+with process_group(backend="gloo") as info:
+    record = {}
+    if info.rank == 1:  # this node's view of the folder lags: it sees only the older snapshot
+        snapshots.latest_snapshot = lambda d: snapshots.snapshot_path(d, 5)
+    record["chosen"] = snapshots.agreed_latest_snapshot(folder).name
+    if info.rank == 1:  # and now the chosen file is not there at all on this node
+        Path.is_file = lambda self: False
+    try:
+        snapshots.agreed_latest_snapshot(folder)
+        record["error"] = None
+    except CheckpointError as exc:
+        record["error"] = str(exc)
+    write_rank_record(sys.argv[-1], record)
+"""
+
+
+@pytest.mark.torchrun
+def test_every_rank_resumes_from_the_snapshot_rank_0_chose(tmp_path, write_script):
+    for step in (5, 10):
+        atomic_save({"step": step}, snapshot_path(tmp_path / "ck", step))
+    script = write_script("agree.py", AGREE)
+    result = torchrun(script, tmp_path / "ck", nproc=2, run_dir=tmp_path / "run", echo=False)
+    assert [r["chosen"] for r in result.records] == [snapshot_path(tmp_path, 10).name] * 2
+    assert result.records[0]["error"] is None
+    assert "rank 1 cannot read" in result.records[1]["error"]
+    assert "the same checkpoint directory" in result.records[1]["error"]
