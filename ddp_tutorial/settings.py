@@ -25,6 +25,9 @@ INIT_TIMEOUT_ENV = "DDP_TUTORIAL_INIT_TIMEOUT"
 """Seconds every rank may take to join the process group (a slow ``import torch`` is not a bug)."""
 INIT_TIMEOUT_DEFAULT_S = 600.0
 
+CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+"""cuBLAS's workspace layout; ``:4096:8`` makes its results deterministic (``numerics``)."""
+
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 """Which GPUs a process may see, read by the CUDA driver once, when CUDA initialises."""
 DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"

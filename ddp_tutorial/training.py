@@ -42,6 +42,7 @@ from ddp_tutorial import checkpoint, snapshots
 from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.distributed import DistInfo, print0
 from ddp_tutorial.models import build_model
+from ddp_tutorial.numerics import amp_dtype
 from ddp_tutorial.records import write_json, write_rank_record
 
 FINAL_NAME = "final.pt"
@@ -74,6 +75,8 @@ class TrainConfig:
     warmup_steps: int = 5  # not counted in samples_per_sec
     progress: bool = True
     backend: str | None = None  # None: auto (nccl with a GPU per rank, else gloo)
+    deterministic: bool = False  # bitwise-reproducible kernels (slower on GPUs)
+    timeout: float = 600.0  # seconds a collective may wait (a long save on rank 0 included)
 
 
 class ResumableSampler(DistributedSampler):
@@ -133,7 +136,7 @@ class Trainer:
             drop_last=True,  # equal step counts on every rank: no rank waits for a missing batch
         )
         self.val_set = val_set
-        self.amp_dtype = torch.bfloat16 if cfg.amp else None
+        self.amp_dtype = amp_dtype(self.device, cfg.amp)
         # Progress state: what a snapshot holds besides weights.
         self.epoch = 0
         self.step = 0  # global optimizer steps taken

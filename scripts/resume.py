@@ -36,6 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_tutorial.checkpoint import is_save_epoch, load_checkpoint, model_state, save_checkpoint
 from ddp_tutorial.distributed import print0, process_group
 from ddp_tutorial.models import MLP
+from ddp_tutorial.numerics import make_deterministic
 from ddp_tutorial.records import write_rank_record
 from ddp_tutorial.snapshots import (
     latest_snapshot,
@@ -73,6 +74,7 @@ def make_dataset(num_samples: int, seed: int) -> TensorDataset:
 @record
 def main() -> None:
     args = parse_args()
+    make_deterministic()  # the point of this script is bitwise equality, on GPUs too
     with process_group(backend=args.backend) as info:
         torch.manual_seed(args.seed)  # same initial weights on every rank (DDP checks)
         model = MLP(16, 4).to(info.device)

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import print0, process_group
 from ddp_tutorial.models import MODEL_NAMES
+from ddp_tutorial.numerics import make_deterministic
 from ddp_tutorial.training import TrainConfig, Trainer
 
 
@@ -52,6 +53,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--fail-at-step", type=int, default=None, help="fault injection (lesson 08)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="rank that fails")
     p.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bitwise-reproducible kernels (cuDNN/cuBLAS; slower on GPUs): for exact resumes",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help="seconds a collective may wait before the job fails (a long save on rank 0 "
+        "included); joining the group may take $DDP_TUTORIAL_INIT_TIMEOUT (600 s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "num_samples", "num_val", "image_size", "num_classes"):
@@ -59,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.num_workers < 0 or args.save_every < 0:
         p.error("--num-workers and --save-every must be >= 0")
+    if args.timeout <= 0:
+        p.error("--timeout must be a positive number of seconds")
     no_progress = args.no_progress
     del args.no_progress
     return TrainConfig(**vars(args), progress=not no_progress)
@@ -67,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 @record  # a crash's traceback reaches torchrun's summary (and the launcher's error)
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    with process_group(backend=cfg.backend) as info:  # destroyed on every exit
+    if cfg.deterministic:
+        make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
+    with process_group(backend=cfg.backend, timeout_s=cfg.timeout) as info:  # destroyed on exit
         print0(f"{info.world_size} ranks, backend {info.backend} ({info.reason})")
         if cfg.sync_bn and info.backend != "nccl":
             sys.exit(

@@ -103,3 +103,40 @@ def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
     assert metrics["history"][-1]["train_loss"] < metrics["history"][0]["train_loss"]
     state = torch.load(run / "ckpt" / "final.pt", weights_only=True, map_location="cpu")
     build_model("cnn", 10, 16).load_state_dict(state)  # SyncBatchNorm keys == BatchNorm keys
+
+
+def test_template_offers_deterministic_and_timeout(template, capsys):
+    cfg = template.parse_args(["--deterministic", "--timeout", "30"])
+    assert cfg.deterministic and cfg.timeout == 30.0
+    assert template.parse_args([]).timeout == 600.0  # a long save on rank 0 fits
+    with pytest.raises(SystemExit):
+        template.parse_args(["--timeout", "0"])
+    assert "--timeout must be a positive number" in capsys.readouterr().err
+
+
+def test_make_deterministic_sets_every_switch(monkeypatch):
+    from ddp_tutorial.numerics import make_deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        done = make_deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        import os
+
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" == done["CUBLAS_WORKSPACE_CONFIG"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+
+
+def test_amp_refuses_emulated_bf16_with_a_clear_message():
+    from ddp_tutorial.numerics import amp_dtype
+
+    gpu = torch.device("cuda", 0)
+    assert amp_dtype(gpu, amp=False) is None
+    assert amp_dtype(gpu, amp=True, native_bf16=lambda: True) == torch.bfloat16  # A100, H100
+    with pytest.raises(ValueError, match="does not support natively .* V100 or T4"):
+        amp_dtype(gpu, amp=True, native_bf16=lambda: False)  # V100, T4
+    assert amp_dtype(torch.device("cpu"), amp=True) == torch.bfloat16
