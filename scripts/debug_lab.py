@@ -15,9 +15,12 @@ Every case is a few lines in a function below, the bug and its fix side by
 side (``if fix:``). The process group gets a short timeout (``--timeout``,
 default ``$DDP_TUTORIAL_TIMEOUT`` or 60 s): a rank stuck in a collective fails
 in seconds with gloo's ``Timed out waiting …`` instead of hanging for the
-default 10 minutes. ``--case breakpoint`` stops rank 0 in pdb with
-``torch.distributed.breakpoint()`` (the others wait at a barrier); it reads
-pdb commands from the terminal that started torchrun.
+default 10 minutes. gloo is the default backend because the lesson reads
+gloo's messages; ``--backend nccl`` runs the same cases on GPUs (every tensor
+and model on ``cuda:LOCAL_RANK``; the monitored barrier on a gloo side group).
+``--case breakpoint`` stops rank 0 in pdb with ``torch.distributed.breakpoint()``
+(the others wait at a barrier); it reads pdb commands from the terminal that
+started torchrun.
 """
 
 from __future__ import annotations
@@ -53,14 +56,22 @@ def batches(rank: int, count: int, size: int = 4) -> list[tuple[torch.Tensor, to
 def train_steps(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
     """Plain SGD steps; DDP all_reduces the gradients inside ``backward``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    device = next(model.parameters()).device
     losses = []
     for x, y in data:
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def wrap(model: nn.Module, info: DistInfo, **ddp_options: Any) -> DDP:
+    """DDP around ``model`` on this rank's device (``cuda:LOCAL_RANK`` with nccl, else CPU)."""
+    model = model.to(info.device)
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, **ddp_options)
 
 
 class WithAux(nn.Module):
@@ -79,20 +90,22 @@ def case_unused(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str
     """Unused parameters: the second iteration fails ("Expected to have finished reduction")."""
     torch.manual_seed(0)
     # The fix: tell DDP to look for unused parameters (or delete/freeze the dead head).
-    model = DDP(WithAux(), find_unused_parameters=fix)
+    model = wrap(WithAux(), info, find_unused_parameters=fix)
     losses = train_steps(model, batches(info.rank, 3))
     return {"losses": losses}
 
 
 def case_skip(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """A collective inside a rank-dependent branch: rank 1 skips it, rank 0 waits for it."""
-    correct = torch.tensor([float(info.rank != 1), 1.0])  # rank 1 had no correct answers
+    correct = torch.tensor([float(info.rank != 1), 1.0], device=info.device)  # rank 1: none
     # The bug: "nothing to add, skip the all_reduce" — but a collective needs every rank.
     if fix or correct[0] > 0:
         if args.monitored:  # debugging aid: rank 0 names every rank that never gets here
             # (a shorter timeout than the hang's, so that rank 0 reports first)
+            # monitored_barrier needs a CPU backend: gloo itself, or a gloo side group
+            # next to nccl (args.cpu_group, made in main()).
             wait = timedelta(seconds=args.timeout / 2)
-            dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
+            dist.monitored_barrier(group=args.cpu_group, timeout=wait, wait_all_ranks=True)
         dist.all_reduce(correct)
     dist.barrier()  # e.g. before saving a checkpoint
     return {"correct": correct.tolist()}
@@ -102,7 +115,7 @@ def case_shape(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str,
     """Ranks all_reduce tensors of different shapes (per-rank counts of the classes they saw)."""
     labels = torch.tensor([0, 1] if info.rank == 0 else [0, 1, 2])
     # The bug: bincount's length depends on this rank's data. The fix: a fixed length.
-    counts = torch.bincount(labels, minlength=CLASSES if fix else 0).float()
+    counts = torch.bincount(labels, minlength=CLASSES if fix else 0).float().to(info.device)
     dist.all_reduce(counts)
     return {"counts": counts.tolist()}
 
@@ -117,7 +130,7 @@ class WithBatchNorm(nn.Sequential):
 def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0 alone evaluates the DDP model: its forward broadcasts buffers — a collective."""
     torch.manual_seed(0)
-    model = DDP(WithBatchNorm())
+    model = wrap(WithBatchNorm(), info)
     train_steps(model, batches(info.rank, 2))
     accuracy = None
     if info.rank == 0:
@@ -126,7 +139,7 @@ def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict
         net = model.module if fix else model
         net.eval()
         with torch.no_grad():
-            accuracy = (net(x).argmax(1) == y).float().mean().item()
+            accuracy = (net(x.to(info.device)).argmax(1).cpu() == y).float().mean().item()
         net.train()
     dist.barrier()  # the others wait here, e.g. before the next epoch
     return {"accuracy": accuracy}
@@ -135,7 +148,7 @@ def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict
 def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 1 has one batch more than rank 0: its last backward waits for a partner."""
     torch.manual_seed(0)
-    model = DDP(nn.Linear(FEATURES, CLASSES))
+    model = wrap(nn.Linear(FEATURES, CLASSES), info)
     data = batches(info.rank, 2 + info.rank)
     if fix:
         # Join: a rank that runs out of data shadows the others' all_reduces (with zeros)
@@ -151,9 +164,9 @@ def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str
 def case_keys(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Weights saved from the DDP wrapper ("module.weight") loaded into the plain model."""
     torch.manual_seed(0)
-    model = DDP(nn.Linear(FEATURES, CLASSES))
+    model = wrap(nn.Linear(FEATURES, CLASSES), info)
     saved = model.state_dict()  # the bug: the wrapper's keys, "module.weight", "module.bias"
-    plain = nn.Linear(FEATURES, CLASSES)
+    plain = nn.Linear(FEATURES, CLASSES).to(info.device)
     if fix:
         plain.load_state_dict(model.module.state_dict())  # save the module, not the wrapper
         plain.load_state_dict(strip_prefixes(saved))  # files already written: strip the prefix
@@ -196,7 +209,11 @@ def parse_args() -> argparse.Namespace:
         default=settings.timeout_s(),
         help="seconds a collective may wait before the rank fails",
     )
-    parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument(
+        "--backend",
+        default="gloo",
+        help="gloo (default: the lesson reads gloo's messages) or nccl (lesson 09's GPU branch)",
+    )
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     args = parser.parse_args()
     if args.case == "all" and not args.fix:
@@ -208,11 +225,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     names = FIXABLE if args.case == "all" else [args.case]
-    # Join with a generous timeout (a slow start-up is not a hang), then shorten it: from
-    # here on a collective that waits longer than --timeout fails instead of hanging.
-    with process_group(backend=args.backend, timeout_s=max(args.timeout, 60.0)) as info:
-        dist.barrier()
-        dist.set_timeout(timedelta(seconds=args.timeout))
+    # setup() joins with a generous timeout (a slow start-up is not a hang), then sets
+    # --timeout: from there on a collective that waits longer fails instead of hanging.
+    with process_group(backend=args.backend, timeout_s=args.timeout) as info:
+        # monitored_barrier runs on a CPU backend only: beside nccl, a gloo side group
+        # (made by every rank, in the same order, like any group).
+        args.cpu_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
         results = {}
         for name in names:
             results[name] = CASES[name](info, args.fix, args)

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import process_group
+from ddp_tutorial.lessons.perf import clock
 from ddp_tutorial.models import build_model
 from ddp_tutorial.records import write_rank_record
 
@@ -54,13 +55,15 @@ def count_correct(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 def main() -> None:
     args = parse_args()
     with process_group() as info:
+        device = info.device  # cuda:LOCAL_RANK with nccl: every tensor a collective sees goes there
         torch.manual_seed(0)
-        model = DDP(build_model("cnn", 10, args.image_size))
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DDP(build_model("cnn", 10, args.image_size).to(device), device_ids=device_ids)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         data = SyntheticImages(args.steps * args.batch_size * info.world_size, args.image_size, 10)
         val = SyntheticImages(args.eval_batch, args.image_size, 10, seed=1)
-        val_x = torch.stack([val[i][0] for i in range(len(val))])
-        val_y = torch.tensor([val[i][1] for i in range(len(val))])
+        val_x = torch.stack([val[i][0] for i in range(len(val))]).to(device)
+        val_y = torch.tensor([val[i][1] for i in range(len(val))]).to(device)
         # Each rank's slice of the validation batch, for the sharded fix.
         shard = slice(info.rank, None, info.world_size)
         times: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "eval": []}
@@ -70,21 +73,23 @@ def main() -> None:
                 (step * info.world_size + info.rank) * args.batch_size + j
                 for j in range(args.batch_size)
             ]
-            x = torch.stack([data[i][0] for i in idx])
-            y = torch.tensor([data[i][1] for i in idx])
-            t0 = time.perf_counter()
+            x = torch.stack([data[i][0] for i in idx]).to(device)
+            y = torch.tensor([data[i][1] for i in idx]).to(device)
+            t0 = clock(device)  # on a GPU: after the queued work, or the times mean nothing
             if args.eval == "rank0" and info.rank == 0:
                 count_correct(model.module, val_x, val_y)  # only rank 0 works; others wait
             elif args.eval == "sharded":
-                correct = torch.tensor(count_correct(model.module, val_x[shard], val_y[shard]))
+                correct = torch.tensor(
+                    count_correct(model.module, val_x[shard], val_y[shard]), device=device
+                )
                 dist.all_reduce(correct)  # every rank gets the full count
-            t1 = time.perf_counter()
+            t1 = clock(device)
             loss = torch.nn.functional.cross_entropy(model(x), y)  # broadcasts buffers first
-            t2 = time.perf_counter()
+            t2 = clock(device)
             opt.zero_grad()
             loss.backward()  # gradient all_reduce: blocks until every rank gets here
             opt.step()
-            t3 = time.perf_counter()
+            t3 = clock(device)
             times["eval"].append(t1 - t0)
             times["forward"].append(t2 - t1)
             times["backward"].append(t3 - t2)

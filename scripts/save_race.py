@@ -113,7 +113,7 @@ def main() -> None:
                 if mode == "local-rank-0"
                 else info.rank == 0
             )
-            flags = torch.tensor([int(writes)])
+            flags = torch.tensor([int(writes)], device=info.device)  # nccl: on the rank's GPU
             dist.all_reduce(flags)  # how many processes write in this mode
             counts: Counter[str] = Counter()
             examples: dict[str, str] = {}

@@ -12,6 +12,7 @@ table helpers work on the records afterwards, in the notebook.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -153,6 +154,22 @@ def check_records(records: list[dict[str, Any]]) -> list[str]:
             want = expected(op, rank, world_size)
             if op == "all_reduce_avg" and entry.get("error"):
                 continue  # this backend has no AVG; the notebook shows the error
-            if want is not None and entry["after"] != want:
+            if want is not None and not close(entry["after"], want):
                 problems.append(f"rank {rank} {op}: got {entry['after']}, expected {want}")
     return problems
+
+
+def close(got: Any, want: Any, rel: float = 1e-6) -> bool:
+    """Equal up to float32 rounding, element by element (nested lists too).
+
+    A sum or an average over 3, 5, 6 or 7 ranks is not exact in float32 (and
+    nccl's ring sums in another order than Python): the last bit may differ.
+    Anything beyond a rounding step is still a mismatch.
+    """
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(close(g, w, rel) for g, w in zip(got, want, strict=True))
+        )
+    return math.isclose(got, want, rel_tol=rel, abs_tol=rel)
