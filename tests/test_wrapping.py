@@ -160,3 +160,34 @@ def test_dp_and_ddp_both_measured(tmp_path):
     ddp = torchrun(SCRIPTS / "dp_vs_ddp.py", "--mode", "ddp", "--steps", 5, nproc=n,
                    run_dir=tmp_path / "ddp", echo=False, timeout=300)  # fmt: skip
     assert len(ddp.records) == n and all(r["samples_per_s"] > 0 for r in ddp.records)
+
+
+def test_simulated_nodes_never_share_a_gpu():
+    """Two torchrun "nodes" on one 8-GPU machine: each its own GPUs, or gloo when too few."""
+    from ddp_tutorial.harness.multinode import node_gpus
+
+    uuids = [f"GPU-{i}" for i in range(8)]
+    envs, why = node_gpus(2, 4, uuids)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["GPU-0,GPU-1,GPU-2,GPU-3",
+                                                         "GPU-4,GPU-5,GPU-6,GPU-7"]  # fmt: skip
+    assert "own GPUs" in why
+    envs, why = node_gpus(2, 2, uuids[:1])  # one GPU: both nodes would use cuda:0
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "", "DDP_TUTORIAL_BACKEND": "gloo"}] * 2
+    assert "Duplicate GPU detected" in why
+    assert node_gpus(2, 2, [])[0] == [{}, {}]
+
+
+def test_multinode_gives_each_node_its_own_gpus(nvml, monkeypatch):
+    """What multinode() would start on an 8-GPU machine, without starting it."""
+    from conftest import fake_gpu
+    from ddp_tutorial.harness import multinode as mn
+
+    nvml([fake_gpu(i) for i in range(8)])
+    started = {}
+    monkeypatch.setattr(mn, "run_together", lambda specs, **kw: started.update(specs) or {})
+    mn.multinode(SCRIPTS / "hello.py", nnodes=2, nproc_per_node=2, echo=False, check=False)
+    seen = [started[n].env["CUDA_VISIBLE_DEVICES"] for n in (0, 1)]
+    assert seen == [
+        f"{fake_gpu(0).uuid},{fake_gpu(1).uuid}",
+        f"{fake_gpu(2).uuid},{fake_gpu(3).uuid}",
+    ]

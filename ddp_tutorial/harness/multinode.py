@@ -16,15 +16,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddp_tutorial.devices import visible_gpus
 from ddp_tutorial.distributed import free_port
 from ddp_tutorial.harness.failures import LaunchError
 from ddp_tutorial.harness.launch import (
     LaunchSpec,
     RunResult,
+    default_nproc,
     default_run_dir,
     raise_for_failure,
     run_together,
 )
+from ddp_tutorial.settings import BACKEND_ENV, VISIBLE_DEVICES_ENV
 
 
 def rendezvous_args(
@@ -69,6 +72,46 @@ def rendezvous_node(
     return LaunchSpec(script, args, nproc=nproc, standalone=False, torchrun_args=rdzv)
 
 
+def node_gpus(
+    nnodes: int, nproc_per_node: int, visible: list[str]
+) -> tuple[list[dict[str, str]], str]:
+    """Each simulated node's environment, so that nodes on one machine never share a GPU.
+
+    Real nodes have GPUs of their own. Two torchrun "nodes" on one machine see
+    the same cards, and both would put their local rank 0 on ``cuda:0``:
+    nccl stops with "Duplicate GPU detected". With enough GPUs each node gets
+    its own slice of ``visible`` (the GPUs' UUIDs, in CUDA's order) as
+    ``CUDA_VISIBLE_DEVICES``; with too few, every node hides them and uses
+    gloo on the CPU. Returns ``(one env per node, what was decided, in words)``.
+    """
+    need = nnodes * nproc_per_node
+    if visible and len(visible) >= need:
+        slices = [visible[n * nproc_per_node : (n + 1) * nproc_per_node] for n in range(nnodes)]
+        return [{VISIBLE_DEVICES_ENV: ",".join(s)} for s in slices], (
+            f"{nnodes} nodes x {nproc_per_node} GPU(s): each node gets its own GPUs"
+        )
+    if visible:
+        why = (
+            f"{len(visible)} GPU(s) for {nnodes} nodes x {nproc_per_node} ranks: nodes on one "
+            f'machine would share a GPU (nccl: "Duplicate GPU detected"), so gloo on the CPU'
+        )
+        return [{VISIBLE_DEVICES_ENV: "", BACKEND_ENV: "gloo"} for _ in range(nnodes)], why
+    return [{} for _ in range(nnodes)], "no GPU: gloo on the CPU"
+
+
+def _gpu_slices(
+    nnodes: int, nproc_per_node: int | None, env: Mapping[str, str], echo: bool
+) -> list[dict[str, str]]:
+    """:func:`node_gpus` for this machine's GPUs, as the ranks would see them."""
+    merged = {**os.environ, **env}
+    visible = [gpu.uuid for gpu in visible_gpus(merged)]
+    per_node = nproc_per_node if nproc_per_node is not None else default_nproc(merged)
+    envs, why = node_gpus(nnodes, per_node, visible)
+    if echo and visible:
+        print(f"multinode: {why}", flush=True)
+    return envs
+
+
 def multinode(
     script: str | os.PathLike[str],
     *args: object,
@@ -83,8 +126,11 @@ def multinode(
 
     Node ``i`` writes to ``RUN_DIR/node{i}`` and its echoed lines start with
     ``[node i]``; ``node_env[i]`` adds variables for node ``i`` only (over
-    ``env``). Other ``options`` (``env``, ``timeout``, ``run_dir``, ``check``,
-    ``echo``, ``torchrun_args``) are :class:`LaunchSpec`'s. Note that with
+    ``env``). Without either setting ``CUDA_VISIBLE_DEVICES``, each node gets
+    GPUs of its own where there are enough, else every node runs gloo on the
+    CPU (:func:`node_gpus`; it says which). Other ``options`` (``env``,
+    ``timeout``, ``run_dir``, ``check``, ``echo``, ``torchrun_args``) are
+    :class:`LaunchSpec`'s. Note that with
     c10d the rendezvous, not ``--node-rank``, decides each node's
     ``GROUP_RANK`` (the ranks' records say which it got).
 
@@ -99,6 +145,8 @@ def multinode(
     check = options.pop("check", True)
     base = Path(options.pop("run_dir", None) or default_run_dir(script))
     env, extra = options.pop("env", None) or {}, list(options.pop("torchrun_args", ()))
+    if node_env is None and VISIBLE_DEVICES_ENV not in env:
+        node_env = _gpu_slices(nnodes, nproc_per_node, env, options.get("echo", True))
     port = port or free_port(host)
     specs = {}
     for node in range(nnodes):
