@@ -1,6 +1,11 @@
 # The two commands: `make run` (execute the course) and `make test`.
 # Each builds .venv from nothing on a fresh clone, and again when pyproject.toml changes.
 PYTHON ?= python3
+# GPU machines: a torch that $(PYTHON) can already import (an NGC-style container, a conda
+# env with the CUDA build) is kept: the venv then sees the system site-packages and pip
+# reuses it. Or pick the CUDA build for the first install: make run TORCH_INDEX=<index URL>.
+TORCH_INDEX ?=
+SYSTEM_TORCH := $(shell $(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('torch'))" 2>/dev/null && echo yes)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
@@ -9,8 +14,9 @@ PYTEST_ARGS ?=
 .PHONY: run test test-fast lab lint format strip gpu-check clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --index-url $(TORCH_INDEX) torch torchvision)
 	$(BIN)/python -m pip install -e ".[dev]"
 	touch $(STAMP)
 
@@ -27,8 +33,8 @@ test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -m "not torchrun and not notebook" $(PYTEST_ARGS)
 
-lab: $(STAMP)  ## JupyterLab on notebooks/ (token auth stays on)
-	$(BIN)/jupyter lab notebooks/
+lab: $(STAMP)  ## JupyterLab on notebooks/ (token auth stays on; as root, as in most GPU containers)
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -37,12 +43,11 @@ format: $(STAMP)
 strip: $(STAMP)  ## remove notebook outputs before committing
 	$(BIN)/ddp-tutorial strip
 
-# On a GPU machine with torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm
-# but no pip: no venv, the package from the source tree.
+# On a GPU machine with torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm but no
+# pip and no Jupyter: no venv, the package from the source tree. The gpu tests, an nccl
+# hello across every GPU, lessons 03-06 and 09 run without Jupyter; a table at the end.
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -p no:cacheprovider -o addopts="" tests
-	PYTHONPATH=. $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 1 \
-		scripts/hello.py --backend nccl
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_check
 
 clean:
 	rm -rf build runs notebooks/runs .pytest_cache

@@ -8,7 +8,12 @@ machine with only torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -29,3 +34,106 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
         return
     pinned = 'backend="gloo"' in text or 'default="gloo"' in text
     assert "info.device" in text or pinned, f"{path.name}: neither info.device nor pinned gloo"
+
+
+# -- make gpu-check ----------------------------------------------------------------------
+
+GPU_BOX_LACKS = ("nbformat", "nbclient", "jupyter_client", "jupyter_core", "ipykernel",
+                 "yaml", "IPython", "nbconvert")  # fmt: skip
+
+
+def _without(modules, code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported."""
+    block = f"import sys; sys.modules.update(dict.fromkeys({modules!r}))\n"
+    return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)  # fmt: skip
+
+
+def test_gpu_tests_collect_on_a_machine_without_jupyter_or_yaml():
+    done = _without(GPU_BOX_LACKS, (
+        "import pytest; sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu',"
+        " '-p', 'no:cacheprovider', '-o', 'addopts=', 'tests']))"
+    ))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "error" not in done.stdout.lower().split("collected")[-1]
+    assert re.search(r"\d+/\d+ tests collected", done.stdout), done.stdout[-500:]
+
+
+def test_gpu_check_and_the_plain_runner_start_without_jupyter():
+    done = _without(GPU_BOX_LACKS, (
+        "import ddp_tutorial.harness.gpu_check, ddp_tutorial.harness.plain_notebook\n"
+        "print('imported')"
+    ))  # fmt: skip
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
+
+
+def test_gpu_check_plan_covers_every_gpu_and_the_gpu_lessons():
+    from ddp_tutorial.harness.gpu_check import LESSONS, plan
+
+    steps = plan(8, python="py")
+    hello = next(s for s in steps if s.name.startswith("hello"))
+    assert hello.command[hello.command.index("--nproc-per-node") + 1] == "8"
+    assert "--backend" in hello.command and "nccl" in hello.command
+    assert [s.command[-1] for s in steps if s.name.startswith("lesson")] == [
+        f"notebooks/{lesson}.ipynb" for lesson in LESSONS
+    ]
+    assert all((REPO / f"notebooks/{lesson}.ipynb").is_file() for lesson in LESSONS)
+    assert sum(s.timeout_s for s in steps) <= 12.5 * 60  # bounded; about 5 minutes expected
+    assert "no communication between GPUs" in plan(1, python="py")[1].note
+    with pytest.raises(SystemExit, match="no GPU visible"):
+        plan(0)
+
+
+def _notebook(path, *sources, tags=None):
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": "# t"}]
+    for i, source in enumerate(sources):
+        meta = {"tags": ["parameters"]} if i == 0 else {}
+        cells.append({"cell_type": "code", "metadata": meta, "source": source,
+                      "outputs": [], "execution_count": None})  # fmt: skip
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                "nbformat_minor": 5}))  # fmt: skip
+    return path
+
+
+def test_the_plain_runner_runs_cells_in_order_from_the_notebooks_folder(tmp_path, monkeypatch):
+    from ddp_tutorial.harness.plain_notebook import run
+
+    (tmp_path / "data.txt").write_text("42")
+    read = "import pathlib\nx = pathlib.Path('data.txt').read_text()"
+    _notebook(tmp_path / "good.ipynb", "N = 1", read, "assert x == '42' and N == 2")
+    monkeypatch.chdir(
+        tmp_path.parent
+    )  # a relative path, from elsewhere, as make gpu-check gives it
+    assert run(pathlib.Path(tmp_path.name) / "good.ipynb", parameters={"N": 2}) == (None, "")
+    bad = _notebook(tmp_path / "bad.ipynb", "N = 1", "assert N == 2, 'the claim'")
+    cell, error = run(bad)
+    assert cell == 1 and "AssertionError: the claim" in error
+
+
+# -- the Makefile on a GPU machine ---------------------------------------------------------
+
+
+def _make_n(*args: str, **env: str) -> str:
+    done = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_lab_runs_as_root_the_way_gpu_containers_do():
+    line = _make_n("lab").strip().splitlines()[-1]
+    assert line.endswith("--allow-root") == (os.getuid() == 0)
+
+
+def test_a_torch_the_machine_already_has_is_kept(tmp_path):
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    stamp = ".venv/.installed-stamp"
+    with_torch = _make_n("-B", stamp, PYTHONPATH=str(fake.parent))
+    assert "-m venv --system-site-packages .venv" in with_torch
+    assert "--system-site-packages" not in _make_n("-B", stamp)  # this machine: none
+    index = _make_n("-B", stamp, "TORCH_INDEX=https://download.pytorch.org/whl/cu124")
+    assert (
+        "pip install --index-url https://download.pytorch.org/whl/cu124 torch torchvision" in index
+    )

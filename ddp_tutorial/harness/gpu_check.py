@@ -1,0 +1,106 @@
+"""``make gpu-check``: the one prepared command a GPU owner runs, and the table it prints.
+
+On a machine with GPUs and only torch, pytest, psutil, nvidia-ml-py,
+matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
+
+1. the ``gpu``-marked tests (``pytest -m gpu``);
+2. ``scripts/hello.py`` with nccl across *every* visible GPU — with two or
+   more, that is real communication between GPUs;
+3. the GPU branches of lessons 03, 04, 05, 06 and 09, their code cells run by
+   :mod:`ddp_tutorial.harness.plain_notebook` (no Jupyter needed);
+
+then prints one row per step and exits non-zero if any failed. Every step
+has a limit; together at most 12.5 minutes, about 5 expected (the lessons
+take 10-50 s each on a 2-core CPU). :func:`plan` is what it would do on a machine,
+a pure function of the GPU count, so that this machine (no GPU) can check it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LESSONS = ("03_device_mapping", "04_ddp_wrapping", "05_checkpointing",
+           "06_training_and_utilization", "09_debugging")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of the check, with its limit and what it shows."""
+
+    name: str
+    command: list[str]
+    timeout_s: float
+    note: str = ""
+
+
+def plan(gpus: int, python: str = sys.executable) -> list[Step]:
+    """The steps for a machine whose ranks would see ``gpus`` GPUs."""
+    if gpus < 1:
+        raise SystemExit(
+            "gpu-check: no GPU visible to CUDA here (NVML count and CUDA_VISIBLE_DEVICES): "
+            "nothing to check. Run `make test` on a machine without GPUs."
+        )
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone"]
+    hello_note = (
+        f"nccl all_reduce across {gpus} GPUs"
+        if gpus > 1
+        else "one GPU: nccl starts, but no communication between GPUs is tested"
+    )
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    hello = [*torchrun, "--nproc-per-node", str(gpus), "scripts/hello.py", "--backend", "nccl"]
+    steps = [
+        Step("gpu tests", [*pytest, "tests"], 240.0),
+        Step(f"hello, nccl, {gpus} rank(s)", hello, 60.0, hello_note),
+    ]
+    runner = [python, "-m", "ddp_tutorial.harness.plain_notebook"]
+    for lesson in LESSONS:
+        steps.append(Step(f"lesson {lesson[:2]}", [*runner, f"notebooks/{lesson}.ipynb"], 90.0))
+    return steps
+
+
+def run_step(step: Step) -> dict[str, object]:
+    """Run one step from the repository root; a row of the final table."""
+    began = time.monotonic()
+    # The package from this source tree, for every process below (notebooks run from
+    # notebooks/, their ranks from wherever torchrun starts them): an absolute path.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        env = {**os.environ, "PYTHONPATH": path}
+        done = subprocess.run(step.command, cwd=REPO, timeout=step.timeout_s, text=True,
+                              capture_output=True, env=env)  # fmt: skip
+        status = "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+        output = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        status, output = f"TIMEOUT ({step.timeout_s:.0f} s)", str(exc.stdout or "")
+    if status != "ok":
+        print(f"--- {step.name}: {status}\n{output[-4000:]}", flush=True)
+    return {"step": step.name, "seconds": round(time.monotonic() - began, 1),
+            "status": status, "note": step.note}  # fmt: skip
+
+
+def main() -> int:
+    from ddp_tutorial.devices import DeviceError, visible_gpu_count
+    from ddp_tutorial.records import format_table
+
+    try:
+        gpus = visible_gpu_count()
+    except DeviceError as exc:  # e.g. MIG: say what to do, do not start
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for step in plan(gpus):
+        print(f"gpu-check: {step.name} ...", flush=True)
+        rows.append(run_step(step))
+    print()
+    print(format_table(rows, ["step", "seconds", "status", "note"]))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
