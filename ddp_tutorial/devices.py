@@ -333,6 +333,19 @@ def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
     return len(visible_gpus(env))
 
 
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The newest CUDA the installed driver supports, ``(12, 4)``; ``None`` without a driver.
+
+    A torch wheel built for a newer CUDA than this sees no GPU at all (NVML
+    still lists them): the commonest reason a GPU machine trains on the CPU.
+    """
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        version = int(nvml.nvmlSystemGetCudaDriverVersion())  # e.g. 12040
+        return version // 1000, (version % 1000) // 10
+
+
 def gpu_memory_report() -> list[dict[str, object]]:
     """Per physical GPU: memory used and the pids holding a CUDA context on it (NVML).
 

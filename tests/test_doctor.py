@@ -94,8 +94,9 @@ def test_static_checks_are_healthy_here_and_touch_no_cuda():
     assert exit_code(findings) == 0, format_findings(findings)
     assert not torch.cuda.is_initialized(), "the checker must not initialise CUDA"
     names = [f.check for f in findings]
-    assert names == ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "backends", "port",
-                     "network", "threads", "shm", "gloo all_reduce", "nccl all_reduce"]  # fmt: skip
+    assert names == ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "cuda build", "topology",
+                     "backends", "port", "network", "threads", "shm", "gloo all_reduce",
+                     "nccl all_reduce"]  # fmt: skip
     assert "ready to train" in format_findings(findings)
 
 
@@ -122,7 +123,7 @@ def test_cli_exit_status(capsys, monkeypatch):
 
     assert main(["doctor", "--no-launch", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is True and len(report["findings"]) == 11
+    assert report["ok"] is True and len(report["findings"]) == 13
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,1")
     assert main(["doctor", "--no-launch"]) == 1
     out = capsys.readouterr().out
@@ -136,3 +137,68 @@ def test_nccl_probe_on_gpus():
     finding = doctor.check_nccl(dict(os.environ), gpu_count(), timeout=180)
     assert finding.status == "ok", finding
     assert "cuda" in finding.detail
+
+
+# -- a GPU machine, faked: what the doctor says there ----------------------------------------
+
+
+def _cuda_build(monkeypatch, built, available=True, count=8):
+    monkeypatch.setattr(torch.version, "cuda", built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return checks.check_cuda_build({})
+
+
+def test_gpus_that_torch_cannot_use_fail_loudly(nvml, monkeypatch):
+    from conftest import fake_gpu
+
+    nvml([fake_gpu(i) for i in range(8)], driver_cuda=12040)  # a driver for CUDA 12.4
+    cpu_only = _cuda_build(monkeypatch, None)
+    assert cpu_only.status == "fail" and "CPU-only build" in cpu_only.detail
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ with XYZ at most 124" in cpu_only.fix
+    too_new = _cuda_build(monkeypatch, "13.0", available=False)  # a CUDA 13 wheel, old driver
+    assert too_new.status == "fail" and "torch will see no GPU" in too_new.detail
+    assert _cuda_build(monkeypatch, "12.6").status == "warn"  # minor-version compatibility
+    fine = _cuda_build(monkeypatch, "12.4")
+    assert fine.status == "ok" and "torch sees 8 GPU(s)" in fine.detail
+    assert _cuda_build(monkeypatch, "12.1", available=False).status == "fail"
+
+
+def test_no_driver_skips_the_cuda_build_check(nvml):
+    nvml(None)
+    assert checks.check_cuda_build({}).status == "skip"
+
+
+def test_mig_is_reported_with_what_to_do(nvml):
+    from conftest import fake_gpu
+
+    nvml([fake_gpu(i, mig=True) for i in range(8)])
+    finding, count = checks.check_gpus({})
+    assert finding.status == "fail" and "MIG mode is on" in finding.detail and count == 0
+
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV12\tNV12\tSYS\t0-31\t0
+GPU1\tNV12\t X \tNV12\tSYS\t0-31\t0
+GPU2\tNV12\tNV12\t X \tSYS\t0-31\t0
+GPU3\tSYS\tSYS\tSYS\t X \t32-63\t1
+
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes
+"""
+
+
+def test_topology_counts_links_between_gpu_pairs():
+    assert checks.summarize_topology(TOPO) == {"NV12": 3, "SYS": 3}
+    assert checks.check_topology(1).status == "skip"
+
+
+def test_backends_name_the_nccl_version(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    assert "NCCL 2.21.5" in checks.check_backends(8).detail

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,7 +84,57 @@ def check_backends(gpus: int) -> Finding:
             found + f"; {gpus} GPU(s) but no NCCL",
             "GPUs will talk through gloo (slow): install a CUDA build of torch with NCCL",
         )
+    if have["nccl"]:
+        found += f" (NCCL {nccl_version()})"
     return Finding("backends", "ok", found)
+
+
+def nccl_version() -> str:
+    """The NCCL bundled with this torch, as "2.21.5" (read without initialising CUDA)."""
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def check_cuda_build(env: Mapping[str, str]) -> Finding:
+    """Can this torch use the GPUs NVML sees? The driver's CUDA against torch's CUDA build.
+
+    A CPU-only wheel, or a wheel built for a newer CUDA than the driver
+    supports, sees no GPU: the job then runs on the CPU (gloo), slowly, with
+    no error. NVML still lists the cards, so the doctor can tell.
+    """
+    import torch
+
+    from ddp_tutorial.devices import driver_cuda_version
+
+    driver = driver_cuda_version()
+    if driver is None:
+        return Finding("cuda build", "skip", "no NVIDIA driver: nothing for CUDA to use")
+    built = torch.version.cuda
+    fix = (
+        "in a fresh .venv: make run TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ with "
+        "XYZ at most {}{} (or use the torch your container ships)".format(*driver)
+    )
+    drv = "{}.{}".format(*driver)
+    if built is None:
+        cpu_only = f"GPUs present (driver: CUDA {drv}) but this torch is a CPU-only build"
+        return Finding("cuda build", "fail", cpu_only + ": training would run on the CPU", fix)
+    major, minor = (int(x) for x in built.split(".")[:2])
+    found = f"driver supports CUDA {drv}; torch built for CUDA {built}"
+    if major > driver[0]:
+        return Finding("cuda build", "fail", found + ": torch will see no GPU",
+                       "update the driver, or " + fix)  # fmt: skip
+    if not torch.cuda.is_available():  # the driver API answers without a context
+        return Finding("cuda build", "fail", found + ", yet torch sees no GPU",
+                       "check the driver (nvidia-smi) and the container's GPU access")  # fmt: skip
+    if (major, minor) > driver:
+        return Finding("cuda build", "warn", found + ": runs by minor-version compatibility; "
+                       "kernels that need the newer driver (PTX JIT) fail", fix)  # fmt: skip
+    return Finding("cuda build", "ok", f"{found}; torch sees {torch.cuda.device_count()} GPU(s)")
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -127,7 +178,7 @@ def check_gpus(env: Mapping[str, str]) -> tuple[Finding, int]:
     try:
         gpus = visible_gpus(env)
     except DeviceError as exc:
-        return Finding("gpus", "fail", str(exc), "list only GPUs that exist"), 0
+        return Finding("gpus", "fail", str(exc), "as the message says"), 0
     names = ", ".join(f"cuda:{i}={g.name} (physical {g.index})" for i, g in enumerate(gpus))
     detail = f"{len(gpus)} of {len(inventory)} visible: {names or 'none'}"
     if torch.version.cuda is None:
@@ -145,6 +196,51 @@ def check_gpus(env: Mapping[str, str]) -> tuple[Finding, int]:
             "export CUDA_DEVICE_ORDER=PCI_BUS_ID so cuda:N matches nvidia-smi's N",
         ), len(gpus)
     return Finding("gpus", "ok", detail), len(gpus)
+
+
+def summarize_topology(matrix: str) -> dict[str, int]:
+    """How each pair of GPUs is linked, from ``nvidia-smi topo -m``: ``{"NV12": 28, ...}``.
+
+    ``NV#``: NVLink (# links); ``PIX``/``PXB``: PCIe switches; ``PHB``: the
+    CPU's PCIe host bridge; ``NODE``/``SYS``: across NUMA nodes or sockets —
+    the slow paths, where NCCL's peer-to-peer traffic goes through the CPU.
+    """
+    lines = [ln.split() for ln in matrix.splitlines() if ln.strip()]
+    header = next((ln for ln in lines if ln and ln[0].startswith("GPU")), [])
+    names = [h for h in header if h.startswith("GPU")]
+    links: dict[str, int] = {}
+    for row in lines:
+        if not row or row[0] not in names or row == header:
+            continue
+        i = names.index(row[0])
+        for j, link in enumerate(row[1 : len(names) + 1]):
+            if j > i:
+                links[link] = links.get(link, 0) + 1
+    return links
+
+
+def check_topology(gpus: int) -> Finding:
+    """``nvidia-smi topo -m`` in one line: NVLink, PCIe, or across sockets."""
+    if gpus < 2:
+        return Finding("topology", "skip", "fewer than 2 GPUs: no links between GPUs")
+    if shutil.which("nvidia-smi") is None:
+        return Finding("topology", "skip", "nvidia-smi not found: topology not read")
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                             timeout=20).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Finding("topology", "skip", f"nvidia-smi topo -m failed: {exc}")
+    links = summarize_topology(out)
+    found = "GPU pairs: " + (", ".join(f"{n} x {k}" for k, n in sorted(links.items())) or "none")
+    slow = sum(n for k, n in links.items() if k in ("SYS", "NODE"))
+    if slow:
+        fix = (
+            f"{slow} pair(s) cross NUMA nodes or sockets: keep a job's ranks on the GPUs of "
+            "one socket where you can (CUDA_VISIBLE_DEVICES); NCCL_P2P_DISABLE=1 only if "
+            "peer-to-peer is broken"
+        )
+        return Finding("topology", "warn", found, fix)
+    return Finding("topology", "ok", found)
 
 
 # --------------------------------------------------------------------------- network

@@ -26,12 +26,14 @@ from ddp_tutorial import settings
 from ddp_tutorial.harness.checks import (
     Finding,
     check_backends,
+    check_cuda_build,
     check_gpus,
     check_interfaces,
     check_port,
     check_python,
     check_shm,
     check_threads,
+    check_topology,
     check_torch,
     check_visible_devices,
 )
@@ -133,6 +135,8 @@ def run_checks(
     add(check_visible_devices(env))
     gpu_finding, gpus = check_gpus(env)
     add(gpu_finding)
+    add(check_cuda_build(env))
+    add(check_topology(gpus))
     add(check_backends(gpus))
     add(check_port(env))
     add(check_interfaces(env))
