@@ -5,11 +5,15 @@
 
 It measures, after warm-up steps that are not counted:
 
-* ``plain_1thread`` / ``plain_all_cores``: a plain single-process loop;
+* ``plain_1thread`` / ``plain_all_cores``: a plain single-process loop (on
+  GPUs: one process on ``cuda:0``, for both);
 * ``ddp_world1``: the same loop under DDP with one rank — the wrapper's cost;
 * ``ddp_worldN``: N ranks (CPU: 2 × 1 thread; GPUs: one per GPU);
-* an all_reduce sweep (1 KB → 64 MB) fitted with the ring model
-  t ≈ α + 2(N−1)/N · S/B;
+* ``plain_concurrent``: N plain processes that never communicate (on GPUs one
+  GPU each): the machine's own ceiling for N ranks;
+* an all_reduce sweep (1 KiB → 64 MiB on a CPU, → 1 GiB on GPUs) with the
+  algorithm and bus bandwidth nccl-tests reports (busbw = algbw · 2(N−1)/N),
+  fitted with the ring model t ≈ α + 2(N−1)/N · S/B;
 * knobs on a larger model: ``bucket_cap_mb``, ``gradient_as_bucket_view``,
   ``static_graph``, ``find_unused_parameters``, ``no_sync`` accumulation,
   DataLoader ``num_workers`` per rank, threads per rank;
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -45,7 +50,7 @@ from ddp_tutorial.lessons import perf
 from ddp_tutorial.lessons.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.models import MLP, build_model
 from ddp_tutorial.records import format_table, write_json
-from ddp_tutorial.settings import usable_cores
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV, usable_cores
 
 HERE = Path(__file__).resolve()
 
@@ -67,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # worker roles (internal)
     p.add_argument("--role", choices=["orchestrate", "plain", "ddp"], default="orchestrate")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -106,12 +112,18 @@ def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 # --------------------------------------------------------------------------- roles
 
 
+def bench_device(gpus: int) -> str:
+    """Where the plain baselines run: the first GPU when there is one, like a rank's."""
+    return "cuda:0" if gpus > 0 else "cpu"
+
+
 def role_plain(args: argparse.Namespace) -> None:
-    """One process, no process group: the baseline."""
+    """One process, no process group: the baseline (on ``--device``)."""
     torch.set_num_threads(args.threads)
-    model = new_model(args)
+    device = torch.device(args.device)
+    model = new_model(args).to(device)
     batches = make_batches(args, 8)
-    times = perf.timed_loop(model, sgd(model), batches, args.steps, args.warmup)
+    times = perf.timed_loop(model, sgd(model), batches, args.steps, args.warmup, device=device)
     result = perf.summarize_steps(times, args.batch_size)
     write_json(args.result, {**result, "threads": torch.get_num_threads()})
 
@@ -151,12 +163,8 @@ def ddp_throughput(
 
 
 def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict[str, float]]:
-    """All_reduce time (median and best) per message size, 1 KB to 64 MB (4 MB in quick mode)."""
-    top = 4 * 2**20 if args.quick else 64 * 2**20
-    sizes, size = [], 1024
-    while size <= top:
-        sizes.append(size)
-        size *= 4
+    """All_reduce time (median and best) per message size, as nccl-tests sweeps it."""
+    sizes = perf.sweep_sizes(args.quick, device.type)
     world = dist.get_world_size()
     rows = []
     for size in sizes:
@@ -183,9 +191,11 @@ def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict
                 "bytes": size,
                 "seconds": seconds,
                 "best_seconds": best,
+                "algbw_GBps": perf.alg_bandwidth(size, seconds) / 1e9,
                 "busbw_GBps": perf.bus_bandwidth(size, seconds, world) / 1e9,
             }
         )
+        del x  # a 1 GiB buffer per size adds up
     return rows
 
 
@@ -268,14 +278,27 @@ def _common(args: argparse.Namespace) -> list[str]:
     ] + (["--quick"] if args.quick else []) + (["--no-knobs"] if args.no_knobs else [])  # fmt: skip
 
 
-def run_plain(args: argparse.Namespace, threads: int, tmp: Path) -> dict[str, Any]:
+def run_plain(args: argparse.Namespace, threads: int, tmp: Path, gpus: int) -> dict[str, Any]:
     out = tmp / f"plain{threads}.json"
-    cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", str(threads)]
+    cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", str(threads),
+           "--device", bench_device(gpus)]  # fmt: skip
     subprocess.run(cmd + _common(args) + ["--result", str(out)], check=True, timeout=1800)
     return json.loads(out.read_text())
 
 
-def run_plain_concurrent(args: argparse.Namespace, n: int, tmp: Path) -> dict[str, Any]:
+def concurrent_env(i: int, gpus: int) -> dict[str, str]:
+    """Process ``i`` of the ceiling run: on GPUs it sees only GPU ``i`` (its cuda:0)."""
+    env = dict(os.environ)
+    if gpus > 0:
+        visible = env.get(VISIBLE_DEVICES_ENV)
+        ids = visible.split(",") if visible else [str(g) for g in range(gpus)]
+        env[VISIBLE_DEVICES_ENV] = ids[i]
+    return env
+
+
+def run_plain_concurrent(
+    args: argparse.Namespace, n: int, tmp: Path, gpus: int = 0
+) -> dict[str, Any]:
     """N independent 1-thread plain processes at once: the machine's own scaling ceiling.
 
     No communication at all, so whatever they lose against N times one
@@ -283,8 +306,12 @@ def run_plain_concurrent(args: argparse.Namespace, n: int, tmp: Path) -> dict[st
     neighbours on a VM), not DDP's.
     """
     outs = [tmp / f"concurrent{i}.json" for i in range(n)]
-    cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", "1", *_common(args)]
-    procs = [subprocess.Popen([*cmd, "--result", str(o)]) for o in outs]
+    cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", "1", *_common(args),
+           "--device", bench_device(gpus)]  # fmt: skip
+    procs = [
+        subprocess.Popen([*cmd, "--result", str(o)], env=concurrent_env(i, gpus))
+        for i, o in enumerate(outs)
+    ]
     if any(p.wait(timeout=1800) for p in procs):
         raise RuntimeError("a concurrent plain process failed")
     total = sum(json.loads(o.read_text())["samples_per_sec"] for o in outs)
@@ -326,9 +353,11 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    from ddp_tutorial.devices import visible_gpu_count
     from ddp_tutorial.harness.launch import default_nproc
 
     n = args.nproc or default_nproc()
+    gpus = visible_gpu_count()
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmpdir:
         tmp = Path(tmpdir)
         print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "
@@ -338,11 +367,13 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         # noise on a small shared VM is tens of percent).
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("p1", "pall", "w1", "wn", "c")}
         for repeat in range(args.repeats):
-            runs["p1"].append(run_plain(args, 1, tmp))
-            runs["pall"].append(run_plain(args, usable_cores(), tmp))
+            runs["p1"].append(run_plain(args, 1, tmp, gpus))
+            # one GPU is "all cores" of a GPU process: the same run, not measured twice
+            all_cores = runs["p1"][-1] if gpus else run_plain(args, usable_cores(), tmp, gpus)
+            runs["pall"].append(all_cores)
             runs["w1"].append(run_ddp(args, 1, tmp, extras=False))
             runs["wn"].append(run_ddp(args, n, tmp, extras=repeat == 0))
-            runs["c"].append(run_plain_concurrent(args, n, tmp))
+            runs["c"].append(run_plain_concurrent(args, n, tmp, gpus))
         plain_1, plain_all, world1, ceiling = (best_run(runs[k]) for k in ("p1", "pall", "w1", "c"))
         # The best run's timings over the first run, which alone measured the extras
         # (sweep, knobs, loader): later runs' results have no such keys.

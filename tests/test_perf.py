@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ddp_tutorial.lessons import perf
@@ -37,3 +39,41 @@ def test_ring_model_recovers_alpha_and_bandwidth():
     assert fit["bandwidth_Bps"] == pytest.approx(bandwidth, rel=1e-6)
     assert fit["max_rel_error"] < 1e-6
     assert perf.bus_bandwidth(1e9, 1.0, 2) == pytest.approx(1e9)  # 2(N-1)/N = 1 for N=2
+
+
+# -- what the benchmark does on GPUs, proven here ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    import importlib.util
+
+    from conftest import SCRIPTS
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPTS / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_on_gpus_the_baselines_run_on_a_gpu_and_the_ceiling_gives_each_process_one(
+    benchmark, monkeypatch
+):
+    assert benchmark.bench_device(0) == "cpu" and benchmark.bench_device(8) == "cuda:0"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [benchmark.concurrent_env(i, 8)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == [
+        "0", "1", "2"]  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert benchmark.concurrent_env(1, 2)["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "CUDA_VISIBLE_DEVICES" not in {
+        k for k, v in benchmark.concurrent_env(0, 0).items() if v != os.environ.get(k)
+    }
+
+
+def test_the_gpu_all_reduce_sweep_reaches_a_gibibyte_and_reports_both_bandwidths():
+    gpu, cpu = perf.sweep_sizes(False, "cuda"), perf.sweep_sizes(False, "cpu")
+    assert gpu[0] == cpu[0] == 1024 and gpu[-1] >= 2**30 and cpu[-1] == 64 * 2**20
+    assert perf.sweep_sizes(True, "cpu")[-1] == 4 * 2**20
+    # nccl-tests' definitions: busbw = algbw * 2(N-1)/N
+    assert perf.alg_bandwidth(2**30, 0.5) == 2 * 2**30
+    assert perf.bus_bandwidth(2**30, 0.5, 8) == pytest.approx(2 * 2**30 * 2 * 7 / 8)

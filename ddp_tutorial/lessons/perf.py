@@ -65,8 +65,31 @@ def ring_factor(world_size: int) -> float:
 
 
 def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:
-    """NCCL-tests' "bus bandwidth" (bytes/s): comparable across world sizes."""
+    """NCCL-tests' "bus bandwidth" (bytes/s): algbw x 2(N-1)/N, comparable across world sizes."""
     return ring_factor(world_size) * size_bytes / seconds
+
+
+def alg_bandwidth(size_bytes: float, seconds: float) -> float:
+    """NCCL-tests' "algorithm bandwidth" (bytes/s): the message size over the time."""
+    return size_bytes / seconds
+
+
+def sweep_sizes(quick: bool, device_type: str) -> list[int]:
+    """All_reduce message sizes, x4 apart: 1 KiB up to 64 MiB on a CPU, 1 GiB on GPUs.
+
+    GPU links reach their bandwidth only with large messages (NVLink needs
+    hundreds of MiB), as nccl-tests shows; a CPU over loopback TCP is
+    bandwidth-bound long before. Quick mode stops at 4 MiB (CPU) / 64 MiB (GPU).
+    """
+    if device_type == "cuda":
+        top = 64 * 2**20 if quick else 2**30
+    else:
+        top = 4 * 2**20 if quick else 64 * 2**20
+    sizes, size = [], 1024
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
 
 
 def fit_ring_model(
@@ -123,6 +146,26 @@ def clock(device: torch.device | None = None) -> float:
     return time.perf_counter()
 
 
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: nn.Module,
+    device: torch.device | None,
+) -> None:
+    """One optimizer step over the micro-batches; with DDP all but the last under no_sync()."""
+    for micro, (x, y) in enumerate(micro_batches):
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == len(micro_batches) - 1
+        ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) / len(micro_batches)
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def timed_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -157,21 +200,24 @@ def timed_loop(
         cursor += 1
         return batch
 
+    # On a GPU a step returns once its work is queued: CUDA events, recorded in the
+    # stream around each step and read once at the end, time the work itself without
+    # stalling the pipeline every step.
+    events = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        for micro in range(accumulate):
-            x, y = next_batch()
-            if device is not None:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == accumulate - 1
-            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext()
-            with ctx:
-                loss = loss_fn(model(x), y) / accumulate
-                loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if sync and i >= warmup:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        _step(model, optimizer, [next_batch() for _ in range(accumulate)], loss_fn, device)
+        if i < warmup:
+            continue
         if sync:
-            torch.cuda.synchronize(device)
-        if i >= warmup:
+            end.record()
+            events.append((begin, end))
+        else:
             times.append(time.perf_counter() - start)
+    if sync:
+        torch.cuda.synchronize(device)
+        times = [begin.elapsed_time(end) / 1000 for begin, end in events]  # ms -> s
     return times
