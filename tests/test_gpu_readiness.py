@@ -114,8 +114,10 @@ def test_the_plain_runner_runs_cells_in_order_from_the_notebooks_folder(tmp_path
 
 
 def _make_n(*args: str, **env: str) -> str:
-    done = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=60)  # fmt: skip
+    # A clean make: not the sub-make of `make test` (its flags, its "Entering directory").
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=REPO, text=True,
+                          capture_output=True, env={**clean, **env}, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
 
