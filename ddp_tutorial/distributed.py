@@ -212,8 +212,9 @@ def agree_across_nodes(
     if store is None:
         raise BackendError(
             f"a multi-node job with backend 'auto' needs torchrun's store to agree on one "
-            f"backend across nodes; set {settings.BACKEND_ENV}=nccl (GPU nodes) or gloo on "
-            f"every node instead."
+            f"backend across nodes, and it is off here (TORCHELASTIC_USE_AGENT_STORE is not "
+            f"True, e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): set {settings.BACKEND_ENV}=nccl "
+            f"(GPU nodes) or gloo on every node instead."
         )
     agreed, why = agree_backends(exchange(store, rank, world_size, name))
     if agreed != name and rank == 0:

@@ -43,9 +43,9 @@ def backend(env: Mapping[str, str] | None = None) -> str:
     return _env(env).get(BACKEND_ENV) or BACKEND_DEFAULT
 
 
-def timeout_s(env: Mapping[str, str] | None = None) -> float:
-    """The collective timeout in seconds (``$DDP_TUTORIAL_TIMEOUT``, default 60)."""
-    return _seconds(_env(env), TIMEOUT_ENV, TIMEOUT_DEFAULT_S)
+def timeout_s(env: Mapping[str, str] | None = None, default: float = TIMEOUT_DEFAULT_S) -> float:
+    """The collective timeout in seconds (``$DDP_TUTORIAL_TIMEOUT``, else ``default``: 60)."""
+    return _seconds(_env(env), TIMEOUT_ENV, default)
 
 
 def init_timeout_s(env: Mapping[str, str] | None = None) -> float:

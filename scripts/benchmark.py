@@ -44,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddp_tutorial import settings
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import process_group
 from ddp_tutorial.lessons import perf
@@ -354,10 +355,14 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     from ddp_tutorial.devices import visible_gpu_count
+    from ddp_tutorial.distributed import choose_backend
     from ddp_tutorial.harness.launch import default_nproc
 
     n = args.nproc or default_nproc()
-    gpus = visible_gpu_count()
+    # GPU baselines only where the ranks will be on GPUs (nccl: one GPU per rank); with
+    # gloo (asked for, or too few GPUs) everything runs on the CPU, compared like for like.
+    backend, _ = choose_backend(settings.backend(), n, gpus=visible_gpu_count())
+    gpus = n if backend == "nccl" else 0
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmpdir:
         tmp = Path(tmpdir)
         print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "

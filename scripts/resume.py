@@ -39,7 +39,7 @@ from ddp_tutorial.models import MLP
 from ddp_tutorial.numerics import make_deterministic
 from ddp_tutorial.records import write_rank_record
 from ddp_tutorial.snapshots import (
-    latest_snapshot,
+    agreed_latest_snapshot,
     list_snapshots,
     restore_training_state,
     snapshot_path,
@@ -85,7 +85,7 @@ def main() -> None:
         torch.manual_seed(args.seed + info.rank)  # from here on, each rank its own random stream
 
         start_epoch, step, resumed_from = 0, 0, None
-        snapshot = latest_snapshot(args.checkpoint_dir)
+        snapshot = agreed_latest_snapshot(args.checkpoint_dir)  # rank 0 decides for all
         if snapshot is not None:  # load into the plain model, before DDP wraps it
             state = load_checkpoint(snapshot, map_location=info.device)
             position = restore_training_state(

@@ -21,6 +21,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp_tutorial import settings
 from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import print0, process_group
 from ddp_tutorial.models import MODEL_NAMES
@@ -61,9 +62,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument(
         "--timeout",
         type=float,
-        default=d.timeout,
+        default=settings.timeout_s(default=d.timeout),
         help="seconds a collective may wait before the job fails (a long save on rank 0 "
-        "included); joining the group may take $DDP_TUTORIAL_INIT_TIMEOUT (600 s)",
+        "included; default $DDP_TUTORIAL_TIMEOUT, else 600); joining the group may take "
+        "$DDP_TUTORIAL_INIT_TIMEOUT (600 s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -66,27 +66,6 @@ def test_hello_without_torchrun_is_a_world_of_one(tmp_path):
     assert "rank 0/1" in proc.stdout and "all_reduce(sum of ranks) = 0" in proc.stdout
 
 
-@pytest.mark.torchrun
-def test_nccl_on_cpu_machine_fails_clearly_under_torchrun(tmp_path):
-    from conftest import gpu_count
-    from ddp_tutorial.harness.failures import LaunchError
-    from ddp_tutorial.harness.launch import torchrun
-
-    if gpu_count() >= 2:
-        pytest.skip("this machine can run nccl with 2 ranks")
-    with pytest.raises(LaunchError) as info:
-        torchrun(
-            SCRIPTS / "hello.py",
-            "--backend",
-            "nccl",
-            nproc=2,
-            run_dir=tmp_path,
-            echo=False,
-            env={"DDP_TUTORIAL_TIMEOUT": "20"},
-        )
-    assert "BackendError" in str(info.value) and "nccl" in str(info.value)
-
-
 # -- GPU node and multi-node decisions, proven without a GPU ----------------------------
 
 
@@ -156,11 +135,11 @@ from ddp_tutorial.records import write_rank_record
 
 rank = int(os.environ["RANK"])
 if rank == 1:
-    time.sleep(3.5)  # a slow start (import on a busy shared filesystem): must not fail the join
+    time.sleep(3)  # a slow start (import on a busy shared filesystem): must not fail the join
 record = {}
-with process_group(backend="gloo", timeout_s=2) as info:
+with process_group(backend="gloo", timeout_s=1.5) as info:
     if rank == 1:
-        time.sleep(3.5)  # a rank late for a collective: must fail within the 2 s timeout
+        time.sleep(3)  # a rank late for a collective: must fail within the 1.5 s timeout
     t0 = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1))
@@ -181,5 +160,5 @@ def test_joining_may_take_long_but_a_collective_times_out_fast(tmp_path, write_s
     result = torchrun(script, nproc=2, run_dir=tmp_path / "run", echo=False, timeout=120,
                       env={"DDP_TUTORIAL_INIT_TIMEOUT": "60"})  # fmt: skip
     r0 = result.records[0]
-    assert r0["error"] is not None, "rank 0 waited past the 2 s collective timeout"
-    assert r0["waited_s"] < 3.4, r0
+    assert r0["error"] is not None, "rank 0 waited past the 1.5 s collective timeout"
+    assert r0["waited_s"] < 2.9, r0

@@ -1,7 +1,8 @@
 """ddp-tutorial doctor: a healthy machine passes, a broken setting is reported (and exits 1).
 
-The full doctor with its real launches is run by notebooks/09_debugging.ipynb
-(and the quick one by notebooks/00_environment.ipynb).
+The full doctor with its real launches, as a shell runs it, is asserted by
+notebooks/00_environment.ipynb; a broken GLOO_SOCKET_IFNAME by
+notebooks/09_debugging.ipynb (static checks) and by this file (the real probe).
 """
 
 from __future__ import annotations

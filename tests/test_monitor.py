@@ -8,14 +8,18 @@ monitor costs under 1 % of a core.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import fake_gpu, fake_pynvml, gpu_count
-from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.monitor import Monitor, read_samples_csv, summarize
+from ddp_tutorial.records import read_rank_records
 
-# No torch in the ranks: the launch costs only torchrun's start-up and the spin.
+# No torch in the ranks: they cost only the spin.
 SPIN = """
 import json, os, sys, time
 start = time.time()
@@ -28,19 +32,21 @@ with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
 """
 
 
-@pytest.mark.torchrun
 def test_cpu_mode_sees_both_ranks_busy(tmp_path, write_script):
+    """Two rank processes (RANK in their environment, as torchrun sets it) below this one."""
     script = write_script("spin.py", SPIN)
-    result = torchrun(
-        script,
-        nproc=2,
-        run_dir=tmp_path,
-        echo=False,
-        monitor=True,
-        monitor_interval=0.25,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
-    rows = result.utilization
+    mon = Monitor(env={"CUDA_VISIBLE_DEVICES": ""}, interval=0.25)
+    with mon:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path)], env={**os.environ, "RANK": str(r)}
+            )  # fmt: skip
+            for r in (0, 1)
+        ]
+        assert [p.wait(timeout=60) for p in ranks] == [0, 0]
+    mon.write_csv(tmp_path / "utilization.csv")
+    result = SimpleNamespace(records=read_rank_records(tmp_path))
+    rows = mon.samples()
     assert rows and {r["kind"] for r in rows} == {"cpu"}
     assert {r["id"] for r in rows} == {0, 1}
     window = (min(r["start"] for r in result.records), max(r["end"] for r in result.records))
@@ -89,6 +95,18 @@ def test_only_the_ranks_gpus_are_sampled():
     with mon:
         pass
     assert {(r["id"], r["util"]) for r in mon.samples()} == {(0, 60.0), (1, 70.0)}
+
+
+def test_ranks_on_the_cpu_are_sampled_as_processes_even_with_gpus_beside_them():
+    """1 GPU for 2 ranks, or gloo asked for: the ranks run on the CPU; sample them there."""
+    mon = Monitor(env={}, nvml=FakeNVML(1), interval=0.05, nproc=2)
+    with mon:
+        pass
+    assert mon.mode == "cpu" and "the ranks run gloo" in mon.note
+    mon = Monitor(env={"DDP_TUTORIAL_BACKEND": "gloo"}, nvml=FakeNVML(8), interval=0.05, nproc=2)
+    with mon:
+        pass
+    assert mon.mode == "cpu" and "gloo requested" in mon.note
 
 
 def test_a_refused_reading_is_nan_and_sampling_goes_on():

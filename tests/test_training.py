@@ -63,11 +63,16 @@ def test_pretrain_with_module_prefix(tmp_path):
     assert all(torch.equal(final[k], v) for k, v in model.named_parameters())
 
 
-@pytest.mark.torchrun
-def test_sync_bn_on_cpu_is_a_clear_error(tmp_path):
-    result = train(tmp_path, "s", "--sync-bn", check=False)
-    assert result.returncode != 0
-    assert "--sync-bn needs GPUs with nccl" in result.output
+def test_sync_bn_on_cpu_is_a_clear_error():
+    """Refused before anything is built on the device (no launch needed to see it)."""
+    from ddp_tutorial.data import SyntheticImages
+    from ddp_tutorial.distributed import DistInfo
+    from ddp_tutorial.training import TrainConfig, Trainer
+
+    info = DistInfo(0, 0, 1, 1, "gloo", torch.device("cpu"), "gloo requested")
+    data = SyntheticImages(8, 16, 10)
+    with pytest.raises(ValueError, match="--sync-bn needs GPUs with the nccl backend"):
+        Trainer(TrainConfig(sync_bn=True, image_size=16), info, data, data)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -207,7 +208,7 @@ def summarize_topology(matrix: str) -> dict[str, int]:
     """
     lines = [ln.split() for ln in matrix.splitlines() if ln.strip()]
     header = next((ln for ln in lines if ln and ln[0].startswith("GPU")), [])
-    names = [h for h in header if h.startswith("GPU")]
+    names = [h for h in header if re.fullmatch(r"GPU\d+", h)]  # not "GPU NUMA ID", not NICs
     links: dict[str, int] = {}
     for row in lines:
         if not row or row[0] not in names or row == header:

@@ -6,12 +6,13 @@ matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
 1. the ``gpu``-marked tests (``pytest -m gpu``);
 2. ``scripts/hello.py`` with nccl across *every* visible GPU — with two or
    more, that is real communication between GPUs;
-3. the GPU branches of lessons 03, 04, 05, 06 and 09, their code cells run by
+3. the GPU branches of lessons 03, 04, 05, 06, 08 (``--deterministic``) and
+   09, their code cells run by
    :mod:`ddp_tutorial.harness.plain_notebook` (no Jupyter needed);
 
 then prints one row per step and exits non-zero if any failed. Every step
-has a limit; together at most 12.5 minutes, about 5 expected (the lessons
-take 10-50 s each on a 2-core CPU). :func:`plan` is what it would do on a machine,
+has a limit; together at most 14 minutes, about 6 expected (the lessons
+take 10-60 s each on a 2-core CPU). :func:`plan` is what it would do on a machine,
 a pure function of the GPU count, so that this machine (no GPU) can check it.
 """
 
@@ -24,9 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_tutorial.harness.processes import kill_tree
+
 REPO = Path(__file__).resolve().parents[2]
 LESSONS = ("03_device_mapping", "04_ddp_wrapping", "05_checkpointing",
-           "06_training_and_utilization", "09_debugging")  # fmt: skip
+           "06_training_and_utilization", "08_fault_tolerance", "09_debugging")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,14 +73,19 @@ def run_step(step: Step) -> dict[str, object]:
     # The package from this source tree, for every process below (notebooks run from
     # notebooks/, their ranks from wherever torchrun starts them): an absolute path.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    # Its own session, and the whole tree killed on a timeout: torchrun's ranks live in
+    # sessions of their own and would keep their GPUs through the next step.
+    proc = subprocess.Popen(step.command, cwd=REPO, env=env, text=True, errors="replace",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     try:
-        env = {**os.environ, "PYTHONPATH": path}
-        done = subprocess.run(step.command, cwd=REPO, timeout=step.timeout_s, text=True,
-                              capture_output=True, env=env)  # fmt: skip
-        status = "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
-        output = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        status, output = f"TIMEOUT ({step.timeout_s:.0f} s)", str(exc.stdout or "")
+        output, _ = proc.communicate(timeout=step.timeout_s)
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        status = f"TIMEOUT ({step.timeout_s:.0f} s)"
     if status != "ok":
         print(f"--- {step.name}: {status}\n{output[-4000:]}", flush=True)
     return {"step": step.name, "seconds": round(time.monotonic() - began, 1),

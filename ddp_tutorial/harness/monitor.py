@@ -31,6 +31,8 @@ from typing import Any
 
 import psutil
 
+from ddp_tutorial import settings
+
 FIELDS = ("t", "wall", "kind", "id", "util", "mem_mib")
 NAN = float("nan")
 
@@ -104,16 +106,35 @@ class Monitor:
         except (DeviceError, nvml.NVMLError) as exc:  # e.g. MIG: say why, sample the CPU
             self.note = f"GPU sampling off: {exc}"
             visible = []
-        # The ranks' GPUs only: rank r uses cuda:LOCAL_RANK, the r-th visible GPU; an
-        # idle card beside them is not part of this job.
-        if self.nproc is not None:
-            visible = visible[: self.nproc]
+        visible = self._ranks_gpus(visible)
         if not visible:
             nvml.nvmlShutdown()
             return False
         self._nvml = nvml
         self._handles = [(logical, handles[gpu.index]) for logical, gpu in enumerate(visible)]
         return True
+
+    def _ranks_gpus(self, visible: list[Any]) -> list[Any]:
+        """The GPUs the ranks compute on: ``cuda:0`` … ``cuda:nproc-1``, or none on gloo.
+
+        Rank r uses cuda:LOCAL_RANK, the r-th visible GPU; an idle card beside
+        them is not part of this job. With fewer GPUs than ranks, or gloo asked
+        for, the ranks compute on the CPU: then their processes are what to
+        sample, not the GPUs.
+        """
+        from ddp_tutorial.distributed import BackendError, choose_backend
+
+        if not visible:
+            return []
+        nproc = self.nproc if self.nproc is not None else len(visible)
+        try:
+            backend, why = choose_backend(settings.backend(self.env), nproc, gpus=len(visible))
+        except BackendError as exc:
+            backend, why = "gloo", str(exc)
+        if backend != "nccl":
+            self.note = f"GPU sampling off: the ranks run {backend} on the CPU ({why})"
+            return []
+        return visible[:nproc]
 
     def start(self) -> Monitor:
         """Begin sampling in a daemon thread."""
