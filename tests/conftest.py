@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>`` imported as a module: its functions run here, without a launch."""
+    spec = importlib.util.spec_from_file_location(f"script_{Path(name).stem}", SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def gpu_view() -> tuple[int, str]:

@@ -46,14 +46,9 @@ def test_ring_model_recovers_alpha_and_bandwidth():
 
 @pytest.fixture(scope="module")
 def benchmark():
-    import importlib.util
+    from conftest import load_script
 
-    from conftest import SCRIPTS
-
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPTS / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark.py")
 
 
 def test_on_gpus_the_baselines_run_on_a_gpu_and_the_ceiling_gives_each_process_one(

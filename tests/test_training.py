@@ -7,13 +7,12 @@ a crash, a restart and a bitwise-exact resume by notebooks/08_fault_tolerance.ip
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, load_script
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
 
@@ -78,10 +77,7 @@ def test_sync_bn_on_cpu_is_a_clear_error():
 @pytest.fixture(scope="module")
 def template():
     """scripts/train.py as a module: its flag parsing runs here, without a launch."""
-    spec = importlib.util.spec_from_file_location("train_template", SCRIPTS / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train.py")
 
 
 @pytest.mark.parametrize(
