@@ -4,8 +4,10 @@ This is how seed 001 starts its workers. Run it with plain python (no torchrun):
 
     python scripts/spawn_template.py --nprocs 2
 
-``mp.spawn(fn, nprocs=N)`` forks N children and calls ``fn(index, *args)``
-in each; the child's rank is that ``index``. Nothing else is set for you:
+``mp.spawn(fn, nprocs=N)`` starts N children with the *spawn* start method
+(not fork: each is a fresh interpreter that imports this file again, as
+``__mp_main__``, so everything at module level runs again in every child) and
+calls ``fn(index, *args)`` in each; the child's rank is that ``index``. Nothing else is set for you:
 the parent must export MASTER_ADDR and MASTER_PORT itself (seed 001 also
 exports ``RANK='0'`` — which every child then inherits, so anything that
 reads RANK from the environment believes it is rank 0), and each child
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -30,7 +33,8 @@ import torch.multiprocessing as mp
 
 from ddp_tutorial.records import write_rank_record
 
-ENV_SEEN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+ENV_SEEN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
 
 
 def free_port() -> int:
@@ -67,6 +71,10 @@ def main_worker(index: int, world_size: int, out: str | None) -> None:
                 "world_size": dist.get_world_size(),
                 "all_reduce_sum": value.item(),
                 "pid": os.getpid(),
+                # "__mp_main__": this file was imported afresh (spawn); a forked child
+                # would still run the parent's "__main__"
+                "main_module": sys.modules["__main__"].__name__,
+                "start_method": mp.get_start_method(allow_none=True),
             },
             rank=rank,
         )
