@@ -29,6 +29,8 @@ def test_notebook_is_committed_clean(path):
     tagged = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 1, f"{path.name}: needs exactly one cell tagged 'parameters'"
     assert nb["cells"][0]["cell_type"] == "markdown", "a lesson starts with prose"
+    if nb.get("nbformat_minor", 0) >= 5:  # cell ids: a hard error in future nbformat versions
+        assert all("id" in cell for cell in nb["cells"]), f"{path.name}: a cell without an id"
 
 
 @pytest.mark.notebook
