@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_tutorial import settings
 from ddp_tutorial.settings import env_int
@@ -340,6 +342,19 @@ def backend_threads(settle_s: float = 0.0) -> list[str] | None:
         if not found or time.monotonic() >= deadline:
             return found
         time.sleep(0.02)
+
+
+def wrap(model: nn.Module, device: torch.device, **options: Any) -> DistributedDataParallel:
+    """The one correct way to wrap: move to this rank's device first, then ``DDP(...)``.
+
+    A GPU module gets ``device_ids=[its device]`` and ``output_device`` (its one
+    device); a CPU module takes no ``device_ids`` at all (DDP refuses them).
+    ``options`` go to DDP (``bucket_cap_mb``, ``find_unused_parameters``, ...).
+    """
+    model = model.to(device)
+    if device.type == "cuda":
+        options = {"device_ids": [device.index], "output_device": device.index, **options}
+    return DistributedDataParallel(model, **options)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

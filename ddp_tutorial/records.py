@@ -50,10 +50,16 @@ def write_rank_record(
     return write_json(Path(run_dir) / f"rank{rank}.json", {"rank": rank, **record})
 
 
-def read_rank_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All ``rank*.json`` records in ``run_dir``, sorted by rank."""
-    records = [json.loads(p.read_text()) for p in Path(run_dir).glob("rank*.json")]
-    return sorted(records, key=lambda r: r.get("rank", 0))
+def read_rank_records(
+    run_dir: str | os.PathLike[str], pattern: str = "rank*.json"
+) -> list[dict[str, Any]]:
+    """All records in ``run_dir`` matching ``pattern``, sorted by attempt, then rank.
+
+    ``pattern``: ``rank*.json`` (one per rank), or e.g. ``attempt*-rank*.json``
+    for the template's one record per rank per restart attempt.
+    """
+    records = [json.loads(p.read_text()) for p in Path(run_dir).glob(pattern)]
+    return sorted(records, key=lambda r: (r.get("attempt", 0), r.get("rank", 0)))
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:

@@ -35,10 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddp_tutorial import checkpoint, snapshots
+from ddp_tutorial import checkpoint, distributed, snapshots
 from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.distributed import DistInfo, print0
 from ddp_tutorial.models import build_model
@@ -120,9 +119,7 @@ class Trainer:
                     "Drop --sync-bn on CPU."
                 )
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model.to(self.device)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = DDP(model, device_ids=device_ids)
+        self.model = distributed.wrap(model, self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
         self.loss_fn = nn.CrossEntropyLoss()
         self.sampler = ResumableSampler(train_set, shuffle=True, seed=cfg.seed)

@@ -41,17 +41,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_tutorial import settings
 from ddp_tutorial.data import SyntheticImages
-from ddp_tutorial.distributed import process_group
+from ddp_tutorial.distributed import process_group, wrap
 from ddp_tutorial.lessons import perf
 from ddp_tutorial.lessons.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.models import MLP, build_model
 from ddp_tutorial.records import format_table, write_json
-from ddp_tutorial.settings import VISIBLE_DEVICES_ENV, usable_cores
+from ddp_tutorial.settings import usable_cores
 
 HERE = Path(__file__).resolve()
 
@@ -144,9 +143,7 @@ def ddp_throughput(
     the knobs: a Python hook replaces DDP's C++ all_reduce path and costs
     time itself, so the headline throughputs run without it.
     """
-    model = new_model(args, model_name).to(device)
-    ids = [device.index] if device.type == "cuda" else None
-    ddp = DDP(model, device_ids=ids, **ddp_kwargs)
+    ddp = wrap(new_model(args, model_name), device, **ddp_kwargs)
     counter = CommCounter()
     if count:
         ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
@@ -287,19 +284,11 @@ def run_plain(args: argparse.Namespace, threads: int, tmp: Path, gpus: int) -> d
     return json.loads(out.read_text())
 
 
-def concurrent_env(i: int, gpus: int) -> dict[str, str]:
-    """Process ``i`` of the ceiling run: on GPUs it sees only GPU ``i`` (its cuda:0)."""
-    env = dict(os.environ)
-    if gpus > 0:
-        visible = env.get(VISIBLE_DEVICES_ENV)
-        ids = visible.split(",") if visible else [str(g) for g in range(gpus)]
-        env[VISIBLE_DEVICES_ENV] = ids[i]
-    return env
-
-
 def run_plain_concurrent(
     args: argparse.Namespace, n: int, tmp: Path, gpus: int = 0
 ) -> dict[str, Any]:
+    from ddp_tutorial.harness.multinode import node_gpus_here
+
     """N independent 1-thread plain processes at once: the machine's own scaling ceiling.
 
     No communication at all, so whatever they lose against N times one
@@ -309,9 +298,11 @@ def run_plain_concurrent(
     outs = [tmp / f"concurrent{i}.json" for i in range(n)]
     cmd = [sys.executable, str(HERE), "--role", "plain", "--threads", "1", *_common(args),
            "--device", bench_device(gpus)]  # fmt: skip
+    # On GPUs each process sees one GPU of its own, as a rank would: n "nodes" of one.
+    envs = node_gpus_here(n, 1)[0] if gpus else [{} for _ in outs]
     procs = [
-        subprocess.Popen([*cmd, "--result", str(o)], env=concurrent_env(i, gpus))
-        for i, o in enumerate(outs)
+        subprocess.Popen([*cmd, "--result", str(o)], env={**os.environ, **e})
+        for o, e in zip(outs, envs, strict=True)
     ]
     if any(p.wait(timeout=1800) for p in procs):
         raise RuntimeError("a concurrent plain process failed")

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.distributed import DistInfo, process_group
+from ddp_tutorial.distributed import DistInfo, process_group, wrap
 from ddp_tutorial.lessons.anatomy import (
     CommCounter,
     UnusedBranch,
@@ -58,18 +58,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def wrap(model: nn.Module, info: DistInfo, **kwargs: object) -> DDP:
-    """The one correct way to wrap: move to this rank's device first, then wrap.
-
-    A GPU module gets ``device_ids=[local_rank]`` (its one device); a CPU
-    module takes no ``device_ids`` at all.
-    """
-    model = model.to(info.device)
-    if info.device.type == "cuda":
-        return DDP(model, device_ids=[info.device.index], output_device=info.device.index, **kwargs)
-    return DDP(model, **kwargs)
-
-
 def local_batch(step: int, args: argparse.Namespace, info: DistInfo) -> list[torch.Tensor]:
     """This rank's shard of the step's global batch, on this rank's device."""
     x, y = global_batch(step, args.batch_size)
@@ -80,7 +68,7 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
     """Broadcast at construction; averaged, bucketed gradients; identical replicas."""
     model = tiny_model(args.seed + info.rank)  # every rank starts from a DIFFERENT init
     before = flat_params(model)
-    ddp = wrap(model, info, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = wrap(model, info.device, bucket_cap_mb=args.bucket_cap_mb)
     after_wrap = flat_params(ddp)  # DDP's constructor broadcast rank 0's parameters
     counter = CommCounter()
     ddp.register_comm_hook(counter, counting_allreduce_hook)
@@ -105,7 +93,7 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
         numels_per_step.append(sum(counter.numels))
 
     # The same tiny model with DDP's default 25 MB buckets: one all_reduce per step.
-    big = wrap(tiny_model(args.seed), info)
+    big = wrap(tiny_model(args.seed), info.device)
     big_counter = CommCounter()
     big.register_comm_hook(big_counter, counting_allreduce_hook)
     sgd_step(big, *local_batch(0, args, info), torch.optim.SGD(big.parameters(), lr=args.lr))
@@ -133,7 +121,7 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
     base = tiny_model(args.seed)
     results = {}
     for name in ("one_big_batch", "accumulate_no_sync", "accumulate_naive"):
-        ddp = wrap(copy.deepcopy(base), info)  # default buckets: one all_reduce per sync
+        ddp = wrap(copy.deepcopy(base), info.device)  # default buckets: one all_reduce per sync
         counter = CommCounter()
         ddp.register_comm_hook(counter, counting_allreduce_hook)
         if name == "one_big_batch":
@@ -153,7 +141,7 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     """A parameter that never gets a gradient: the error, the two fixes, the cost."""
     x, y = local_batch(0, args, info)
     out: dict = {}
-    ddp = wrap(UnusedBranch(), info)
+    ddp = wrap(UnusedBranch(), info.device)
     try:
         for iteration in range(2):  # noqa: B007 (reported below)
             F.cross_entropy(ddp(x), y).backward()
@@ -161,7 +149,7 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     except RuntimeError as exc:  # raised on the NEXT iteration, on every rank
         out["error"], out["error_iteration"] = str(exc), iteration
     for flag in ("find_unused_parameters", "static_graph"):
-        ddp = wrap(UnusedBranch(), info, **{flag: True})
+        ddp = wrap(UnusedBranch(), info.device, **{flag: True})
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
         out[flag] = [sgd_step(ddp, x, y, opt) for _ in range(3)]
         out[f"{flag}_aux_grad"] = ddp.module.aux.weight.grad  # stays None: never used
@@ -169,7 +157,8 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     # The cost on a model that does NOT need it (seed 000 turns it on always).
     # Same model, same data, interleaved blocks so that machine noise hits both.
     models = {
-        flag: wrap(deep_mlp(args.seed), info, find_unused_parameters=flag) for flag in (False, True)
+        flag: wrap(deep_mlp(args.seed), info.device, find_unused_parameters=flag)
+        for flag in (False, True)
     }
     opts = {flag: torch.optim.SGD(m.parameters(), lr=1e-3) for flag, m in models.items()}
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -195,7 +184,9 @@ def bn_batch(args: argparse.Namespace, info: DistInfo) -> torch.Tensor:
 def exp_batchnorm(args: argparse.Namespace, info: DistInfo) -> dict:
     """BatchNorm statistics are per rank; SyncBatchNorm computes them over all ranks."""
     out: dict = {}
-    ddp = wrap(SmallCNN(1, 3), info)  # broadcast_buffers=True: rank 0's stats at each forward
+    ddp = wrap(
+        SmallCNN(1, 3), info.device
+    )  # broadcast_buffers=True: rank 0's stats at each forward
     for _ in range(2):
         ddp(bn_batch(args, info)).sum().backward()
     out["bn_running_mean"] = ddp.module.features[1].running_mean
@@ -206,7 +197,7 @@ def exp_batchnorm(args: argparse.Namespace, info: DistInfo) -> dict:
         {type(m).__name__ for m in sync.modules() if "Norm" in type(m).__name__}
     )
     try:
-        ddp = wrap(sync, info)
+        ddp = wrap(sync, info.device)
         for _ in range(2):
             ddp(bn_batch(args, info)).sum().backward()
         out["syncbn_running_mean"] = ddp.module.features[1].running_mean
@@ -221,7 +212,7 @@ def exp_device_ids(args: argparse.Namespace, info: DistInfo) -> dict:
     out: dict = {"device": str(info.device)}
     model = tiny_model(args.seed)
     if info.device.type == "cuda":
-        ddp = wrap(model, info)
+        ddp = wrap(model, info.device)
         x, _ = local_batch(0, args, info)
         out["device_ids"] = ddp.device_ids
         out["output_device"] = str(ddp(x).device)

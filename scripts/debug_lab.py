@@ -34,11 +34,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial import settings
 from ddp_tutorial.checkpoint import strip_prefixes
-from ddp_tutorial.distributed import DistInfo, process_group
+from ddp_tutorial.distributed import DistInfo, process_group, wrap
 from ddp_tutorial.records import write_rank_record
 
 FEATURES, CLASSES = 8, 3
@@ -67,13 +66,6 @@ def train_steps(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]])
     return losses
 
 
-def wrap(model: nn.Module, info: DistInfo, **ddp_options: Any) -> DDP:
-    """DDP around ``model`` on this rank's device (``cuda:LOCAL_RANK`` with nccl, else CPU)."""
-    model = model.to(info.device)
-    device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, **ddp_options)
-
-
 class WithAux(nn.Module):
     """A model with an auxiliary head that ``forward`` never uses (a common accident)."""
 
@@ -90,7 +82,7 @@ def case_unused(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str
     """Unused parameters: the second iteration fails ("Expected to have finished reduction")."""
     torch.manual_seed(0)
     # The fix: tell DDP to look for unused parameters (or delete/freeze the dead head).
-    model = wrap(WithAux(), info, find_unused_parameters=fix)
+    model = wrap(WithAux(), info.device, find_unused_parameters=fix)
     losses = train_steps(model, batches(info.rank, 3))
     return {"losses": losses}
 
@@ -130,7 +122,7 @@ class WithBatchNorm(nn.Sequential):
 def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0 alone evaluates the DDP model: its forward broadcasts buffers — a collective."""
     torch.manual_seed(0)
-    model = wrap(WithBatchNorm(), info)
+    model = wrap(WithBatchNorm(), info.device)
     train_steps(model, batches(info.rank, 2))
     accuracy = None
     if info.rank == 0:
@@ -148,7 +140,7 @@ def case_rank0_eval(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict
 def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 1 has one batch more than rank 0: its last backward waits for a partner."""
     torch.manual_seed(0)
-    model = wrap(nn.Linear(FEATURES, CLASSES), info)
+    model = wrap(nn.Linear(FEATURES, CLASSES), info.device)
     data = batches(info.rank, 2 + info.rank)
     if fix:
         # Join: a rank that runs out of data shadows the others' all_reduces (with zeros)
@@ -164,7 +156,7 @@ def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str
 def case_keys(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Weights saved from the DDP wrapper ("module.weight") loaded into the plain model."""
     torch.manual_seed(0)
-    model = wrap(nn.Linear(FEATURES, CLASSES), info)
+    model = wrap(nn.Linear(FEATURES, CLASSES), info.device)
     saved = model.state_dict()  # the bug: the wrapper's keys, "module.weight", "module.bias"
     plain = nn.Linear(FEATURES, CLASSES).to(info.device)
     if fix:

@@ -23,10 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial.data import SyntheticImages
-from ddp_tutorial.distributed import process_group
+from ddp_tutorial.distributed import process_group, wrap
 from ddp_tutorial.lessons.perf import clock
 from ddp_tutorial.models import build_model
 from ddp_tutorial.records import write_rank_record
@@ -57,8 +56,7 @@ def main() -> None:
     with process_group() as info:
         device = info.device  # cuda:LOCAL_RANK with nccl: every tensor a collective sees goes there
         torch.manual_seed(0)
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = DDP(build_model("cnn", 10, args.image_size).to(device), device_ids=device_ids)
+        model = wrap(build_model("cnn", 10, args.image_size), device)  # .to(device), then DDP
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         data = SyntheticImages(args.steps * args.batch_size * info.world_size, args.image_size, 10)
         val = SyntheticImages(args.eval_batch, args.image_size, 10, seed=1)

@@ -29,12 +29,11 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_tutorial.checkpoint import is_save_epoch, load_checkpoint, model_state, save_checkpoint
-from ddp_tutorial.distributed import print0, process_group
+from ddp_tutorial.distributed import print0, process_group, wrap
 from ddp_tutorial.models import MLP
 from ddp_tutorial.numerics import make_deterministic
 from ddp_tutorial.records import write_rank_record
@@ -93,9 +92,7 @@ def main() -> None:
             )
             start_epoch, step, resumed_from = position["epoch"], position["step"], snapshot.name
             print0(f"resumed from {snapshot} at epoch {start_epoch}, step {step}")
-        ddp_model = DDP(
-            model, device_ids=[info.device.index] if info.device.type == "cuda" else None
-        )
+        ddp_model = wrap(model, info.device)  # on this rank's device, then DDP
 
         stop = args.epochs if args.stop_after is None else min(args.epochs, args.stop_after)
         losses = []

@@ -53,17 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def processes_running(marker: str) -> list[psutil.Process]:
-    """Live processes whose command line contains ``marker``."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if marker in " ".join(p.info["cmdline"] or []):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+    """Live processes whose command line contains ``marker`` (the package's own check)."""
+    from ddp_tutorial.harness.processes import matching
+
+    return matching(marker)
 
 
 @pytest.fixture(autouse=True)

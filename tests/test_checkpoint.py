@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import random
 from collections import OrderedDict
@@ -339,12 +338,9 @@ with process_group(backend="gloo", timeout_s=20) as info:
 @pytest.mark.torchrun
 def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(tmp_path, write_script):
     script = write_script("save_fails.py", SAVE_FAILS_ON_RANK0)
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError) as info:
         torchrun(script, tmp_path / "c.pt", nproc=2, run_dir=tmp_path / "run", echo=False)
-    records = sorted(
-        (json.loads(p.read_text()) for p in (tmp_path / "run").glob("rank*.json")),
-        key=lambda r: r["rank"],
-    )
+    records = info.value.result.records
     assert [r["rank"] for r in records] == [0, 1]
     assert "argparse.Namespace" in records[0]["error"]
     assert records[1]["error"].startswith("rank 0 failed to save")

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import SCRIPTS, processes_running
 from ddp_tutorial.harness.launch import torchrun
-from ddp_tutorial.lessons.debugging import key_lines, run_with_input
+from ddp_tutorial.harness.processes import run_command
+from ddp_tutorial.lessons.debugging import key_lines
 
 LAB = SCRIPTS / "debug_lab.py"
 HARD_TIMEOUT = 150
@@ -39,10 +40,10 @@ def test_lab_refuses_bad_input():
     assert done.returncode == 2 and "--case all runs the fixed versions only" in done.stderr
 
 
-def test_run_with_input_kills_what_waits_forever():
+def test_run_command_kills_what_waits_forever():
     marker = "ddp-tutorial-test-sleeper"
     t0 = time.monotonic()
-    result = run_with_input(
+    result = run_command(
         [sys.executable, "-c", f"import time; input(); time.sleep(600)  # {marker}"],
         stdin="go\n",
         timeout=2,

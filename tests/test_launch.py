@@ -16,6 +16,7 @@ import pytest
 from conftest import SCRIPTS, processes_running
 from ddp_tutorial.harness.failures import LaunchError, LaunchTimeout, parse_failures
 from ddp_tutorial.harness.launch import RunResult, raise_for_failure, start, torchrun
+from ddp_tutorial.harness.processes import alive
 
 # No torch in the ranks: they start in a fraction of a second.
 FAILING = """
@@ -113,16 +114,7 @@ def test_timeout_kills_everything(tmp_path, write_script):
     time.sleep(0.5)
     assert processes_running(str(script)) == [], "no process of the launch may survive"
     for pid in worker_pids:
-        assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        assert not alive(pid)
 
 
 def test_missing_script_fails_before_launch(tmp_path):

@@ -109,6 +109,9 @@ def test_each_concern_lives_in_one_module():
         "latest_snapshot": "snapshots.py",
         "free_port": "distributed.py",
         "kill_tree": "harness/processes.py",
+        "run_command": "harness/processes.py",
+        "alive": "harness/processes.py",
+        "wrap": "distributed.py",
         "spawn": "harness/processes.py",
     }
     where: dict[str, list[str]] = {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from ddp_tutorial.lessons import perf
@@ -52,17 +50,20 @@ def benchmark():
 
 
 def test_on_gpus_the_baselines_run_on_a_gpu_and_the_ceiling_gives_each_process_one(
-    benchmark, monkeypatch
+    benchmark, nvml, monkeypatch
 ):
+    """The ceiling's N processes get one GPU each, as N single-rank "nodes" would."""
+    from conftest import fake_gpu
+    from ddp_tutorial.harness.multinode import node_gpus_here
+
     assert benchmark.bench_device(0) == "cpu" and benchmark.bench_device(8) == "cuda:0"
+    nvml([fake_gpu(i) for i in range(8)])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert [benchmark.concurrent_env(i, 8)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == [
-        "0", "1", "2"]  # fmt: skip
+    envs, _ = node_gpus_here(3, 1)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [fake_gpu(i).uuid for i in range(3)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    assert benchmark.concurrent_env(1, 2)["CUDA_VISIBLE_DEVICES"] == "5"
-    assert "CUDA_VISIBLE_DEVICES" not in {
-        k for k, v in benchmark.concurrent_env(0, 0).items() if v != os.environ.get(k)
-    }
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in node_gpus_here(2, 1)[0]] == [
+        fake_gpu(4).uuid, fake_gpu(5).uuid]  # fmt: skip
 
 
 def test_the_gpu_all_reduce_sweep_reaches_a_gibibyte_and_reports_both_bandwidths():

@@ -19,13 +19,11 @@ a pure function of the GPU count, so that this machine (no GPU) can check it.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_tutorial.harness.processes import kill_tree
+from ddp_tutorial.harness.processes import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 LESSONS = ("03_device_mapping", "04_ddp_wrapping", "05_checkpointing",
@@ -68,28 +66,20 @@ def plan(gpus: int, python: str = sys.executable) -> list[Step]:
 
 
 def run_step(step: Step) -> dict[str, object]:
-    """Run one step from the repository root; a row of the final table."""
-    began = time.monotonic()
+    """Run one step from the repository root (its whole tree killed on a timeout); a table row."""
     # The package from this source tree, for every process below (notebooks run from
     # notebooks/, their ranks from wherever torchrun starts them): an absolute path.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    # Its own session, and the whole tree killed on a timeout: torchrun's ranks live in
-    # sessions of their own and would keep their GPUs through the next step.
-    proc = subprocess.Popen(step.command, cwd=REPO, env=env, text=True, errors="replace",
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=step.timeout_s)
-        status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        output, _ = proc.communicate()
+    done = run_command(step.command, timeout=step.timeout_s, env={"PYTHONPATH": path},
+                       cwd=str(REPO))  # fmt: skip
+    if done.timed_out:
         status = f"TIMEOUT ({step.timeout_s:.0f} s)"
+    else:
+        status = "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
     if status != "ok":
-        print(f"--- {step.name}: {status}\n{output[-4000:]}", flush=True)
-    return {"step": step.name, "seconds": round(time.monotonic() - began, 1),
-            "status": status, "note": step.note}  # fmt: skip
+        print(f"--- {step.name}: {status}\n{done.output[-4000:]}", flush=True)
+    return {"step": step.name, "seconds": round(done.seconds, 1), "status": status,
+            "note": step.note}  # fmt: skip
 
 
 def main() -> int:

@@ -99,17 +99,14 @@ def node_gpus(
     return [{} for _ in range(nnodes)], "no GPU: gloo on the CPU"
 
 
-def _gpu_slices(
-    nnodes: int, nproc_per_node: int | None, env: Mapping[str, str], echo: bool
-) -> list[dict[str, str]]:
-    """:func:`node_gpus` for this machine's GPUs, as the ranks would see them."""
-    merged = {**os.environ, **env}
+def node_gpus_here(
+    nnodes: int, nproc_per_node: int | None = None, env: Mapping[str, str] | None = None
+) -> tuple[list[dict[str, str]], str]:
+    """:func:`node_gpus` for this machine's GPUs, as processes started with ``env`` see them."""
+    merged = {**os.environ, **(env or {})}
     visible = [gpu.uuid for gpu in visible_gpus(merged)]
     per_node = nproc_per_node if nproc_per_node is not None else default_nproc(merged)
-    envs, why = node_gpus(nnodes, per_node, visible)
-    if echo and visible:
-        print(f"multinode: {why}", flush=True)
-    return envs
+    return node_gpus(nnodes, per_node, visible)
 
 
 def multinode(
@@ -130,9 +127,8 @@ def multinode(
     GPUs of its own where there are enough, else every node runs gloo on the
     CPU (:func:`node_gpus`; it says which). Other ``options`` (``env``,
     ``timeout``, ``run_dir``, ``check``, ``echo``, ``torchrun_args``) are
-    :class:`LaunchSpec`'s. Note that with
-    c10d the rendezvous, not ``--node-rank``, decides each node's
-    ``GROUP_RANK`` (the ranks' records say which it got).
+    :class:`LaunchSpec`'s. With c10d the rendezvous, not ``--node-rank``,
+    decides each node's ``GROUP_RANK`` (the ranks' records say which it got).
 
     If one node fails or times out the others are killed (they would wait
     for it until the rendezvous timeout); with ``check`` the first failure
@@ -146,7 +142,9 @@ def multinode(
     base = Path(options.pop("run_dir", None) or default_run_dir(script))
     env, extra = options.pop("env", None) or {}, list(options.pop("torchrun_args", ()))
     if node_env is None and VISIBLE_DEVICES_ENV not in env:
-        node_env = _gpu_slices(nnodes, nproc_per_node, env, options.get("echo", True))
+        node_env, why = node_gpus_here(nnodes, nproc_per_node, env)
+        if options.get("echo", True):
+            print(f"multinode: {why}", flush=True)
     port = port or free_port(host)
     specs = {}
     for node in range(nnodes):

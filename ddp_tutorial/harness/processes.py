@@ -7,9 +7,12 @@ functions are the only places the harness starts or ends such a tree.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import psutil
 
@@ -65,3 +68,76 @@ def kill_tree(pid: int, grace_s: float = 5.0) -> list[int]:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     return [p.pid for p in procs]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie that only waits for its parent is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def matching(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains ``marker``: what a launch left behind."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if marker in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@dataclass
+class CommandResult:
+    """A plain command run with input: what it printed and how it ended."""
+
+    command: list[str]
+    returncode: int | None
+    output: str
+    seconds: float
+    timed_out: bool
+
+
+def run_command(
+    command: Sequence[str],
+    stdin: str = "",
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> CommandResult:
+    """Run ``command`` with ``stdin`` as its input; kill its whole tree after ``timeout``.
+
+    A plain command (``python -m pdb script.py``, a gpu-check step), not a torchrun
+    launch: :mod:`ddp_tutorial.harness.launch` runs those.
+
+    Output is stdout and stderr together, as a terminal shows them. After the
+    input ends the command reads end-of-file — pdb quits on it — so it cannot
+    wait for a keyboard that is not there.
+    """
+    began = time.monotonic()
+    proc = subprocess.Popen(
+        list(command),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(stdin, timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        timed_out = True
+    return CommandResult(
+        list(command), proc.returncode, output, time.monotonic() - began, timed_out
+    )

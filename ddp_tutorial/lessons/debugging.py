@@ -7,24 +7,22 @@ not receive grad for rank 0: aux.bias, aux.weight``, ``Rank 1 failed to pass
 monitoredBarrier``. :func:`key_lines` picks those out of the real output
 (rank prefix kept: *which* rank said it is half the diagnosis).
 
-:func:`run_with_input` runs a plain command (``python -m pdb script.py``)
-with text on its stdin and a hard timeout that kills the whole process tree:
-a debugger that waits for input can never hang a notebook or a test.
+A debugger that waits for input is run with
+:func:`ddp_tutorial.harness.processes.run_command`: text on its stdin and a
+hard timeout that kills the whole process tree, so it can never hang a
+notebook or a test.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ddp_tutorial.harness.launch import LaunchSpec, RunResult, run_together
-from ddp_tutorial.harness.processes import kill_tree
 
 KEY_PATTERNS = (
     r"Timed out waiting \d+ms",
@@ -84,54 +82,6 @@ def first_match(output: str, pattern: str) -> str | None:
     """The first line of ``output`` containing ``pattern`` (a regex), or None."""
     regex = re.compile(pattern)
     return next((ln for ln in output.splitlines() if regex.search(ln)), None)
-
-
-@dataclass
-class CommandResult:
-    """A plain command run with input: what it printed and how it ended."""
-
-    command: list[str]
-    returncode: int | None
-    output: str
-    seconds: float
-    timed_out: bool
-
-
-def run_with_input(
-    command: Sequence[str],
-    stdin: str = "",
-    timeout: float = 60.0,
-    env: Mapping[str, str] | None = None,
-    cwd: str | None = None,
-) -> CommandResult:
-    """Run ``command`` with ``stdin`` as its input; kill its whole tree after ``timeout``.
-
-    Output is stdout and stderr together, as a terminal shows them. After the
-    input ends the command reads end-of-file — pdb quits on it — so it cannot
-    wait for a keyboard that is not there.
-    """
-    began = time.monotonic()
-    proc = subprocess.Popen(
-        list(command),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(stdin, timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        output, _ = proc.communicate()
-        timed_out = True
-    return CommandResult(
-        list(command), proc.returncode, output, time.monotonic() - began, timed_out
-    )
 
 
 def case(
