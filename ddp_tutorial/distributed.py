@@ -126,13 +126,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     timeout_s = settings.timeout_s() if timeout_s is None else timeout_s
     init_timeout_s = max(settings.init_timeout_s(), timeout_s)
-    requested = backend or settings.backend()
-    name, reason = choose_backend(requested, local_world_size)
-    if requested == "auto" and world_size > local_world_size:
-        name, reason = agree_across_nodes(name, reason, rank, world_size, init_timeout_s)
-    warning = fallback_warning(requested, name, reason)
-    if warning and local_rank == 0:
-        print(warning, file=sys.stderr, flush=True)
+    name, reason = job_backend(backend, rank, world_size, local_world_size, init_timeout_s)
     device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         # Bind first: otherwise every rank's first CUDA call lands on cuda:0.
@@ -143,11 +137,35 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
             **init_options(name, device, init_timeout_s),
             rank=rank,
             world_size=world_size,
-            store=_restart_safe_store(world_size, init_timeout_s),
+            store=restart_safe_store(world_size, init_timeout_s),
         )
-        if timeout_s != init_timeout_s:
-            _set_collective_timeout(timeout_s)
+        set_collective_timeout(timeout_s)
     return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
+
+
+def job_backend(
+    requested: str | None,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    timeout_s: float | None = None,
+) -> tuple[str, str]:
+    """``(backend, reason)`` for this job: :func:`choose_backend`, agreed across nodes.
+
+    ``requested`` None means ``$DDP_TUTORIAL_BACKEND`` or "auto". Every node
+    of an "auto" multi-node job must end up with the same backend (else
+    ``init_process_group`` hangs), and a machine whose GPUs go unused says so
+    loudly, once per node.
+    """
+    requested = requested or settings.backend()
+    name, reason = choose_backend(requested, local_world_size)
+    if requested == "auto" and world_size > local_world_size:
+        timeout_s = settings.init_timeout_s() if timeout_s is None else timeout_s
+        name, reason = agree_across_nodes(name, reason, rank, world_size, timeout_s)
+    warning = fallback_warning(requested, name, reason)
+    if warning and rank % max(local_world_size, 1) == 0:
+        print(warning, file=sys.stderr, flush=True)
+    return name, reason
 
 
 def init_options(backend: str, device: torch.device, init_timeout_s: float) -> dict[str, Any]:
@@ -162,8 +180,13 @@ def init_options(backend: str, device: torch.device, init_timeout_s: float) -> d
     return options
 
 
-def _set_collective_timeout(timeout_s: float) -> None:
-    """The collectives' timeout, once everyone has joined (``dist.set_timeout``, torch 2.8+)."""
+def set_collective_timeout(timeout_s: float) -> None:
+    """The collectives' timeout, once everyone has joined (``dist.set_timeout``, torch 2.8+).
+
+    Joining may take long (a slow ``import torch`` on a shared filesystem is
+    not a bug); a collective that waits that long is one: a missing rank
+    should fail the job in ``timeout_s``, not in the joining allowance.
+    """
     set_timeout = getattr(dist, "set_timeout", None)
     if set_timeout is None:  # older torch: the same call under its private name
         from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
@@ -281,8 +304,13 @@ def _agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(f"ddp_tutorial/attempt_{attempt}", store)
 
 
-def _restart_safe_store(world_size: int, timeout_s: float) -> dist.Store | None:
-    """The store for ``init_process_group`` when restarts are enabled (else None: torch's own)."""
+def restart_safe_store(world_size: int, timeout_s: float | None = None) -> dist.Store | None:
+    """The store for ``init_process_group`` when restarts are enabled (else None: torch's own).
+
+    With ``torchrun --max-restarts``, a restarted worker must not read the
+    previous attempt's keys (see :func:`_agent_store`).
+    """
+    timeout_s = settings.init_timeout_s() if timeout_s is None else timeout_s
     if env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
         return None  # one attempt: nothing stale to read
     return _agent_store(world_size, timeout_s)
@@ -355,6 +383,26 @@ def wrap(model: nn.Module, device: torch.device, **options: Any) -> DistributedD
     if device.type == "cuda":
         options = {"device_ids": [device.index], "output_device": device.index, **options}
     return DistributedDataParallel(model, **options)
+
+
+def average_buffers(module: nn.Module) -> None:
+    """Make every rank's buffers equal: floating ones averaged, counters taken from rank 0.
+
+    BatchNorm's running statistics are updated by each rank's own forward
+    passes. DDP's ``broadcast_buffers=True`` copies rank 0's at the *start*
+    of every forward, so after the last step they differ again; with
+    ``broadcast_buffers=False`` they follow each rank's shard throughout.
+    Either way, evaluation and checkpoints must see one model: call this on
+    every rank (it is a collective) before evaluating or saving. The average
+    is the better estimate — it has seen every rank's data, not rank 0's.
+    """
+    world = dist.get_world_size()
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            buffer.div_(world)
+        else:
+            dist.broadcast(buffer, src=0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

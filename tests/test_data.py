@@ -10,19 +10,16 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, gpu_count
-from ddp_tutorial.data import (
-    GaussianBlobs,
-    IndexDataset,
-    SyntheticImages,
+from ddp_tutorial.data import GaussianBlobs, IndexDataset, SyntheticImages, distributed_evaluate
+from ddp_tutorial.lessons.sampling import train_classifier
+from ddp_tutorial.models import MLP, SmallCNN
+from ddp_tutorial.samplers import (
     UnpaddedDistributedSampler,
     batch_plan,
-    distributed_evaluate,
     expected_padding,
     sampler_shards,
     shard_report,
 )
-from ddp_tutorial.lessons.sampling import train_classifier
-from ddp_tutorial.models import MLP, SmallCNN
 
 # ---------------------------------------------------------------- sampler claims
 
