@@ -1,29 +1,31 @@
 """What the lessons read from a template run, kept out of the template's loop.
 
-``scripts/train.py`` calls a :class:`Recorder` at three named points —
-:meth:`~Recorder.start` (after resuming), :meth:`~Recorder.step` (after each
-optimizer step) and :meth:`~Recorder.finish` — and nothing else of it. Without
-``--out`` it only measures throughput. With ``--out`` it writes:
+``scripts/train.py`` makes a :class:`Recorder` after resuming (it writes the
+attempt record) and calls it at three named points: :meth:`~Recorder.step`
+after each optimizer step, :meth:`~Recorder.epoch_end` at each evaluation and
+:meth:`~Recorder.finish` at the end. Without ``--out`` it only measures
+throughput. With ``--out`` it writes:
 
 * ``attempt{a}-rank{r}.json`` at start-up: who this process is after a
   (re)start (lessons 08 and 10);
 * ``rank{r}.json`` and, on rank 0, ``metrics.json`` at the end: the history,
-  throughput, each evaluation's state digest, the sample indices each rank
-  was handed (lesson 10's exactly-once check);
-* with ``per_step=True`` (``--record-steps``): every step's time and, on rank 0,
-  ``steps.jsonl`` (the loss of every step, across attempts; lesson 08).
-  **Cost:** a per-step loss is a ``.item()``, a host sync that stalls the GPU
-  queue every step; the template's default path syncs only every
-  ``--log-every`` steps. GPU step times come from CUDA events, read at the end.
+  throughput, each evaluation's state digest (lesson 06: every rank evaluates
+  one model), the sample indices each rank was handed (lesson 10: a resume on
+  another world size sees each sample once);
+* with ``--record-steps``: every step's time and, on rank 0, ``steps.jsonl``
+  (the loss of every step, across attempts; lesson 08). **Cost:** a per-step
+  loss is a ``.item()``, a host sync that stalls the GPU queue every step; the
+  template's default path syncs only every ``--log-every`` steps.
 
-Fault injection for lesson 08 lives here too: rank ``fail_rank`` SIGKILLs
-itself after ``fail_at_step`` optimizer steps, on the first attempt only.
+Step times never sync: a ``perf_counter`` per step on CPU, a CUDA event on GPU,
+read at the end. Evaluation pauses the clock. Fault injection for lesson 08
+lives here too: rank ``fail_rank`` SIGKILLs itself after ``fail_at_step``
+optimizer steps, on the first attempt only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -78,12 +80,11 @@ class Recorder:
         self.fail_at_step, self.fail_rank = args.fail_at_step, args.fail_rank
         self.attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
         self.resumed_from = resumed_from
-        self.steps = 0  # steps taken in this process
         self.evaluations: list[dict[str, Any]] = []
         self.indices: dict[int, list[int]] = {}
         self.t_start = self.t_end = time.time()
-        self.timed = (time.perf_counter(), 0)  # reset at the end of warm-up
-        self.events: list[Any] = [self._now()] if self.per_step else []
+        self.intervals: list[tuple[Any, Any]] = []  # (end of the step before, end of this one)
+        self._previous: Any = self._now()
         self._step_log: Any = None
         if self.out is not None:
             self._write_attempt_record()
@@ -114,33 +115,36 @@ class Recorder:
             self._step_log = (self.out / "steps.jsonl").open("a", buffering=1)
 
     def step(self, step: int, loss: torch.Tensor) -> None:
-        """After optimizer step ``step`` (1-based, global); ``loss`` stays on the device."""
-        self.steps += 1
-        if self.steps == WARMUP_STEPS:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # once: the timed window starts here
-            self.timed = (time.perf_counter(), self.steps)
-        if self.per_step:
-            self.events.append(self._now())
-            if self._step_log is not None:  # .item(): a host sync, the stated cost
-                row = {"attempt": self.attempt, "step": step, "loss": loss.item()}
-                self._step_log.write(json.dumps(row) + "\n")
+        """After optimizer step ``step`` (1-based, global); ``loss`` stays on the device.
+
+        The step's time runs from the end of the step before (its data loading
+        included): a perf_counter on CPU, a CUDA event on GPU (no host sync).
+        """
+        now = self._now()
+        if self._previous is not None:
+            self.intervals.append((self._previous, now))
+        self._previous = now
+        if self._step_log is not None:  # .item(): a host sync, the stated cost
+            row = {"attempt": self.attempt, "step": step, "loss": loss.item()}
+            self._step_log.write(json.dumps(row) + "\n")
         if step == self.fail_at_step and self.rank == self.fail_rank and self.attempt == 0:
             print(f"[fault injection] rank {self.rank} dies after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # abrupt: no cleanup, like a real crash
 
     def epoch_end(self, epoch: int, step: int, model: nn.Module, indices: list[int]) -> None:
         """At an evaluation: the digest of exactly what this rank evaluates (and saves),
-        and the sample indices its loader was handed in ``epoch`` (in this process)."""
+        and the sample indices its loader was handed in ``epoch`` (in this process).
+        The clock pauses until the next step ends: evaluating is not training."""
         self.evaluations.append({"epoch": epoch, "step": step, "digest": state_digest(model)})
         self.indices.setdefault(epoch, []).extend(indices)
+        self._previous = None
 
     def step_times(self) -> list[float]:
-        """Seconds per step (data + compute + communication), from the recorded ends."""
-        if self.device.type == "cuda" and self.events:
+        """Seconds per timed step (data + compute + communication)."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(self.events)]
-        return [b - a for a, b in itertools.pairwise(self.events)]
+            return [a.elapsed_time(b) / 1000 for a, b in self.intervals]
+        return [b - a for a, b in self.intervals]
 
     def finish(
         self, steps: int, history: list[dict[str, Any]], global_batch: int, extra: dict[str, Any]
@@ -151,8 +155,8 @@ class Recorder:
         self.t_end = time.time()
         if self._step_log is not None:
             self._step_log.close()
-        t0, steps0 = self.timed
-        timed = time.perf_counter() - t0, self.steps - steps0
+        times = self.step_times()
+        counted = times[WARMUP_STEPS:] or times  # a run shorter than warm-up: every step
         mine = {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -160,8 +164,8 @@ class Recorder:
             "train_end": self.t_end,
             "restart_count": self.attempt,
             "resumed_from": self.resumed_from,
-            "timed": timed,
-            "step_times": self.step_times(),
+            "timed": [sum(counted), len(counted)],
+            "step_times": times if self.per_step else [],
             "evaluations": self.evaluations,
             "indices": self.indices,
         }

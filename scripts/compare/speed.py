@@ -1,0 +1,112 @@
+"""Is the template as fast as what users would write instead? Interleaved launches, ratios.
+
+    python scripts/compare/speed.py --rounds 5 --out runs/speed.json
+    FABRIC_PKGS=/tmp/fabric-pkgs python scripts/compare/speed.py ...   # with Lightning Fabric
+
+For each workload — the course's CNN (32 px, batch 32 per rank) and seed 001's
+(resnet18, 64 px, batch 32 per rank) — every round launches, in a rotating order,
+
+* the template ``scripts/train.py`` with ``--out`` and the utilization monitor on
+  (what the lessons run), without checkpoints;
+* ``scripts/compare/loops.py --framework bare``: the shortest correct DDP loop;
+* ``scripts/compare/loops.py --framework fabric`` when ``FABRIC_PKGS`` names a folder
+  holding Lightning (never a dependency of the project: see loops.py).
+
+All three time the same way (warm-up steps excluded, the slowest rank's seconds).
+This VM's speed moves by tens of percent between minutes, so no absolute number
+is compared: each round gives the ratio template / other from launches seconds
+apart, and the report is the median ratio over rounds with its range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ddp_tutorial.harness.launch import torchrun
+from ddp_tutorial.records import format_table, write_json
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE.parent
+
+WORKLOADS = {
+    "cnn": {"model": "cnn", "image_size": 32, "batch_size": 32, "num_samples": 4096},
+    "resnet18": {"model": "resnet18", "image_size": 64, "batch_size": 32, "num_samples": 1536},
+}
+
+
+def _flags(work: dict[str, Any]) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in work.items()]
+
+
+def launch(kind: str, work: dict[str, Any], nproc: int, run_dir: Path) -> float:
+    """One launch of ``kind``; its samples/s as it measured them."""
+    env = {}
+    if kind == "template":
+        script, monitor = SCRIPTS / "train.py", True
+        extra = ["--epochs=1", "--num-val=64", "--no-progress"]
+    else:
+        script, extra, monitor = HERE / "loops.py", [f"--framework={kind}"], False
+        if kind == "fabric":
+            env["PYTHONPATH"] = os.environ["FABRIC_PKGS"]
+    torchrun(script, *_flags(work), *extra, nproc=nproc, run_dir=run_dir, monitor=monitor,
+             echo=False, timeout=1800, env=env)  # fmt: skip
+    return json.loads((run_dir / "metrics.json").read_text())["samples_per_sec"]
+
+
+def compare(rounds: int, nproc: int, kinds: list[str], tmp: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, work in WORKLOADS.items():
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(rounds):
+            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # rotate who goes first
+            for kind in order:
+                rate = launch(kind, work, nproc, tmp / f"{name}-{kind}-{r}")
+                rates[kind].append(rate)
+                print(f"{name} round {r}: {kind} {rate:.0f} samples/s", flush=True)
+        ratios = {
+            other: [t / o for t, o in zip(rates["template"], rates[other], strict=True)]
+            for other in kinds
+            if other != "template"
+        }
+        results[name] = {
+            "workload": work,
+            "samples_per_sec": rates,
+            "ratios": ratios,
+            "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
+            "range": {k: [min(v), max(v)] for k, v in ratios.items()},
+        }
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
+    p.add_argument("--workloads", default="cnn,resnet18", help=f"of {sorted(WORKLOADS)}")
+    p.add_argument("--out", default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    for name in set(WORKLOADS) - set(args.workloads.split(",")):
+        del WORKLOADS[name]
+    kinds = ["template", "bare"] + (["fabric"] if os.environ.get("FABRIC_PKGS") else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        results = compare(args.rounds, args.nproc, kinds, Path(tmp))
+    rows = [
+        {"workload": name, "template vs": other, "median ratio": r["median_ratio"][other],
+         "min": r["range"][other][0], "max": r["range"][other][1], "rounds": args.rounds}
+        for name, r in results.items()
+        for other in r["ratios"]
+    ]  # fmt: skip
+    print(format_table(rows))
+    print("ratio > 1: the template is faster (samples/s of the template / of the other)")
+    if args.out:
+        write_json(args.out, {"rounds": args.rounds, "nproc": args.nproc, "results": results})
+
+
+if __name__ == "__main__":
+    main()
