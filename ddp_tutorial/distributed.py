@@ -385,7 +385,7 @@ def wrap(model: nn.Module, device: torch.device, **options: Any) -> DistributedD
     return DistributedDataParallel(model, **options)
 
 
-def average_buffers(module: nn.Module) -> None:
+def average_buffers(module: nn.Module) -> float:
     """Make every rank's buffers equal: floating ones averaged, counters taken from rank 0.
 
     BatchNorm's running statistics are updated by each rank's own forward
@@ -395,14 +395,20 @@ def average_buffers(module: nn.Module) -> None:
     Either way, evaluation and checkpoints must see one model: call this on
     every rank (it is a collective) before evaluating or saving. The average
     is the better estimate — it has seen every rank's data, not rank 0's.
+    Returns how far this rank's buffers moved (the largest absolute change):
+    0.0 means they already agreed.
     """
-    world = dist.get_world_size()
+    world, moved = dist.get_world_size(), 0.0
     for buffer in module.buffers():
+        before = buffer.clone()
         if buffer.is_floating_point():
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # gloo has no AVG
             buffer.div_(world)
         else:
             dist.broadcast(buffer, src=0)
+        if buffer.numel():
+            moved = max(moved, (buffer.double() - before.double()).abs().max().item())
+    return moved
 
 
 def free_port(host: str = "127.0.0.1") -> int:

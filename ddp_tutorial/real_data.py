@@ -82,6 +82,38 @@ def check_image_folder(root: str | Path) -> list[str]:
     return classes
 
 
+def write_example_folder(
+    root: str | Path,
+    classes: tuple[str, ...] = ("a", "b", "c"),
+    train: int = 8,
+    val: int = 3,
+    size: int = 12,
+    same: bool = False,
+) -> Path:
+    """Write a tiny ImageFolder of generated PNGs (a colour per class, plus noise).
+
+    Something to point ``--data-dir`` at without a download. ``same=True``
+    writes one picture, a diagonal ramp, everywhere: every crop and flip of
+    it shows, so two ranks' augmentations can be compared directly.
+    """
+    import torch
+    from PIL import Image
+
+    root, gen = Path(root), torch.Generator().manual_seed(0)
+    ramp = torch.linspace(0, 255, size)[:, None, None] * torch.linspace(0.2, 1, size)[None, :, None]
+    for split, count in (("train", train), ("val", val)):
+        for c, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                colour = torch.tensor([200.0, 40.0, 40.0]).roll(c)
+                noisy = colour + torch.rand(size, size, 3, generator=gen) * 60
+                pixels = (ramp.expand(size, size, 3) if same else noisy).clamp(0, 255)
+                Image.fromarray(pixels.to(torch.uint8).numpy()).save(
+                    root / split / name / f"{i}.png"
+                )
+    return root
+
+
 def _transforms(image_size: int, train: bool) -> Any:
     from torchvision import transforms as T
 

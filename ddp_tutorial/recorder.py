@@ -131,11 +131,15 @@ class Recorder:
             print(f"[fault injection] rank {self.rank} dies after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # abrupt: no cleanup, like a real crash
 
-    def epoch_end(self, epoch: int, step: int, model: nn.Module, indices: list[int]) -> None:
+    def epoch_end(
+        self, epoch: int, step: int, model: nn.Module, indices: list[int], moved: float
+    ) -> None:
         """At an evaluation: the digest of exactly what this rank evaluates (and saves),
-        and the sample indices its loader was handed in ``epoch`` (in this process).
-        The clock pauses until the next step ends: evaluating is not training."""
-        self.evaluations.append({"epoch": epoch, "step": step, "digest": state_digest(model)})
+        how far averaging moved its buffers (``moved``), and the sample indices its
+        loader was handed in ``epoch`` (in this process). The clock pauses until the
+        next step ends: evaluating is not training."""
+        digest = state_digest(model)
+        self.evaluations.append({"epoch": epoch, "step": step, "digest": digest, "moved": moved})
         self.indices.setdefault(epoch, []).extend(indices)
         self._previous = None
 

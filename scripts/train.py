@@ -34,6 +34,7 @@ from ddp_tutorial import checkpoint, distributed, settings, snapshots
 from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.models import MODEL_NAMES, build_model
 from ddp_tutorial.numerics import amp_dtype, make_deterministic
+from ddp_tutorial.preflight import check_run
 from ddp_tutorial.real_data import DATA_KINDS, DataError, build_datasets
 from ddp_tutorial.recorder import Recorder
 from ddp_tutorial.samplers import ResumableSampler
@@ -89,30 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.warmup < 1:
         p.error("--warmup is a fraction of training: 0 <= warmup < 1")
     return args
-
-
-def check_run(args: argparse.Namespace, world_size: int, train_size: int) -> str | None:
-    """What makes this run impossible, in one sentence naming the flag; None if it can run."""
-    per_rank = math.ceil(train_size / world_size)  # the sampler pads shards to equal size
-    steps = per_rank // (args.batch_size * args.grad_accum) * args.epochs
-    if steps == 0:
-        return (f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
-                f"{per_rank} samples each of {world_size} ranks gets: no step could run. Lower "
-                f"--batch-size or use more data than {train_size} samples")  # fmt: skip
-    if args.save_every > min(steps, args.max_steps or steps):
-        return f"--save-every {args.save_every} is beyond the run's {steps} steps: lower it, or 0"
-    for name, path in (("--checkpoint-dir", args.checkpoint_dir), ("--out", args.out)):
-        try:
-            if path:  # made now, so a file in the way fails before training, not at the save
-                Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            what = "is a file" if Path(path).is_file() else exc.strerror
-            return f"{name} {path}: {what}; give a directory this user can write to"
-        if path and not os.access(path, os.W_OK):
-            return f"{name} {path}: not writable by this user; give another directory"
-    if args.pretrain and not Path(args.pretrain).is_file():
-        return f"--pretrain {args.pretrain}: no such file"
-    return None
 
 
 def data_loader(args: argparse.Namespace, train_set: Any, rank: int, world_size: int,
@@ -281,8 +258,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         #    one model: BatchNorm statistics differ per rank until they are averaged.
         mean = loss_sum.clone()
         dist.all_reduce(mean)
-        distributed.average_buffers(model)
-        rec.epoch_end(epoch, step, model.module, list(sampler)[: done * args.batch_size])
+        moved = distributed.average_buffers(model)
+        rec.epoch_end(epoch, step, model.module, list(sampler)[: done * args.batch_size], moved)
         accuracy = distributed_evaluate(model, val_set, device=device).accuracy  # each sample once
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append({"epoch": epoch, "step": step, "train_loss": train_loss,

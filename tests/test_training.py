@@ -19,11 +19,11 @@ import time
 
 import pytest
 import torch
-from PIL import Image
 
 from conftest import SCRIPTS, load_script
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
+from ddp_tutorial.real_data import write_example_folder
 from ddp_tutorial.recorder import state_digest
 
 SMALL = [
@@ -44,26 +44,6 @@ CPU = {"DDP_TUTORIAL_BACKEND": "gloo"}  # these tests are about the CPU path
 def template():
     """scripts/train.py as a module: its functions run here, without a launch."""
     return load_script("train.py")
-
-
-def write_folder(root, classes=("a", "b", "c"), train=8, val=3, same=False, size=12):
-    """An ImageFolder of generated PNGs: a colour per class; ``same``: one picture everywhere.
-
-    The one picture is a diagonal ramp, so that every crop and flip of it shows.
-    """
-    gen = torch.Generator().manual_seed(0)
-    ramp = torch.linspace(0, 255, size)[:, None, None] * torch.linspace(0.2, 1, size)[None, :, None]
-    for split, count in (("train", train), ("val", val)):
-        for c, name in enumerate(classes):
-            (root / split / name).mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                colour = torch.tensor([200.0, 40.0, 40.0]).roll(c)
-                noisy = colour + torch.rand(size, size, 3, generator=gen) * 60
-                pixels = (ramp.expand(size, size, 3) if same else noisy).clamp(0, 255)
-                Image.fromarray(pixels.to(torch.uint8).numpy()).save(
-                    root / split / name / f"{i}.png"
-                )
-    return root
 
 
 def run_main(template, monkeypatch, capsys, *argv):
@@ -95,10 +75,10 @@ def test_bad_flags_fail_before_training(template, capsys, bad, message):
 
 def impossible_settings(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
-    write_folder(tmp_path / "no-val-class")
+    write_example_folder(tmp_path / "no-val-class")
     for png in (tmp_path / "no-val-class" / "val" / "b").iterdir():
         png.unlink()
-    (write_folder(tmp_path / "corrupt") / "train" / "a" / "0.png").write_bytes(b"not a png")
+    (write_example_folder(tmp_path / "corrupt") / "train" / "a" / "0.png").write_bytes(b"not a png")
     (tmp_path / "empty").mkdir()
     return {
         "batch larger than the shard": (
@@ -187,7 +167,7 @@ def first_batches(template, dataset, *, seed, workers):
 def test_ranks_augment_differently_and_reproducibly(template, tmp_path, workers):
     from ddp_tutorial.real_data import image_folder
 
-    train, _, _ = image_folder(write_folder(tmp_path, same=True, size=24), 16)  # one image
+    train, _, _ = image_folder(write_example_folder(tmp_path, same=True, size=24), 16)  # one image
     rank0, rank1 = first_batches(template, train, seed=0, workers=workers)
     assert not torch.equal(rank0, rank1), "each rank crops and flips its own way"
     again0, again1 = first_batches(template, train, seed=0, workers=workers)
@@ -197,7 +177,7 @@ def test_ranks_augment_differently_and_reproducibly(template, tmp_path, workers)
 
 @pytest.mark.torchrun
 def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(tmp_path):
-    data = write_folder(tmp_path / "images", train=16, val=4, size=20)
+    data = write_example_folder(tmp_path / "images", train=16, val=4, size=20)
     run = tmp_path / "run"
     result = torchrun(
         SCRIPTS / "train.py",
