@@ -143,7 +143,9 @@ def ddp_throughput(
     the knobs: a Python hook replaces DDP's C++ all_reduce path and costs
     time itself, so the headline throughputs run without it.
     """
+    forward_sync = ddp_kwargs.pop("broadcast_buffers", True)
     ddp = wrap(new_model(args, model_name), device, **ddp_kwargs)
+    ddp.broadcast_buffers = forward_sync  # set after wrapping: buffers still synced once at init
     counter = CommCounter()
     if count:
         ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
@@ -236,6 +238,34 @@ def knobs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     return rows
 
 
+FIXED_COSTS = {
+    "DDP defaults": {},
+    "broadcast_buffers=False": {"broadcast_buffers": False},
+    "+ gradient_as_bucket_view": {"broadcast_buffers": False, "gradient_as_bucket_view": True},
+    "+ one bucket (bucket_cap_mb=100)": {"broadcast_buffers": False, "bucket_cap_mb": 100},
+    "+ static_graph": {"broadcast_buffers": False, "static_graph": True},
+}
+"""Each DDP setting that can remove part of a small model's fixed per-step cost."""
+
+
+def fixed_costs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The throughput model under each :data:`FIXED_COSTS` setting (interleaved, best of 2; 1 with --quick).
+
+    A small model's DDP step has a fixed cost beside its compute: the buffer
+    broadcast at every forward (``broadcast_buffers=True``, the default: the
+    template turns it off and averages buffers before evaluating and saving),
+    one all_reduce per bucket, DDP's autograd hooks. Each row removes one part.
+    """
+    batches = make_batches(args, 8, dist.get_rank())
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(1 if args.quick else 2):
+        for name, kwargs in FIXED_COSTS.items():
+            r = ddp_throughput(args, device, batches=batches, **dict(kwargs))
+            if name not in best or r["samples_per_sec"] > best[name]["samples_per_sec"]:
+                best[name] = r
+    return [{"setting": name, **r} for name, r in best.items()]
+
+
 def template_loader(args: argparse.Namespace) -> Any:
     """The template's input pipeline (SyntheticImages, DistributedSampler, no workers)."""
     need = (args.steps + args.warmup + 2) * args.batch_size * dist.get_world_size()
@@ -259,6 +289,7 @@ def role_ddp(args: argparse.Namespace) -> None:
             # The same loop fed by a DataLoader, as the template is: its fair baseline.
             result["with_loader"] = ddp_throughput(args, info.device, batches=template_loader(args))
             result["allreduce"] = allreduce_sweep(args, info.device)
+            result["fixed_costs"] = fixed_costs(args, info.device)
             if not args.no_knobs:
                 result["knobs"] = knobs(args, info.device)
         if info.is_main:
@@ -380,7 +411,9 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "plain_all_cores": plain_all,
         "ddp_world1": {k: v for k, v in world1.items() if k not in {"allreduce", "knobs"}},
         f"ddp_world{n}": {
-            k: v for k, v in world_n.items() if k not in {"allreduce", "knobs", "with_loader"}
+            k: v
+            for k, v in world_n.items()
+            if k not in {"allreduce", "knobs", "with_loader", "fixed_costs"}
         },
         "world_size": n,
         "plain_concurrent": ceiling,
@@ -395,6 +428,16 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "allreduce": world_n["allreduce"],
         "knobs": world_n.get("knobs", []),
+        "fixed_costs": [
+            {
+                **r,
+                "scaling_efficiency": (
+                    eff := r["samples_per_sec"] / (n * plain_1["samples_per_sec"])
+                ),
+                "of_ceiling": eff * n * plain_1["samples_per_sec"] / ceiling["samples_per_sec"],
+            }
+            for r in world_n.get("fixed_costs", [])
+        ],  # fmt: skip
         "machine": {
             "cores": usable_cores(),
             "threads_per_rank": world_n["threads_per_rank"],
@@ -449,6 +492,11 @@ def report(result: dict[str, Any]) -> str:
     )
     if "template" in result:
         lines.append(f"template overhead    {result['template']['overhead']:+.1%}")
+    if result.get("fixed_costs"):
+        lines += ["", format_table([
+            {"setting": r["setting"], "samples/s": r["samples_per_sec"],
+             "scaling_efficiency": r["scaling_efficiency"], "of ceiling": r["of_ceiling"]}
+            for r in result["fixed_costs"]])]  # fmt: skip
     if "ring_fit" in result:
         fit = result["ring_fit"]
         lines.append(
