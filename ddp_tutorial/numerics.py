@@ -50,21 +50,27 @@ def _native_bf16() -> bool:
 
 
 def amp_dtype(
-    device: torch.device, amp: bool, native_bf16: Callable[[], bool] = _native_bf16
+    device: torch.device, amp: str | bool | None, native_bf16: Callable[[], bool] = _native_bf16
 ) -> torch.dtype | None:
-    """``torch.bfloat16`` for ``--amp`` (``None`` without it), refused where it is emulated.
+    """The autocast dtype for ``--amp`` (``None`` without it); bfloat16 refused where emulated.
 
-    bfloat16 needs no loss scaling (it has float32's range), which is why the
-    template uses it. But a V100 or a T4 has no bfloat16 arithmetic: autocast
-    "works" there through emulation, slower than float32. ``native_bf16``
-    answers for this process's GPU (a fake in tests).
+    ``amp``: ``"bf16"`` (or ``True``: a bare ``--amp``) or ``"fp16"``.
+    bfloat16 needs no loss scaling (it has float32's range), which is why it is
+    the default. But a V100 or a T4 has no bfloat16 arithmetic: autocast
+    "works" there through emulation, slower than float32 — use ``fp16``
+    there, with a ``GradScaler`` (the template makes one for ``--amp fp16``).
+    ``native_bf16`` answers for this process's GPU (a fake in tests).
     """
     if not amp:
         return None
+    if amp == "fp16":
+        return torch.float16
+    if amp not in (True, "bf16"):
+        raise ValueError(f"--amp must be bf16 or fp16, got {amp!r}")
     if device.type == "cuda" and not native_bf16():
         raise ValueError(
             "--amp trains in bfloat16, which this GPU does not support natively (compute "
             "capability below 8.0, e.g. V100 or T4): it would be emulated, slower than "
-            "float32. Train without --amp, or with float16 and a GradScaler."
+            "float32. Use --amp fp16 (float16 with a GradScaler), or no --amp."
         )
     return torch.bfloat16

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ddp_tutorial import checkpoint, distributed, settings, snapshots
+from ddp_tutorial.comm_hooks import COMM_HOOKS, comm_hook
 from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.models import MODEL_NAMES, build_model
 from ddp_tutorial.numerics import amp_dtype, make_deterministic
@@ -71,7 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
     add("--max-steps", type=positive, help="stop early (the LR schedule still spans --epochs)")
     add("--log-every", type=positive, default=50, help="steps between loss prints (a host sync)")
-    add("--amp", action="store_true", help="bf16 autocast")
+    add("--amp", nargs="?", const="bf16", choices=["bf16", "fp16"], help="autocast: bf16 (a bare"
+        " --amp), or fp16 with a GradScaler (GPUs without bf16: V100, T4)")  # fmt: skip
+    add("--compile", nargs="?", const="inductor", help="torch.compile the DDP model (backend)")
+    add("--comm-hook", choices=COMM_HOOKS, default="none", help="compress gradients on the wire")
     add("--sync-bn", action="store_true", help="SyncBatchNorm (GPUs with nccl only)")
     add("--pretrain", help="initial weights: a state_dict file (any device, any prefix)")
     add("--backend", help="auto (default), gloo or nccl")
@@ -177,11 +181,15 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     # 5. DDP: move to this rank's device first. Buffers are synced once here, not at every
     #    forward (a collective per step): they are averaged before evaluating and saving.
     cuda = device.type == "cuda"
-    model = DDP(model.to(device), device_ids=[device.index] if cuda else None)
-    model.broadcast_buffers = False  # (torch 2.14 also calls it forward_sync_buffers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9)
+    ddp = DDP(model.to(device), device_ids=[device.index] if cuda else None)
+    ddp.broadcast_buffers = False  # (torch 2.14 also calls it forward_sync_buffers)
+    if args.comm_hook != "none":  # replaces the bucket all_reduce (lesson 11)
+        ddp.register_comm_hook(*comm_hook(args.comm_hook))
+    model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=peak_lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     amp = amp_dtype(device, args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16: scale losses
     sampler, loader = data_loader(args, train_set, rank, world_size, cuda)
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
@@ -190,7 +198,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if path is not None:
         state = checkpoint.load_checkpoint(path, map_location=device)
         same_world = state["world_size"] == world_size
-        where = snapshots.restore_training_state(state, model, optimizer, restore_rng=same_world)
+        where = snapshots.restore_training_state(state, ddp, optimizer, scaler, same_world)
         if not same_world:  # other ranks now: fresh random streams, still reproducible
             seed_everything(rank_seed(args.seed, rank, where["step"]))
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
@@ -204,12 +212,14 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     def save_snapshot() -> None:  # a collective: buffers averaged, RNG states gathered
         if args.checkpoint_dir is None:
             return
-        distributed.average_buffers(model)
+        distributed.average_buffers(ddp)
         global_totals = loss_sum.clone()
         dist.all_reduce(global_totals)
         extra = {"consumed": consumed, "samples_seen": samples_seen, "history": history,
                  "loss_totals": global_totals.tolist(), "config": vars(args)}  # fmt: skip
-        state = snapshots.training_state(model, optimizer, epoch=epoch, step=step, extra=extra)
+        state = snapshots.training_state(
+            ddp, optimizer, epoch=epoch, step=step, scaler=scaler, extra=extra
+        )
         if rank == 0:  # global rank 0 only (local_rank 0 is one writer per node), atomically
             checkpoint.atomic_save(state, snapshots.snapshot_path(args.checkpoint_dir, step))
             snapshots.prune_snapshots(args.checkpoint_dir, keep=2)
@@ -231,10 +241,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         for i, (x, y) in zip(range(micro_batches), loader, strict=False):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             last = (i + 1) % args.grad_accum == 0
-            with nullcontext() if last else model.no_sync():  # all_reduce on the last only
+            with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
                 with torch.autocast(device.type, dtype=amp or torch.float32, enabled=bool(amp)):
                     loss = loss_fn(model(x), y) / args.grad_accum  # mean over the micro-batches
-                loss.backward()  # DDP all_reduces gradient buckets while backward runs
+                scaler.scale(loss).backward()  # DDP all_reduces buckets while backward runs
             loss_sum[0] += loss.detach()
             done, consumed = done + 1, consumed + args.batch_size * world_size
             if not last:
@@ -242,7 +252,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             lr = lr_at((samples_seen + global_batch) / total_samples, peak_lr, args.warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: skipped on every rank if any gradient is inf/nan
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step, samples_seen = step + 1, samples_seen + global_batch
             loss_sum[1] += 1
@@ -258,9 +269,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         #    one model: BatchNorm statistics differ per rank until they are averaged.
         mean = loss_sum.clone()
         dist.all_reduce(mean)
-        moved = distributed.average_buffers(model)
-        rec.epoch_end(epoch, step, model.module, list(sampler)[: done * args.batch_size], moved)
-        accuracy = distributed_evaluate(model, val_set, device=device).accuracy  # each sample once
+        moved = distributed.average_buffers(ddp)
+        rec.epoch_end(epoch, step, ddp.module, list(sampler)[: done * args.batch_size], moved)
+        accuracy = distributed_evaluate(ddp, val_set, device=device).accuracy  # each sample once
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append({"epoch": epoch, "step": step, "train_loss": train_loss,
                         "val_accuracy": accuracy})  # fmt: skip
@@ -273,7 +284,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
     # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
     if args.checkpoint_dir and rank == 0:
-        checkpoint.atomic_save(model.module.state_dict(), Path(args.checkpoint_dir) / "final.pt")
+        checkpoint.atomic_save(ddp.module.state_dict(), Path(args.checkpoint_dir) / "final.pt")
     metrics = rec.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
     say(f"done: {step} steps, train loss {metrics['train_loss']:.4f}, val accuracy "
         f"{metrics['val_accuracy']:.1%}, {metrics['samples_per_sec']:.0f} samples/s")  # fmt: skip

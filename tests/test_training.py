@@ -216,41 +216,63 @@ def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(tmp_path):
 @pytest.mark.torchrun
 def test_gradient_accumulation_matches_the_large_batch(tmp_path):
     """K micro-batches of B on N ranks take the step one batch of K*B takes (no BatchNorm)."""
-    args = [
-        "--model",
-        "mlp",
-        "--num-samples",
-        "512",
-        "--num-val",
-        "64",
-        "--image-size",
-        "8",
-        "--epochs",
-        "1",
-        "--max-steps",
-        "6",
-        "--no-progress",
-    ]
-    finals = []
-    for name, extra in {
-        "big": ["--batch-size", "16"],
-        "accum": ["--batch-size", "8", "--grad-accum", "2"],
-    }.items():
-        torchrun(
+    from ddp_tutorial.harness.launch import LaunchSpec, raise_for_failure, run_together
+
+    args = ["--model", "mlp", "--num-samples", "512", "--num-val", "64", "--image-size", "8",
+            "--epochs", "1", "--max-steps", "6", "--no-progress"]  # fmt: skip
+    variants = {"big": ["--batch-size", "16"], "accum": ["--batch-size", "8", "--grad-accum", "2"]}
+    options = {"nproc": 2, "echo": False, "timeout": 240, "env": CPU}
+    specs = {
+        name: LaunchSpec(
             SCRIPTS / "train.py",
-            *args,
-            *extra,
-            "--checkpoint-dir",
-            tmp_path / name,
-            nproc=2,
-            run_dir=tmp_path / f"{name}-run",
-            echo=False,
-            timeout=240,
-            env=CPU,
+            [*args, *extra, "--checkpoint-dir", tmp_path / name / "c"],
+            run_dir=tmp_path / name,
+            **options,
         )
-        finals.append(torch.load(tmp_path / name / "final.pt", weights_only=True))
-    big, accum = finals
+        for name, extra in variants.items()
+    }
+    for name, result in run_together(specs).items():  # side by side: start-up overlaps
+        raise_for_failure(name, result, timeout=240)
+    big, accum = (torch.load(tmp_path / n / "c" / "final.pt", weights_only=True) for n in variants)
     assert all(torch.allclose(big[k], accum[k], atol=1e-6) for k in big), "float rounding only"
+
+
+@pytest.mark.torchrun
+def test_speed_flags_train_and_resume_state(tmp_path):
+    """--amp fp16 (a GradScaler), --comm-hook fp16, --compile and --grad-accum together."""
+    run = tmp_path / "speed"
+    result = torchrun(SCRIPTS / "train.py", "--model", "mlp", "--image-size", "8",
+                      "--num-samples", "256", "--num-val", "64", "--batch-size", "16",
+                      "--epochs", "2", "--amp", "fp16", "--comm-hook", "fp16", "--compile",
+                      "aot_eager", "--grad-accum", "2", "--no-progress",
+                      "--checkpoint-dir", run / "ckpt", nproc=2, run_dir=run, echo=False,
+                      timeout=300, env=CPU)  # fmt: skip
+    history = json.loads((run / "metrics.json").read_text())["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"], result.output[-2000:]
+    from ddp_tutorial.snapshots import latest_snapshot
+
+    snapshot = torch.load(latest_snapshot(run / "ckpt"), weights_only=True)
+    assert snapshot["scaler"]["scale"] > 0, "the GradScaler's state is part of the snapshot"
+    final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
+    build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
+
+
+def test_speed_flags_parse_and_pick_their_tools(template):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from ddp_tutorial.comm_hooks import comm_hook
+    from ddp_tutorial.numerics import amp_dtype
+
+    assert template.parse_args(["--amp"]).amp == "bf16", "a bare --amp keeps meaning bf16"
+    args = template.parse_args(["--amp", "fp16", "--compile", "--comm-hook", "powersgd"])
+    assert (args.amp, args.compile, args.comm_hook) == ("fp16", "inductor", "powersgd")
+    assert amp_dtype(torch.device("cpu"), "fp16") == torch.float16
+    assert comm_hook("fp16") == (None, default_hooks.fp16_compress_hook)
+    assert comm_hook("bf16") == (None, default_hooks.bf16_compress_hook)
+    state, hook = comm_hook("powersgd")
+    assert hook is powerSGD_hook.powerSGD_hook and state.start_powerSGD_iter == 1000
+    with pytest.raises(ValueError, match="--comm-hook must be one of"):
+        comm_hook("int8")
 
 
 @pytest.mark.torchrun
@@ -345,6 +367,7 @@ def test_amp_refuses_emulated_bf16_with_a_clear_message():
     gpu = torch.device("cuda", 0)
     assert amp_dtype(gpu, amp=False) is None
     assert amp_dtype(gpu, amp=True, native_bf16=lambda: True) == torch.bfloat16  # A100, H100
-    with pytest.raises(ValueError, match="does not support natively .* V100 or T4"):
+    with pytest.raises(ValueError, match="does not support natively .* V100 or T4.*--amp fp16"):
         amp_dtype(gpu, amp=True, native_bf16=lambda: False)  # V100, T4
+    assert amp_dtype(gpu, amp="fp16", native_bf16=lambda: False) == torch.float16  # their way
     assert amp_dtype(torch.device("cpu"), amp=True) == torch.bfloat16
