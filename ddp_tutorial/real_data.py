@@ -173,6 +173,11 @@ def build_datasets(args: Any) -> tuple[Dataset, Dataset, int]:
     if kind != "synthetic":
         raise DataError(f"--data must be one of {DATA_KINDS}, got {kind!r}")
     # Same data on every rank: sample i is a pure function of (seed, i).
-    train = SyntheticImages(args.num_samples, args.image_size, args.num_classes, seed=args.seed)
-    val = SyntheticImages(args.num_val, args.image_size, args.num_classes, seed=args.seed + 1)
+    try:
+        train = SyntheticImages(args.num_samples, args.image_size, args.num_classes, seed=args.seed)
+        val = SyntheticImages(args.num_val, args.image_size, args.num_classes, seed=args.seed + 1)
+    except ValueError as exc:  # e.g. --image-size 2 or --num-classes 1
+        raise DataError(
+            f"synthetic data: {exc} (--num-samples, --image-size, --num-classes)"
+        ) from None
     return train, val, args.num_classes

@@ -109,6 +109,7 @@ def impossible_settings(tmp_path):
             "Add --download to fetch it",
         ),
         "missing pretrain file": (["--pretrain", tmp_path / "nope.pt"], "no such file"),
+        "one class": (["--num-classes", "1"], "synthetic data: SyntheticImages needs"),
         "sync-bn on CPU": (["--sync-bn"], "--sync-bn needs GPUs with nccl"),
     }
 
