@@ -5,7 +5,10 @@
 One launch runs every experiment of lesson 04 (each launch costs seconds of
 start-up, so they share one): the broadcast at construction, the bucketed
 all_reduce in backward, replicas after N steps, ``no_sync`` accumulation,
-unused parameters, BatchNorm vs SyncBatchNorm and ``device_ids``. Each rank
+unused parameters, BatchNorm vs SyncBatchNorm and ``device_ids``, and three
+pitfalls (``ddp_tutorial.lessons.pitfalls``): BatchNorm against the one-process
+reference, reentrant activation checkpointing, two forwards before one
+backward. Each rank
 writes what it saw to ``--out``; the notebook compares the ranks and checks
 the claims. ``--only NAME`` runs a subset (the tests use it).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 
 import torch
@@ -38,10 +42,11 @@ from ddp_tutorial.lessons.anatomy import (
     time_steps,
     tiny_model,
 )
+from ddp_tutorial.lessons.pitfalls import bn_model, checkpointing, two_forwards
 from ddp_tutorial.models import SmallCNN
 from ddp_tutorial.records import write_rank_record
 
-EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "device_ids")
+EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "device_ids", "pitfalls")
 
 
 def parse_args() -> argparse.Namespace:
@@ -225,6 +230,20 @@ def exp_device_ids(args: argparse.Namespace, info: DistInfo) -> dict:
     return out
 
 
+def exp_pitfalls(args: argparse.Namespace, info: DistInfo) -> dict:
+    """BatchNorm vs the one-process reference; checkpointing; two forwards, one backward."""
+    ddp = wrap(bn_model(args.seed), info.device)  # same init everywhere: compare with one process
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        sgd_step(ddp, *local_batch(step, args, info), opt)
+    x, y = local_batch(0, args, info)
+    return {
+        "bn_params_after_steps": flat_params(ddp),
+        "checkpointing": checkpointing(args.seed, x, y, info.device),
+        "two_forwards": two_forwards(args.seed, x, y, info.device),
+    }
+
+
 @record
 def main() -> None:
     args = parse_args()
@@ -234,12 +253,14 @@ def main() -> None:
         "unused": exp_unused,
         "batchnorm": exp_batchnorm,
         "device_ids": exp_device_ids,
+        "pitfalls": exp_pitfalls,
     }
     with process_group(backend=args.backend) as info:
         record_ = {
             "backend": info.backend,
             "device": str(info.device),
             "world_size": info.world_size,
+            "pid": os.getpid(),  # one process per rank
         }
         for name in args.only:
             record_[name] = experiments[name](args, info)

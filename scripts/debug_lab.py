@@ -7,6 +7,7 @@
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... scripts/debug_lab.py --case shape
     torchrun ... scripts/debug_lab.py --case rank0-eval --timeout 3
     torchrun ... scripts/debug_lab.py --case uneven --timeout 3
+    torchrun ... scripts/debug_lab.py --case slow --timeout 3 --backend nccl   # NCCL's watchdog
     torchrun ... scripts/debug_lab.py --case all --fix          # every repaired case, one launch
     torchrun ... scripts/debug_lab.py --case breakpoint         # rank 0 stops in pdb
     python -m pdb scripts/debug_lab.py --case keys              # a world of one: plain pdb
@@ -26,6 +27,7 @@ started torchrun.
 from __future__ import annotations
 
 import argparse
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -153,6 +155,20 @@ def case_uneven(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str
     return {"batches": len(data), "losses": losses}
 
 
+def case_slow(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Rank 0 works alone (tokenising, saving) for longer than the timeout; the others wait.
+
+    Not a desync: every rank calls the same collectives. The others just wait
+    longer than the timeout allows; the fix is a timeout longer than the work
+    (or doing the work on every rank, or before the group exists).
+    """
+    if info.rank == 0:
+        time.sleep(0.1 if fix else 2 * args.timeout)
+    total = torch.ones(1, device=info.device)
+    dist.all_reduce(total)
+    return {"total": total.item()}
+
+
 def case_keys(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Weights saved from the DDP wrapper ("module.weight") loaded into the plain model."""
     torch.manual_seed(0)
@@ -181,6 +197,7 @@ CASES = {
     "shape": case_shape,
     "rank0-eval": case_rank0_eval,
     "uneven": case_uneven,
+    "slow": case_slow,
     "keys": case_keys,
     "breakpoint": case_breakpoint,
 }

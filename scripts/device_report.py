@@ -15,6 +15,10 @@ the device seed 000's rule would pick (``cuda:{dist.get_rank()}``: the global
 rank), and the device the package picks (``cuda:{LOCAL_RANK}``). On a 2-GPU
 node, global rank 2 lives on the second node as local rank 0: seed 000 asks
 for ``cuda:2``, which that node does not have.
+
+``--seed-000-set-device`` runs seed 000's line itself where the rank has a GPU,
+``torch.cuda.set_device(dist.get_rank())``, and records what CUDA answered
+(lesson 03 runs it as two one-GPU "nodes" on a GPU machine, with gloo).
 """
 
 from __future__ import annotations
@@ -42,8 +46,22 @@ def parse_args() -> argparse.Namespace:
         help="judge the device rules for nodes with this many GPUs (default: this node's count)",
     )
     parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
+    parser.add_argument(
+        "--seed-000-set-device", action="store_true", help="call set_device(get_rank()) for real"
+    )
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     return parser.parse_args()
+
+
+def seed_000_set_device() -> str | None:
+    """Seed 000's line, run: ``set_device`` with the GLOBAL rank. None where CUDA is absent."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        torch.cuda.set_device(dist.get_rank())
+        return "ok"
+    except RuntimeError as exc:  # torch.AcceleratorError on recent torch: a RuntimeError
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
 
 
 def rule_outcome(device: str, gpus: int) -> str:
@@ -64,6 +82,7 @@ def main() -> None:
             package = f"error: {exc}"
         total = torch.tensor([float(info.rank)], device=info.device)
         dist.all_reduce(total)  # one job: every rank on every node takes part
+        tried = seed_000_set_device() if args.seed_000_set_device else None
         write_rank_record(
             args.out,
             {
@@ -81,6 +100,7 @@ def main() -> None:
                 "device_used": str(info.device),
                 "backend": info.backend,
                 "all_reduce_sum": total.item(),
+                "seed_000_set_device": tried,
             },
         )
         print(

@@ -14,6 +14,14 @@ Part 2, evaluation (with ``--model PATH``). Every rank loads the same
 trained MLP and evaluates it on a validation set of ``--val-length``
 samples twice: the naive way (padded DistributedSampler, sums all-reduced)
 and the exact way (``ddp_tutorial.data.distributed_evaluate``).
+
+Part 3, pipelines (with ``--pipelines``). Every rank reads
+``ddp_tutorial.pipelines.RandomCrops`` through a DataLoader with 2 workers,
+seeded as most scripts do (``torch.manual_seed(42)`` everywhere) and as
+``ddp_tutorial.seeding`` does (a seed per rank, a loader ``generator``,
+``worker_init_fn=seed_worker``), and records every random crop and flip;
+then reads ``NumberStream``, an IterableDataset, unsharded and sharded by
+rank and worker, and records every number it got.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_tutorial.data import GaussianBlobs, IndexDataset, distributed_evaluate
 from ddp_tutorial.distributed import process_group
 from ddp_tutorial.models import MLP
+from ddp_tutorial.pipelines import NumberStream, RandomCrops
 from ddp_tutorial.records import write_rank_record
+from ddp_tutorial.seeding import loader_generator, seed_rank, seed_worker
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="state_dict of the MLP to evaluate")
     parser.add_argument("--val-length", type=int, default=301)
     parser.add_argument("--val-seed", type=int, default=1)
+    parser.add_argument("--pipelines", action="store_true", help="part 3: augmentation, streams")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers in part 3")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     return parser.parse_args()
 
@@ -56,6 +68,27 @@ def epoch_indices(length: int, args: argparse.Namespace, *, set_epoch: bool, dro
             sampler.set_epoch(epoch)  # reshuffle: a different order every epoch
         epochs.append([int(i) for batch in loader for i in batch])
     return epochs
+
+
+def augmentations(rank: int, per_rank_seed: bool, workers: int, length: int = 16) -> list[dict]:
+    """Every random draw this rank's loader made over its shard of ``RandomCrops``."""
+    if per_rank_seed:  # ddp_tutorial.seeding: after the model is built, before the loaders
+        seed_rank(42, rank)
+        extra = {"generator": loader_generator(42, rank, epoch=0), "worker_init_fn": seed_worker}
+    else:  # what most scripts do: the same seed on every rank, and nothing for the workers
+        torch.manual_seed(42)
+        extra = {}
+    dataset = RandomCrops(length, seed=42)
+    sampler = DistributedSampler(dataset, shuffle=False)
+    loader = DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers, **extra)
+    return list(loader)
+
+
+def stream(rank: int, world_size: int, sharded: bool, workers: int, length: int = 24) -> list[int]:
+    """The records this rank's loader read from ``NumberStream`` (no sampler can split it)."""
+    dataset = NumberStream(length, rank, world_size, sharded=sharded)
+    loader = DataLoader(dataset, batch_size=4, num_workers=workers)
+    return [int(i) for batch in loader for i in batch]
 
 
 @record
@@ -83,6 +116,15 @@ def main() -> None:
                     f"({result.local_count} here), accuracy {result.accuracy:.4f}",
                     flush=True,
                 )
+        if args.pipelines:
+            record_["augment"] = {
+                name: augmentations(info.rank, per_rank, args.workers)
+                for name, per_rank in (("same seed", False), ("seeded per rank", True))
+            }
+            record_["stream"] = {
+                name: stream(info.rank, info.world_size, sharded, args.workers)
+                for name, sharded in (("unsharded", False), ("sharded", True))
+            }
         first = record_["with_set_epoch"][0]
         print(f"rank {info.rank}: epoch 0 indices {first}", flush=True)
         write_rank_record(args.out, record_)

@@ -17,6 +17,10 @@ It works, for one node. What torchrun adds on top (lesson 01 compares them):
 a free port (``--standalone``), LOCAL_RANK/LOCAL_WORLD_SIZE and the rest of
 the environment contract, multi-node rendezvous, restarts, and a summary
 naming the rank that failed.
+
+``--bars`` adds seed 001's progress bar: a ``tqdm`` bar on *every* rank, all
+drawing over the one terminal the children share, then the fix, a bar on
+rank 0 only (``disable=rank != 0``).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import argparse
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from ddp_tutorial.records import write_rank_record
 
@@ -44,7 +50,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main_worker(index: int, world_size: int, out: str | None) -> None:
+def progress_bars(rank: int, steps: int = 8) -> None:
+    """Seed 001's bar on every rank, then the fix: the same loop with a bar on rank 0 only."""
+    for label, shown in (("every rank", True), ("rank 0 only", rank == 0)):
+        bar = tqdm(range(steps), desc=f"{label}, rank {rank}", disable=not shown, mininterval=0)
+        for _ in bar:
+            time.sleep(0.03)  # a training step
+        bar.close()
+        dist.barrier()  # the next loop starts together
+
+
+def main_worker(index: int, world_size: int, out: str | None, bars: bool = False) -> None:
     """Runs in every child. ``index`` (0..nprocs-1) is all mp.spawn tells it."""
     env = {name: os.environ.get(name) for name in ENV_SEEN}
     dist.init_process_group(
@@ -58,6 +74,8 @@ def main_worker(index: int, world_size: int, out: str | None) -> None:
         value = torch.tensor([float(index)])
         dist.all_reduce(value)
         rank = dist.get_rank()
+        if bars:
+            progress_bars(rank)
         print(
             f"spawned worker {index}: rank {rank}/{world_size}, env RANK={env['RANK']}, "
             f"LOCAL_RANK={env['LOCAL_RANK']}, all_reduce sum {value.item():g}",
@@ -88,6 +106,7 @@ def main() -> None:
     parser.add_argument("--address", default="127.0.0.1", help="MASTER_ADDR")
     parser.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: pick a free one)")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
+    parser.add_argument("--bars", action="store_true", help="seed 001's tqdm bar on every rank")
     args = parser.parse_args()
     if args.nprocs < 1:
         parser.error("--nprocs must be >= 1")
@@ -101,7 +120,7 @@ def main() -> None:
         f"MASTER_PORT={os.environ['MASTER_PORT']}",
         flush=True,
     )
-    mp.spawn(main_worker, args=(args.nprocs, args.out), nprocs=args.nprocs, join=True)
+    mp.spawn(main_worker, args=(args.nprocs, args.out, args.bars), nprocs=args.nprocs, join=True)
 
 
 if __name__ == "__main__":

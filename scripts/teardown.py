@@ -19,6 +19,10 @@ destructor, and the rank dies by SIGABRT ("terminate called without an active
 exception") after the work was done. ``--init package`` uses
 ``ddp_tutorial.distributed.setup``, which imports that module first: the
 defaults are ``None`` and leaving the group joins its threads.
+
+``--skip-destroy`` is seed 001's ending: no ``destroy_process_group`` at all.
+The rank lists the group's threads as it returns from ``main`` — every one
+of them is still running when the interpreter starts to shut down.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init", choices=["plain", "package"], default="package")
     parser.add_argument("--steps", type=int, default=3, help="training steps before leaving")
+    parser.add_argument("--skip-destroy", action="store_true", help="seed 001: never leave")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     return parser.parse_args()
 
@@ -75,13 +80,16 @@ def main() -> None:
     imported_after_ddp = PINNING_MODULE in sys.modules
     threads_in_group = backend_threads()
     pinned = group_held_by_defaults()
-    cleanup(barrier=True)  # barrier, then destroy_process_group
+    if not args.skip_destroy:
+        cleanup(barrier=True)  # barrier, then destroy_process_group
     left = backend_threads(settle_s=1.0)  # a pinned group's threads stay; joined ones go
-    print(f"rank {rank} ({args.init}): backend threads after leaving: {left}", flush=True)
+    ending = "at exit, never left" if args.skip_destroy else "after leaving"
+    print(f"rank {rank} ({args.init}): backend threads {ending}: {left}", flush=True)
     write_rank_record(
         args.out,
         {
             "init": args.init,
+            "destroyed": not args.skip_destroy,
             "final_loss": loss,
             "threads_in_group": threads_in_group,
             "threads_after_leaving": left,

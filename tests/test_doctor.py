@@ -96,8 +96,8 @@ def test_static_checks_are_healthy_here_and_touch_no_cuda():
     assert not torch.cuda.is_initialized(), "the checker must not initialise CUDA"
     names = [f.check for f in findings]
     assert names == ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "cuda build", "topology",
-                     "backends", "port", "network", "threads", "shm", "gloo all_reduce",
-                     "nccl all_reduce"]  # fmt: skip
+                     "backends", "port", "network", "interfaces", "threads", "shm",
+                     "gloo all_reduce", "nccl all_reduce"]  # fmt: skip
     assert "ready to train" in format_findings(findings)
 
 
@@ -124,7 +124,7 @@ def test_cli_exit_status(capsys, monkeypatch):
 
     assert main(["doctor", "--no-launch", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is True and len(report["findings"]) == 13
+    assert report["ok"] is True and len(report["findings"]) == 14
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,1")
     assert main(["doctor", "--no-launch"]) == 1
     out = capsys.readouterr().out

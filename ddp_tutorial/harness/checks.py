@@ -288,7 +288,7 @@ def check_port(env: Mapping[str, str]) -> Finding:
     return Finding("port", "ok", f"free ports available (e.g. {port}); {DEFAULT_MASTER_PORT} free")
 
 
-def _matches_interface(spec: str, names: list[str]) -> list[str]:
+def matching_interfaces(spec: str, names: list[str]) -> list[str]:
     """Interfaces selected by a GLOO/NCCL_SOCKET_IFNAME value (NCCL's ``^``/``=`` syntax)."""
     exclude = spec.startswith("^")
     spec = spec.lstrip("^")
@@ -315,7 +315,7 @@ def check_interfaces(env: Mapping[str, str]) -> Finding:
             chosen = [w for w in value.split(",") if w in names]
             missing = [w for w in value.split(",") if w not in names]
         else:
-            chosen = _matches_interface(value, names)
+            chosen = matching_interfaces(value, names)
             missing = [] if chosen else [value]
         found.append(f"{var}={value!r} -> {chosen or 'nothing'}")
         if missing:

@@ -37,6 +37,7 @@ from ddp_tutorial.harness.checks import (
     check_torch,
     check_visible_devices,
 )
+from ddp_tutorial.harness.interfaces import check_node_interfaces
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 PROBE_TIMEOUT_S = 90.0  # the whole probe launch
@@ -140,6 +141,7 @@ def run_checks(
     add(check_backends(gpus))
     add(check_port(env))
     add(check_interfaces(env))
+    add(check_node_interfaces(env, gpus))
     add(check_threads(env, gpus or 2))
     add(check_shm())
     if launch:

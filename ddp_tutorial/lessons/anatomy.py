@@ -75,12 +75,30 @@ def sgd_step(
     return loss.item()
 
 
-def train_single(seed: int, steps: int, batch_size: int, lr: float) -> torch.Tensor:
-    """The reference: one process, the whole global batch each step. Returns final params."""
-    model = tiny_model(seed)
+def train_single(
+    seed: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    build: Callable[[int], nn.Module] = tiny_model,
+    chunks: int = 1,
+) -> torch.Tensor:
+    """The reference: one process, the whole global batch each step. Returns final params.
+
+    ``chunks > 1`` runs the model on that many equal slices of the batch and
+    takes the loss over all of them: a BatchNorm model then normalises each
+    slice with its own statistics, which is what ``chunks`` DDP ranks do.
+    """
+    model = build(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        sgd_step(model, *global_batch(step, batch_size), opt)
+        x, y = global_batch(step, batch_size)
+        if chunks == 1:
+            sgd_step(model, x, y, opt)
+            continue
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(torch.cat([model(part) for part in x.chunk(chunks)]), y).backward()
+        opt.step()
     return flat_params(model)
 
 

@@ -173,3 +173,14 @@ def close(got: Any, want: Any, rel: float = 1e-6) -> bool:
             and all(close(g, w, rel) for g, w in zip(got, want, strict=True))
         )
     return math.isclose(got, want, rel_tol=rel, abs_tol=rel)
+
+
+def progress_frames(output: str) -> list[str]:
+    """The successive frames progress bars drew into ``output``, in the order they were written.
+
+    tqdm redraws its line with ``\\r``; several processes that share one
+    terminal (``mp.spawn`` children do) write their frames into one stream.
+    Split at every ``\\r`` and newline, keep the frames that look like a bar.
+    """
+    frames = (f.strip() for f in output.replace("\r", "\n").splitlines())
+    return [f for f in frames if "|" in f and "it" in f]

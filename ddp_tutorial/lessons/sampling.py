@@ -43,3 +43,16 @@ def train_classifier(
             n += len(y)
         losses.append(total / n)
     return losses
+
+
+def draw_streams(records: list[dict], setting: str, key: str) -> dict[tuple[int, int], list[int]]:
+    """``{(rank, worker): draws}``: what each DataLoader worker of each rank drew, in order.
+
+    ``records`` are ``scripts/sampling.py --pipelines`` rank records; ``key``
+    is ``"crop"`` (the dataset's own numpy generator) or ``"flip"`` (torch's).
+    """
+    streams: dict[tuple[int, int], list[int]] = {}
+    for record in records:
+        for item in record["augment"][setting]:
+            streams.setdefault((record["rank"], item["worker"]), []).append(item[key])
+    return dict(sorted(streams.items()))

@@ -1,0 +1,45 @@
+"""``all_gather_uneven`` (ddp_tutorial.gather) where lesson 01 does not take it.
+
+Lesson 01 gathers 2 and 3 rows from 2 ranks and asserts the result equals
+``all_gather_object``; here 3 real gloo ranks, one of them with no rows at
+all, 2-D rows, and an integer dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_tutorial.harness.launch import torchrun
+
+GATHER = """
+import sys
+
+import torch
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.gather import all_gather_uneven
+from ddp_tutorial.records import write_rank_record
+
+with process_group(backend="gloo") as info:
+    rows = [0, 3, 1][info.rank]  # rank 0 has nothing to send
+    local = torch.arange(rows * 2, dtype=torch.int64).reshape(rows, 2) + 100 * info.rank
+    gathered = all_gather_uneven(local)
+    scalar = all_gather_uneven(torch.tensor(float(info.rank)))
+    write_rank_record(sys.argv[-1], {
+        "shapes": [list(t.shape) for t in gathered],
+        "values": [t.tolist() for t in gathered],
+        "dtypes": sorted({str(t.dtype) for t in gathered}),
+        "scalar": [t.tolist() for t in scalar],
+    })
+"""
+
+
+@pytest.mark.torchrun
+def test_uneven_gather_on_three_ranks(tmp_path, write_script):
+    script = write_script("gather_uneven.py", GATHER)
+    result = torchrun(script, nproc=3, run_dir=tmp_path / "run", timeout=120, echo=False)
+    expected = [[], [[100, 101], [102, 103], [104, 105]], [[200, 201]]]
+    for record in result.records:
+        assert record["shapes"] == [[0, 2], [3, 2], [1, 2]]
+        assert record["values"] == expected
+        assert record["dtypes"] == ["torch.int64"]
+        assert record["scalar"] == [[0.0], [1.0], [2.0]]  # a 0-d tensor counts as one row

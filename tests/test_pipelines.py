@@ -1,0 +1,52 @@
+"""Input pipelines per rank and per worker (ddp_tutorial.pipelines) in one process.
+
+Lesson 02 runs both datasets in 2 real ranks with 2 workers each and asserts
+the broken and the fixed setups. Here: the cases it does not run — 3 ranks,
+no worker, one or two, a length that does not divide — with real DataLoader workers,
+ranks simulated by their number (sharding needs no process group).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_tutorial.pipelines import NumberStream, RandomCrops
+from ddp_tutorial.seeding import loader_generator, seed_worker
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_sharded_stream_reads_every_record_once(workers):
+    world, length = 3, 25  # 25 records over 3 x max(1, workers) readers: uneven on purpose
+    seen = [
+        [int(i) for i in DataLoader(NumberStream(length, r, world), num_workers=workers)]
+        for r in range(world)
+    ]
+    assert sorted(i for s in seen for i in s) == list(range(length))
+    counts = [len(s) for s in seen]
+    assert max(counts) - min(counts) <= max(1, workers)  # per reader at most one apart
+
+
+def test_unsharded_stream_is_read_by_every_worker():
+    loader = DataLoader(NumberStream(6, sharded=False), num_workers=2)
+    assert Counter(int(i) for i in loader) == {i: 2 for i in range(6)}
+
+
+def test_a_dataset_generator_is_copied_into_workers_unless_reseeded():
+    def crops(**options):
+        loader = DataLoader(RandomCrops(8, seed=1), batch_size=None, num_workers=2, **options)
+        draws: dict[int, list[int]] = {}
+        for item in loader:
+            draws.setdefault(item["worker"], []).append(item["crop"])
+        return draws
+
+    torch.manual_seed(0)
+    copied = crops()
+    assert copied[0] == copied[1]  # both workers drew the same crops
+    reseeded = crops(generator=loader_generator(1, rank=0), worker_init_fn=seed_worker)
+    assert reseeded[0] != reseeded[1]
+    again = crops(generator=loader_generator(1, rank=0), worker_init_fn=seed_worker)
+    assert again == reseeded  # and reproducibly so
