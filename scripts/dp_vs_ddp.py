@@ -57,6 +57,28 @@ def run_steps(
     return (time.perf_counter() - t0) / args.steps
 
 
+def one_dp_step(model: nn.DataParallel, batch: int = 8) -> dict[str, object]:
+    """What one DataParallel forward does, seen from inside: scatter, replicate, gather.
+
+    A forward hook on the wrapped module runs in every replica: it records the
+    device each one ran on, the rows of the batch it got, and whether its
+    weight is the original module's tensor (on cuda:0) or a fresh copy.
+    """
+    seen: list[dict[str, object]] = []
+    original = model.module.fc.weight
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        seen.append({"device": str(inputs[0].device), "rows": inputs[0].shape[0],
+                     "copy": module.fc.weight.data_ptr() != original.data_ptr()})  # fmt: skip
+
+    handle = model.module.register_forward_hook(hook)
+    try:
+        out = model(torch.randn(batch, 3, 32, 32, device="cuda:0"))
+    finally:
+        handle.remove()
+    return {"replicas": sorted(seen, key=lambda r: r["device"]), "output_device": str(out.device)}
+
+
 @record
 def main() -> None:
     args = parse_args()
@@ -66,7 +88,7 @@ def main() -> None:
         n = torch.cuda.device_count()
         model = nn.DataParallel(resnet18(10).cuda(0), device_ids=list(range(n)))
         step_s = run_steps(model, args.global_batch, torch.device("cuda", 0), args)
-        record_ = {"mode": "dp", "gpus": n, "processes": 1, "step_s": step_s}
+        record_ = {"mode": "dp", "gpus": n, "processes": 1, "step_s": step_s, **one_dp_step(model)}
         write_rank_record(args.out, {**record_, "samples_per_s": args.global_batch / step_s}, 0)
         return
     with process_group(backend="nccl") as info:

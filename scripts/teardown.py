@@ -49,18 +49,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--init", choices=["plain", "package"], default="package")
     parser.add_argument("--steps", type=int, default=3, help="training steps before leaving")
     parser.add_argument("--skip-destroy", action="store_true", help="seed 001: never leave")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                        help="nccl (GPU branch): its warning at exit without leaving")  # fmt: skip
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     return parser.parse_args()
 
 
-def train_a_little(steps: int) -> float:
+def train_a_little(steps: int, device: torch.device) -> float:
     """A few DDP steps and a gathered result: the collectives a real run ends with."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(tiny_model(seed=rank))
+    ids = [device.index] if device.type == "cuda" else None
+    model = DDP(tiny_model(seed=rank).to(device), device_ids=ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = float("nan")
     for step in range(steps):
-        x, y = global_batch(step, 16 * world)
+        x, y = (t.to(device) for t in global_batch(step, 16 * world))
         loss = sgd_step(model, shard(x, rank, world), shard(y, rank, world), optimizer)
     losses: list[float] = [0.0] * world
     dist.all_gather_object(losses, loss)
@@ -70,13 +73,14 @@ def train_a_little(steps: int) -> float:
 @record
 def main() -> None:
     args = parse_args()
+    device = torch.device("cpu")
     if args.init == "plain":
         dist.init_process_group(backend="gloo", timeout=timedelta(seconds=60))
     else:
-        setup(backend="gloo")
+        device = setup(backend=args.backend).device  # cuda:LOCAL_RANK with nccl
     rank = dist.get_rank()
     imported_at_init = PINNING_MODULE in sys.modules
-    loss = train_a_little(args.steps)  # the model is gone when this returns
+    loss = train_a_little(args.steps, device)  # the model is gone when this returns
     imported_after_ddp = PINNING_MODULE in sys.modules
     threads_in_group = backend_threads()
     pinned = group_held_by_defaults()
