@@ -249,7 +249,7 @@ FIXED_COSTS = {
 
 
 def fixed_costs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """The throughput model under each :data:`FIXED_COSTS` setting (interleaved, best of 2; 1 with --quick).
+    """The throughput model under each :data:`FIXED_COSTS` setting, interleaved, best of 2.
 
     A small model's DDP step has a fixed cost beside its compute: the buffer
     broadcast at every forward (``broadcast_buffers=True``, the default: the
