@@ -6,8 +6,9 @@ matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
 1. the ``gpu``-marked tests (``pytest -m gpu``);
 2. ``scripts/hello.py`` with nccl across *every* visible GPU — with two or
    more, that is real communication between GPUs;
-3. the GPU branches of lessons 03, 04, 05, 06, 08 (``--deterministic``), 09
-   and 10 (``NCCL_DEBUG`` lines), their code cells run by
+3. the GPU branches of lessons 03, 04, 05, 06, 08 (``--deterministic``), 09,
+   10 (``NCCL_DEBUG`` lines) and 11 (cuda autocast, inductor, the CUDA
+   profiler), their code cells run by
    :mod:`ddp_tutorial.harness.plain_notebook` (no Jupyter needed);
 
 then prints one row per step and exits non-zero if any failed. Every step
@@ -28,7 +29,7 @@ from ddp_tutorial.harness.processes import run_command
 REPO = Path(__file__).resolve().parents[2]
 LESSONS = ("03_device_mapping", "04_ddp_wrapping", "05_checkpointing",
            "06_training_and_utilization", "08_fault_tolerance", "09_debugging",
-           "10_multinode")  # fmt: skip
+           "10_multinode", "11_speed_tools")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def plan(gpus: int, python: str = sys.executable) -> list[Step]:
     ]
     runner = [python, "-m", "ddp_tutorial.harness.plain_notebook"]
     for lesson in LESSONS:
-        steps.append(Step(f"lesson {lesson[:2]}", [*runner, f"notebooks/{lesson}.ipynb"], 80.0))
+        steps.append(Step(f"lesson {lesson[:2]}", [*runner, f"notebooks/{lesson}.ipynb"], 75.0))
     return steps
 
 

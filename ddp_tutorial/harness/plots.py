@@ -307,3 +307,53 @@ def loss_across_restarts(
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     return fig
+
+
+# -- speed tools (lesson 11) ---------------------------------------------------
+def overlap_timeline(cases: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
+    """One DDP step's backward and its all_reduces on a time line, one panel per case.
+
+    ``cases`` maps a label to ``ddp_tutorial.lessons.speed.profile_rows``
+    output: ``{"kind": "backward" | "launch" | "comm", "name", "start", "end"}``
+    in µs. Backward's compute nodes are the upper lane (``AccumulateGrad``,
+    where DDP's hooks run and finally wait, is left out), the backend's
+    all_reduces the lower one; a dotted line marks each launch from backward.
+    Communication drawn under backward compute is overlap.
+    """
+    if not cases:
+        raise ValueError("overlap_timeline needs at least one case")
+    fig = new_figure(figsize=(9, 1.1 + 1.3 * len(cases)))
+    axes = fig.subplots(len(cases), 1, squeeze=False, sharex=True)[:, 0]
+    lanes = {"backward": (1, "tab:blue"), "comm": (0, "tab:orange")}
+    for ax, (label, rows) in zip(axes, cases.items(), strict=True):
+        for kind, (y, colour) in lanes.items():
+            spans = [(r["start"] / 1e3, (r["end"] - r["start"]) / 1e3) for r in rows
+                     if r["kind"] == kind]  # fmt: skip
+            ax.broken_barh(spans, (y - 0.35, 0.7), color=colour, alpha=0.8)
+        for r in rows:
+            if r["kind"] == "launch":
+                ax.axvline(r["start"] / 1e3, color="tab:red", ls=":", lw=1)
+        ax.set_yticks([1, 0])
+        ax.set_yticklabels(["backward", "all_reduce"], fontsize=8)
+        ax.set_ylim(-0.6, 1.6)
+        ax.set_title(f"{label} (dotted: all_reduce launched)", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1].set_xlabel("ms since backward began (one rank, one step)")
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(
+    curves: Mapping[str, Sequence[float]], log: bool = False, ax: Any | None = None
+) -> Figure:
+    """One line per run: loss against optimizer step (from 1); ``log`` for a blow-up."""
+    fig, ax = _axes(ax)
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, ".-", lw=1, label=label)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    return fig
