@@ -123,27 +123,6 @@ def test_impossible_settings_stop_before_training(template, tmp_path, monkeypatc
         assert "Traceback" not in err and time.monotonic() - start < 10, case
 
 
-@pytest.mark.torchrun
-def test_impossible_batch_fails_fast_on_every_rank(tmp_path):
-    start = time.monotonic()
-    result = torchrun(
-        SCRIPTS / "train.py",
-        "--num-samples",
-        "10",
-        "--batch-size",
-        "32",
-        nproc=2,
-        run_dir=tmp_path,
-        echo=False,
-        timeout=120,
-        check=False,
-        env=CPU,
-    )
-    assert result.returncode != 0 and time.monotonic() - start < 60
-    assert result.failures[0].exitcode == 2, "the ranks stop with status 2, no traceback"
-    assert result.output.count("no step could run") == 1, "one message (local rank 0's)"
-
-
 def test_lr_schedule_warms_up_then_decays_to_zero(template):
     peak, warmup = 0.4, 0.1
     lrs = [template.lr_at(p / 100, peak, warmup) for p in range(101)]
@@ -176,88 +155,6 @@ def test_ranks_augment_differently_and_reproducibly(template, tmp_path, workers)
     assert not torch.equal(rank0[0], rank0[1]), "and the samples of one batch differ"
 
 
-@pytest.mark.torchrun
-def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(tmp_path):
-    data = write_example_folder(tmp_path / "images", train=16, val=4, size=20)
-    run = tmp_path / "run"
-    result = torchrun(
-        SCRIPTS / "train.py",
-        "--data-dir",
-        data,
-        "--image-size",
-        "16",
-        "--batch-size",
-        "4",
-        "--epochs",
-        "3",
-        "--num-workers",
-        "1",
-        "--no-progress",
-        "--checkpoint-dir",
-        run / "ckpt",
-        "--out",
-        run,
-        nproc=2,
-        run_dir=run,
-        echo=False,
-        timeout=240,
-        env=CPU,
-    )
-    assert "global batch 8 = 4 per rank x 2 ranks x 1 accumulation" in result.output
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["history"][-1]["train_loss"] < metrics["history"][0]["train_loss"]
-    records = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
-    digests = [[e["digest"] for e in r["evaluations"]] for r in records]
-    assert digests[0] == digests[1], "every rank evaluated the same weights and buffers"
-    final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
-    assert state_digest(final) == digests[0][-1], "final.pt is the model that was evaluated"
-    build_model("cnn", 3, 16).load_state_dict(final)  # 3 classes, from the folder names
-
-
-@pytest.mark.torchrun
-def test_gradient_accumulation_matches_the_large_batch(tmp_path):
-    """K micro-batches of B on N ranks take the step one batch of K*B takes (no BatchNorm)."""
-    from ddp_tutorial.harness.launch import LaunchSpec, raise_for_failure, run_together
-
-    args = ["--model", "mlp", "--num-samples", "512", "--num-val", "64", "--image-size", "8",
-            "--epochs", "1", "--max-steps", "6", "--no-progress"]  # fmt: skip
-    variants = {"big": ["--batch-size", "16"], "accum": ["--batch-size", "8", "--grad-accum", "2"]}
-    options = {"nproc": 2, "echo": False, "timeout": 240, "env": CPU}
-    specs = {
-        name: LaunchSpec(
-            SCRIPTS / "train.py",
-            [*args, *extra, "--checkpoint-dir", tmp_path / name / "c"],
-            run_dir=tmp_path / name,
-            **options,
-        )
-        for name, extra in variants.items()
-    }
-    for name, result in run_together(specs).items():  # side by side: start-up overlaps
-        raise_for_failure(name, result, timeout=240)
-    big, accum = (torch.load(tmp_path / n / "c" / "final.pt", weights_only=True) for n in variants)
-    assert all(torch.allclose(big[k], accum[k], atol=1e-6) for k in big), "float rounding only"
-
-
-@pytest.mark.torchrun
-def test_speed_flags_train_and_resume_state(tmp_path):
-    """--amp fp16 (a GradScaler), --comm-hook fp16, --compile and --grad-accum together."""
-    run = tmp_path / "speed"
-    result = torchrun(SCRIPTS / "train.py", "--model", "mlp", "--image-size", "8",
-                      "--num-samples", "256", "--num-val", "64", "--batch-size", "16",
-                      "--epochs", "2", "--amp", "fp16", "--comm-hook", "fp16", "--compile",
-                      "aot_eager", "--grad-accum", "2", "--no-progress",
-                      "--checkpoint-dir", run / "ckpt", nproc=2, run_dir=run, echo=False,
-                      timeout=300, env=CPU)  # fmt: skip
-    history = json.loads((run / "metrics.json").read_text())["history"]
-    assert history[-1]["train_loss"] < history[0]["train_loss"], result.output[-2000:]
-    from ddp_tutorial.snapshots import latest_snapshot
-
-    snapshot = torch.load(latest_snapshot(run / "ckpt"), weights_only=True)
-    assert snapshot["scaler"]["scale"] > 0, "the GradScaler's state is part of the snapshot"
-    final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
-    build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
-
-
 def test_speed_flags_parse_and_pick_their_tools(template):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -276,37 +173,98 @@ def test_speed_flags_parse_and_pick_their_tools(template):
         comm_hook("int8")
 
 
-@pytest.mark.torchrun
-def test_pretrain_with_module_prefix(tmp_path):
+# -- real launches: every template run of this file at once, side by side ------------------
+# Most of a launch is start-up (import torch, join the group): together they cost
+# little more than the slowest. Each test below reads its own run.
+
+MLP_RUN = ["--model", "mlp", "--image-size", "8", "--num-val", "64", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from ddp_tutorial.harness.launch import LaunchSpec, run_together
+
+    tmp = tmp_path_factory.mktemp("template")
     torch.manual_seed(3)
-    model = build_model("cnn", 10, 16)
-    prefixed = {f"module.{k}": v for k, v in model.state_dict().items()}
-    path = tmp_path / "pretrained.pt"
-    torch.save(prefixed, path)
-    run = tmp_path / "p"
-    torchrun(
-        SCRIPTS / "train.py",
-        *SMALL,
-        "--epochs",
-        "1",
-        "--max-steps",
-        "1",
-        "--pretrain",
-        path,
-        "--lr",
-        "0",
-        "--checkpoint-dir",
-        run / "ckpt",
-        nproc=2,
-        run_dir=run,
-        echo=False,
-        timeout=240,
-        env=CPU,
-    )
+    pretrained = build_model("cnn", 10, 16)
+    torch.save({f"module.{k}": v for k, v in pretrained.state_dict().items()}, tmp / "pre.pt")
+    images = write_example_folder(tmp / "images", train=16, val=4, size=20)
+    accum = [*MLP_RUN, "--num-samples", "512", "--epochs", "1", "--max-steps", "6"]
+    argv = {
+        "impossible": ["--num-samples", "10", "--batch-size", "32"],
+        "folder": ["--data-dir", images, "--image-size", "16", "--batch-size", "4",
+                   "--epochs", "3", "--num-workers", "1", "--no-progress"],
+        "big batch": [*accum, "--batch-size", "16"],
+        "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2"],
+        "speed flags": [*MLP_RUN, "--num-samples", "256", "--batch-size", "16", "--epochs", "2",
+                        "--amp", "fp16", "--comm-hook", "fp16", "--compile", "aot_eager",
+                        "--grad-accum", "2"],
+        "pretrain": [*SMALL, "--epochs", "1", "--max-steps", "1", "--lr", "0",
+                     "--pretrain", tmp / "pre.pt"],
+    }  # fmt: skip
+    specs = {
+        name: LaunchSpec(SCRIPTS / "train.py", [*args, "--checkpoint-dir", tmp / name / "ckpt"],
+                         nproc=2, run_dir=tmp / name, echo=False, timeout=300, env=CPU)
+        for name, args in argv.items()
+    }  # fmt: skip
+    results = run_together(specs)
+    for name, result in results.items():
+        assert name == "impossible" or result.ok, f"{name}:\n{result.output[-3000:]}"
+    return {"pretrained": pretrained, **results}
+
+
+@pytest.mark.torchrun
+def test_impossible_batch_fails_fast_on_every_rank(runs):
+    result = runs["impossible"]
+    assert result.returncode != 0 and result.seconds < 60
+    assert result.failures[0].exitcode == 2, "the ranks stop with status 2, no traceback"
+    assert result.output.count("no step could run") == 1, "one message (local rank 0's)"
+
+
+@pytest.mark.torchrun
+def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(runs):
+    run = runs["folder"].run_dir
+    assert "global batch 8 = 4 per rank x 2 ranks x 1 accumulation" in runs["folder"].output
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["history"][-1]["train_loss"] < metrics["history"][0]["train_loss"]
+    records = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    digests = [[e["digest"] for e in r["evaluations"]] for r in records]
+    assert digests[0] == digests[1], "every rank evaluated the same weights and buffers"
     final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
+    assert state_digest(final) == digests[0][-1], "final.pt is the model that was evaluated"
+    build_model("cnn", 3, 16).load_state_dict(final)  # 3 classes, from the folder names
+
+
+@pytest.mark.torchrun
+def test_gradient_accumulation_matches_the_large_batch(runs):
+    """K micro-batches of B on N ranks take the step one batch of K*B takes (no BatchNorm)."""
+    big, accum = (
+        torch.load(runs[name].run_dir / "ckpt" / "final.pt", weights_only=True)
+        for name in ("big batch", "accumulated")
+    )
+    assert all(torch.allclose(big[k], accum[k], atol=1e-6) for k in big), "float rounding only"
+
+
+@pytest.mark.torchrun
+def test_speed_flags_train_and_resume_state(runs):
+    """--amp fp16 (a GradScaler), --comm-hook fp16, --compile and --grad-accum together."""
+    from ddp_tutorial.snapshots import latest_snapshot
+
+    run = runs["speed flags"].run_dir
+    history = json.loads((run / "metrics.json").read_text())["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    snapshot = torch.load(latest_snapshot(run / "ckpt"), weights_only=True)
+    assert snapshot["scaler"]["scale"] > 0, "the GradScaler's state is part of the snapshot"
+    final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
+    build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
+
+
+@pytest.mark.torchrun
+def test_pretrain_with_module_prefix(runs):
+    final = torch.load(runs["pretrain"].run_dir / "ckpt" / "final.pt", weights_only=True)
     # lr 0: the parameters are still the pretrained ones (BatchNorm's running
     # statistics, buffers, do move with the forward pass)
-    assert all(torch.equal(final[k], v) for k, v in model.named_parameters())
+    assert all(torch.equal(final[k], v) for k, v in runs["pretrained"].named_parameters())
 
 
 @pytest.mark.gpu
