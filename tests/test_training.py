@@ -185,22 +185,17 @@ def runs(tmp_path_factory):
     from ddp_tutorial.harness.launch import LaunchSpec, run_together
 
     tmp = tmp_path_factory.mktemp("template")
-    torch.manual_seed(3)
-    pretrained = build_model("cnn", 10, 16)
-    torch.save({f"module.{k}": v for k, v in pretrained.state_dict().items()}, tmp / "pre.pt")
     images = write_example_folder(tmp / "images", train=16, val=4, size=20)
     accum = [*MLP_RUN, "--num-samples", "512", "--epochs", "1", "--max-steps", "6"]
     argv = {
         "impossible": ["--num-samples", "10", "--batch-size", "32"],
         "folder": ["--data-dir", images, "--image-size", "16", "--batch-size", "4",
-                   "--epochs", "3", "--num-workers", "1", "--no-progress"],
+                   "--epochs", "3", "--no-progress"],
         "big batch": [*accum, "--batch-size", "16"],
         "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2"],
-        "speed flags": [*MLP_RUN, "--num-samples", "256", "--batch-size", "16", "--epochs", "2",
+        "speed flags": [*MLP_RUN, "--num-samples", "192", "--batch-size", "16", "--epochs", "2",
                         "--amp", "fp16", "--comm-hook", "fp16", "--compile", "aot_eager",
                         "--grad-accum", "2"],
-        "pretrain": [*SMALL, "--epochs", "1", "--max-steps", "1", "--lr", "0",
-                     "--pretrain", tmp / "pre.pt"],
     }  # fmt: skip
     specs = {
         name: LaunchSpec(SCRIPTS / "train.py", [*args, "--checkpoint-dir", tmp / name / "ckpt"],
@@ -210,7 +205,7 @@ def runs(tmp_path_factory):
     results = run_together(specs)
     for name, result in results.items():
         assert name == "impossible" or result.ok, f"{name}:\n{result.output[-3000:]}"
-    return {"pretrained": pretrained, **results}
+    return results
 
 
 @pytest.mark.torchrun
@@ -259,12 +254,25 @@ def test_speed_flags_train_and_resume_state(runs):
     build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
 
 
-@pytest.mark.torchrun
-def test_pretrain_with_module_prefix(runs):
-    final = torch.load(runs["pretrain"].run_dir / "ckpt" / "final.pt", weights_only=True)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under pytest
+def test_pretrain_with_module_prefix(template, tmp_path, monkeypatch):
+    """The template's own main(), as a real world of one in this process (no launch)."""
+    from ddp_tutorial.distributed import free_port
+
+    torch.manual_seed(3)
+    model = build_model("cnn", 10, 16)
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "pre.pt")
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **CPU}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    pretrain = ["--pretrain", str(tmp_path / "pre.pt"), "--checkpoint-dir", str(tmp_path)]
+    template.main([*SMALL, "--epochs", "1", "--max-steps", "1", "--lr", "0", *pretrain])
+    assert not torch.distributed.is_initialized(), "main() left the group"
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
     # lr 0: the parameters are still the pretrained ones (BatchNorm's running
     # statistics, buffers, do move with the forward pass)
-    assert all(torch.equal(final[k], v) for k, v in runs["pretrained"].named_parameters())
+    assert all(torch.equal(final[k], v) for k, v in model.named_parameters())
 
 
 @pytest.mark.gpu
