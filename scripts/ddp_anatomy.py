@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.distributed import DistInfo, process_group, wrap
+from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import (
     CommCounter,
     UnusedBranch,
@@ -37,6 +35,7 @@ from ddp_tutorial.lessons.anatomy import (
     flat_grads,
     flat_params,
     global_batch,
+    run_sections,
     sgd_step,
     shard,
     time_steps,
@@ -44,7 +43,6 @@ from ddp_tutorial.lessons.anatomy import (
 )
 from ddp_tutorial.lessons.pitfalls import bn_model, checkpointing, two_forwards
 from ddp_tutorial.models import SmallCNN
-from ddp_tutorial.records import write_rank_record
 
 EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "device_ids", "pitfalls")
 
@@ -255,19 +253,7 @@ def main() -> None:
         "device_ids": exp_device_ids,
         "pitfalls": exp_pitfalls,
     }
-    with process_group(backend=args.backend) as info:
-        record_ = {
-            "backend": info.backend,
-            "device": str(info.device),
-            "world_size": info.world_size,
-            "pid": os.getpid(),  # one process per rank
-        }
-        for name in args.only:
-            record_[name] = experiments[name](args, info)
-            dist.barrier()  # experiments start together; a failure shows up in its own section
-            if info.is_main:
-                print(f"{name}: done", flush=True)
-        write_rank_record(args.out, record_)
+    run_sections(experiments, args, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ profiler trace of one step, bucket sizes, ``gradient_as_bucket_view``,
 # time (``bucket: dist.GradBucket`` must be the class, not a string).
 import argparse
 import copy
-import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -32,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.profiler import ProfilerActivity, profile
 
 from ddp_tutorial.checkpoint import atomic_save
-from ddp_tutorial.distributed import DistInfo, process_group, wrap
+from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import (
     IN_FEATURES,
     NUM_CLASSES,
@@ -40,13 +39,13 @@ from ddp_tutorial.lessons.anatomy import (
     flat_grads,
     flat_params,
     global_batch,
+    run_sections,
     shard,
     time_steps,
     tiny_model,
 )
 from ddp_tutorial.lessons.speed import profile_rows, wire_log
 from ddp_tutorial.models import MLP
-from ddp_tutorial.records import write_rank_record
 
 CASES = ("amp", "compile", "hooks", "overlap")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -296,15 +295,7 @@ def main() -> None:
     args = parse_args()
     cases = {"amp": case_amp, "compile": case_compile, "hooks": case_hooks,
              "overlap": case_overlap}  # fmt: skip
-    with process_group(backend=args.backend) as info:
-        record_ = {"backend": info.backend, "device": str(info.device),
-                   "world_size": info.world_size, "pid": os.getpid()}  # fmt: skip
-        for name in args.only:
-            record_[name] = cases[name](args, info)
-            dist.barrier()  # cases start together; a failure shows up in its own case
-            if info.is_main:
-                print(f"{name}: done", flush=True)
-        write_rank_record(args.out, record_)
+    run_sections(cases, args, args.out)
 
 
 if __name__ == "__main__":

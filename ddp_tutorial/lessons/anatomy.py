@@ -11,6 +11,7 @@ and optimizer — the comparison is only meaningful if nothing else differs.
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -203,3 +204,28 @@ def tutorial_series_run(loss_name: str, steps: int = 20, seed: int = 0) -> dict[
         "max_grad_norm": max(grad_norms),
         "weights_changed": not torch.equal(before, flat_params(model)),
     }
+
+
+def run_sections(
+    sections: dict[str, Callable[[Any, Any], Any]], args: Any, out: str | None
+) -> None:
+    """Run ``args.only``'s sections in one process group; each rank writes what it saw.
+
+    One launch for a whole lesson (each launch costs seconds of start-up). The
+    sections start together (a barrier between them), so a failure shows up
+    in its own section; the record holds every section's result under its name.
+    """
+    import os
+
+    from ddp_tutorial.distributed import process_group
+    from ddp_tutorial.records import write_rank_record
+
+    with process_group(backend=args.backend) as info:
+        record = {"backend": info.backend, "device": str(info.device),
+                  "world_size": info.world_size, "pid": os.getpid()}  # fmt: skip
+        for name in args.only:
+            record[name] = sections[name](args, info)
+            dist.barrier()
+            if info.is_main:
+                print(f"{name}: done", flush=True)
+        write_rank_record(out, record)
