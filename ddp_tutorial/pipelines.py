@@ -55,6 +55,29 @@ class RandomCrops(Dataset[dict[str, int]]):
         return {"index": index, "worker": worker, "crop": top * self.span + left, "flip": flip}
 
 
+class OnePicture(Dataset[tuple[torch.Tensor, int]]):
+    """Every item: one fixed picture, randomly cropped and maybe flipped, label 0.
+
+    The crop and flip are drawn from torch's global generator, as torchvision's
+    transforms draw them: whatever differs between two batches is augmentation,
+    so two ranks' batches show whether their random streams differ (lesson 06).
+    """
+
+    picture = torch.linspace(0, 1, 3 * 24 * 24).reshape(3, 24, 24)
+
+    def __init__(self, length: int = 64, crop: int = 16) -> None:
+        self.length, self.crop = length, crop
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        span = self.picture.shape[-1] - self.crop + 1
+        top, left = torch.randint(0, span, (2,)).tolist()
+        image = self.picture[:, top : top + self.crop, left : left + self.crop]
+        return (image.flip(-1) if torch.rand(()) < 0.5 else image), 0
+
+
 def shard_of(rank: int, world_size: int) -> tuple[int, int]:
     """``(reader, readers)`` of the calling DataLoader worker: which slice of a stream is its.
 

@@ -29,7 +29,6 @@ from torch.utils.data import Dataset
 from ddp_tutorial.data import SyntheticImages
 
 DATA_KINDS = ("synthetic", "folder", "cifar10")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)  # roughly zero-mean, unit-variance pixels
 
 
@@ -38,7 +37,10 @@ class DataError(ValueError):
 
 
 def _images(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    """What ``ImageFolder`` will load: torchvision's own list of image suffixes."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS)
 
 
 def _classes(split: Path) -> list[str]:

@@ -50,3 +50,16 @@ def test_a_dataset_generator_is_copied_into_workers_unless_reseeded():
     assert reseeded[0] != reseeded[1]
     again = crops(generator=loader_generator(1, rank=0), worker_init_fn=seed_worker)
     assert again == reseeded  # and reproducibly so
+
+
+def test_one_picture_differs_only_by_augmentation():
+    import torch
+
+    from ddp_tutorial.pipelines import OnePicture
+
+    torch.manual_seed(0)
+    items = [OnePicture()[0][0] for _ in range(8)]
+    assert items[0].shape == (3, 16, 16)
+    assert len({tuple(x.flatten().tolist()) for x in items}) > 1, "crops and flips vary"
+    torch.manual_seed(0)
+    assert torch.equal(OnePicture()[5][0], items[0]), "a function of the generator, not the index"

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from ddp_tutorial.harness.processes import run_command
 
 PTRACE_DENIED = (
     "py-spy may not attach here (ptrace is not permitted): run it as root or with sudo, "
@@ -85,15 +86,13 @@ def dump_stack(pid: int, timeout: float = 30.0) -> StackDump:
     exe = py_spy()
     if exe is None:
         return StackDump(pid, False, "py-spy is not installed (pip install py-spy)")
-    try:
-        command = [exe, "dump", "--pid", str(pid)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    done = run_command([exe, "dump", "--pid", str(pid)], timeout=timeout)  # tree killed on time
+    if done.timed_out:
         return StackDump(pid, False, f"pid {pid}: py-spy did not answer within {timeout:.0f} s")
+    said = _ANSI.sub("", done.output)
     if done.returncode != 0:
-        said = _ANSI.sub("", done.stdout + done.stderr)
-        return StackDump(pid, False, explain(pid, done.returncode, said))
-    return StackDump(pid, True, _ANSI.sub("", done.stdout))
+        return StackDump(pid, False, explain(pid, done.returncode or -1, said))
+    return StackDump(pid, True, said)
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
