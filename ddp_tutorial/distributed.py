@@ -402,7 +402,7 @@ def average_buffers(module: nn.Module) -> float:
     for buffer in module.buffers():
         before = buffer.clone()
         if buffer.is_floating_point():
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # SUM, then divide: any backend/torch
             buffer.div_(world)
         else:
             dist.broadcast(buffer, src=0)

@@ -25,6 +25,11 @@ INIT_TIMEOUT_ENV = "DDP_TUTORIAL_INIT_TIMEOUT"
 """Seconds every rank may take to join the process group (a slow ``import torch`` is not a bug)."""
 INIT_TIMEOUT_DEFAULT_S = 600.0
 
+RUNS_ENV = "DDP_TUTORIAL_RUNS"
+"""Where launches write their run directories. Unset: ``runs/`` under the current directory
+(``notebooks/runs/`` in Jupyter, git-ignored, pruned to the newest runs of each script).
+``make run`` and the notebook tests point it into ``build/`` or a temporary folder."""
+
 CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 """cuBLAS's workspace layout; ``:4096:8`` makes its results deterministic (``numerics``)."""
 
@@ -41,6 +46,11 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
 def backend(env: Mapping[str, str] | None = None) -> str:
     """The requested backend (``$DDP_TUTORIAL_BACKEND``, default "auto")."""
     return _env(env).get(BACKEND_ENV) or BACKEND_DEFAULT
+
+
+def runs_root(env: Mapping[str, str] | None = None) -> str:
+    """The folder run directories go under (``$DDP_TUTORIAL_RUNS``, default ``runs``)."""
+    return _env(env).get(RUNS_ENV) or "runs"
 
 
 def timeout_s(env: Mapping[str, str] | None = None, default: float = TIMEOUT_DEFAULT_S) -> float:

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "scripts"  # what a user copies and runs
+DEMOS = SCRIPTS / "demos"  # the lessons' demonstration scripts
 
 
 def load_script(name: str) -> ModuleType:

@@ -2,8 +2,8 @@
 
 Lesson 05 (notebooks/05_checkpointing.ipynb) asserts on real launches what
 is not repeated here: the save race (seed 000's guard vs rank-0 atomic), the
-SIGKILL mid-save (scripts/save_victim.py), and the bitwise resume across two
-launches (scripts/resume.py).
+SIGKILL mid-save (scripts/demos/save_victim.py), and the bitwise resume across two
+launches (scripts/demos/resume.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SCRIPTS
+from conftest import DEMOS
 from ddp_tutorial.checkpoint import (
     CheckpointError,
     atomic_save,
@@ -352,7 +352,7 @@ def test_map_location_onto_each_ranks_gpu(tmp_path):
     from conftest import gpu_count
 
     result = torchrun(
-        SCRIPTS / "load_anywhere.py",
+        DEMOS / "load_anywhere.py",
         "--dir",
         tmp_path / "ck",
         nproc=gpu_count(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SCRIPTS, gpu_count
+from conftest import DEMOS, gpu_count
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.lessons.collectives import OPS, check_records, expected
 
@@ -43,7 +43,7 @@ def test_check_records_reports_a_wrong_value():
 def test_collectives_on_nccl_one_rank_per_gpu(tmp_path):
     n = gpu_count()
     result = torchrun(
-        SCRIPTS / "collectives.py", nproc=n, env={"DDP_TUTORIAL_BACKEND": "nccl"},
+        DEMOS / "collectives.py", nproc=n, env={"DDP_TUTORIAL_BACKEND": "nccl"},
         run_dir=tmp_path, timeout=180, echo=False,
     )  # fmt: skip
     records = result.records

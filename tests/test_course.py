@@ -66,3 +66,18 @@ def test_strip_outputs(tmp_path):
     assert strip_outputs(path) is True
     assert strip_outputs(path) is False
     assert nbformat.read(path, 4).cells[0].outputs == []
+
+
+@pytest.mark.notebook
+def test_a_lessons_runs_go_under_the_output_dir_not_the_notebook_folder(tmp_path):
+    path = _notebook(
+        tmp_path / "lesson.ipynb",
+        ("code", "X = 1", ["parameters"]),
+        ("code", "from ddp_tutorial.harness.launch import default_run_dir\n"
+                 "default_run_dir('x.py').mkdir(parents=True)", []),
+    )  # fmt: skip
+    result = run_notebook(path, output_dir=tmp_path / "out", timeout=60, html=False)
+    assert result.ok, result.error
+    made = list((tmp_path / "out" / "runs" / "lesson").iterdir())
+    assert [p.name.startswith("x-") for p in made] == [True]
+    assert not (tmp_path / "runs").exists(), "nothing beside the notebook"

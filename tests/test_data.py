@@ -1,6 +1,6 @@
 """ddp_tutorial.data: datasets, sampler claims (lesson 02), exact distributed evaluation.
 
-The 2-rank exact evaluation of scripts/sampling.py against one process is
+The 2-rank exact evaluation of scripts/demos/sampling.py against one process is
 asserted by notebooks/02_data_sampling.ipynb.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SCRIPTS, gpu_count
+from conftest import DEMOS, gpu_count
 from ddp_tutorial.data import GaussianBlobs, IndexDataset, SyntheticImages, distributed_evaluate
 from ddp_tutorial.lessons.sampling import train_classifier
 from ddp_tutorial.models import MLP, SmallCNN
@@ -171,7 +171,7 @@ def test_exact_evaluation_on_nccl_matches_single_process(tmp_path):
     torch.save(model.state_dict(), tmp_path / "mlp.pt")
     truth = distributed_evaluate(model, GaussianBlobs(301, seed=1))
     result = torchrun(
-        SCRIPTS / "sampling.py", "--model", tmp_path / "mlp.pt", "--val-length", 301,
+        DEMOS / "sampling.py", "--model", tmp_path / "mlp.pt", "--val-length", 301,
         nproc=n, run_dir=tmp_path / "run", env={"DDP_TUTORIAL_BACKEND": "nccl"},
         timeout=180, echo=False,
     )  # fmt: skip

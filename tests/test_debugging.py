@@ -2,7 +2,7 @@
 
 Every broken case with its real message, every fix in one launch, pdb on a
 world of one and ``torch.distributed.breakpoint`` are asserted by
-notebooks/09_debugging.ipynb on real launches of scripts/debug_lab.py. Here:
+notebooks/09_debugging.ipynb on real launches of scripts/demos/debug_lab.py. Here:
 the lab's input checks, a breakpoint that gets no input, the fixed cases in
 one plain process, and the pure helpers. Nothing may hang: every launch has
 a hard timeout.
@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, processes_running
+from conftest import DEMOS, processes_running
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.processes import run_command
 from ddp_tutorial.lessons.debugging import key_lines
 
-LAB = SCRIPTS / "debug_lab.py"
+LAB = DEMOS / "debug_lab.py"
 HARD_TIMEOUT = 150
 
 

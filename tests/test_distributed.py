@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import DEMOS
 from ddp_tutorial.distributed import BackendError, choose_backend
 
 
@@ -57,7 +57,7 @@ def test_unknown_backend():
 def test_hello_without_torchrun_is_a_world_of_one(tmp_path):
     """Plain `python script.py` works (world size 1): the script can be debugged."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "hello.py"), "--out", str(tmp_path)],
+        [sys.executable, str(DEMOS / "hello.py"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, gpu_count
+from conftest import DEMOS, gpu_count
 from ddp_tutorial.harness.launch import torchrun
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ def test_nvml_count_matches_cuda_count():
 
 def test_hello_nccl_one_rank_per_gpu(tmp_path):
     n = gpu_count()
-    result = torchrun(SCRIPTS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
+    result = torchrun(DEMOS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
     assert [r["backend"] for r in result.records] == ["nccl"] * n
     assert [r["device"] for r in result.records] == [f"cuda:{i}" for i in range(n)]
     assert {r["all_reduce_sum"] for r in result.records} == {float(sum(range(n)))}
@@ -30,5 +30,5 @@ def test_hello_nccl_one_rank_per_gpu(tmp_path):
 
 def test_auto_falls_back_to_gloo_with_more_ranks_than_gpus(tmp_path):
     n = gpu_count() + 1
-    result = torchrun(SCRIPTS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
+    result = torchrun(DEMOS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
     assert {r["backend"] for r in result.records} == {"gloo"}

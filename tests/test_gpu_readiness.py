@@ -21,7 +21,9 @@ import pytest
 from conftest import REPO, SCRIPTS
 
 
-@pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(SCRIPTS))
+)
 def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     """With nccl every tensor a collective sees, and every DDP module, must be on the GPU.
 
@@ -36,6 +38,8 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     pinned = 'backend="gloo"' in text or 'default="gloo"' in text
     # The template joins by itself: its device follows the backend it chose.
     own = 'torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")' in text
+    follows = 'cuda = backend == "nccl"' in text  # scripts/compare/loops.py's bare loop
+    own = own or (follows and 'torch.device("cuda", local_rank) if cuda' in text)
     assert "info.device" in text or pinned or own, f"{path.name}: no rank device, no pinned gloo"
 
 
@@ -74,7 +78,9 @@ def _cpu_tensors_into_collectives(tree: ast.AST) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(SCRIPTS))
+)
 def test_no_script_hands_a_cpu_tensor_to_a_collective(path):
     text = path.read_text()
     if re.search(r"process_group\(\s*(?:backend=)?\"gloo\"", text):

@@ -1,7 +1,7 @@
 """The launcher against the real torchrun: failure, timeout, env, bad input.
 
 A successful launch with rank prefixes and per-rank records is lesson 00's
-first cell (notebooks/00_environment.ipynb asserts it on scripts/hello.py);
+first cell (notebooks/00_environment.ipynb asserts it on scripts/demos/hello.py);
 here one failing launch serves every assertion about failures, and the
 scripts import no torch, so that a launch costs only torchrun's own start-up.
 """
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, processes_running
+from conftest import DEMOS, processes_running
 from ddp_tutorial.harness.failures import LaunchError, LaunchTimeout, parse_failures
 from ddp_tutorial.harness.launch import RunResult, raise_for_failure, start, torchrun
 from ddp_tutorial.harness.processes import alive
@@ -125,7 +125,7 @@ def test_missing_script_fails_before_launch(tmp_path):
 @pytest.mark.parametrize("nproc", [0, -1, 1.5])
 def test_bad_nproc_fails_before_launch(nproc):
     with pytest.raises(ValueError, match="nproc must be a positive integer"):
-        torchrun(SCRIPTS / "hello.py", nproc=nproc)
+        torchrun(DEMOS / "hello.py", nproc=nproc)
 
 
 SIGKILLED_PEER_SUMMARY = """
@@ -202,3 +202,28 @@ def test_a_crash_report_starts_at_the_cpp_message_not_the_module_list(tmp_path):
         "Fatal Python error: Aborted",
     ]
     assert "<no Python frame>" in report and "Extension modules" not in report
+
+
+def test_default_run_dirs_follow_the_runs_root_and_old_ones_are_pruned(tmp_path, monkeypatch):
+    import os
+
+    from ddp_tutorial.harness import launch
+
+    monkeypatch.setenv("DDP_TUTORIAL_RUNS", str(tmp_path))
+    old = []
+    for i in range(launch.KEEP_RUNS + 3):  # runs a previous session left behind
+        run = tmp_path / f"train-20260101-0000{i:02d}"
+        run.mkdir()
+        os.utime(run, (1_000_000 + i, 1_000_000 + i))
+        old.append(run)
+    other = tmp_path / "hello-20260101-000000"
+    other.mkdir()
+    mine = [launch.default_run_dir("scripts/train.py") for _ in range(2)]
+    for run in mine:
+        run.mkdir()
+    assert all(run.parent == tmp_path and run.name.startswith("train-") for run in mine)
+    assert mine[0] != mine[1]
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("train-"))
+    assert set(mine) <= set(kept) and len(kept) <= launch.KEEP_RUNS + 2
+    assert not old[0].exists() and old[-1].exists(), "the oldest go, the newest stay"
+    assert other.exists(), "another script's runs are not touched"

@@ -131,7 +131,7 @@ def test_loss_gap_and_blow_up():
 
 
 def test_inf_gradient_leaves_the_original_alone():
-    script = load_script("speed_tools.py")
+    script = load_script("demos/speed_tools.py")
     grad = torch.ones(2, 3)
     hit = script.inf_gradient(grad)
     assert math.isinf(hit[0, 0]) and torch.isfinite(hit.view(-1)[1:]).all()
@@ -139,7 +139,7 @@ def test_inf_gradient_leaves_the_original_alone():
 
 
 def test_amp_step_skips_an_injected_inf_and_halves_the_scale(world_of_one):
-    script = load_script("speed_tools.py")
+    script = load_script("demos/speed_tools.py")
     ddp = DDP(tiny_model(0))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

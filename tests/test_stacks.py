@@ -14,7 +14,7 @@ import time
 
 from ddp_tutorial.harness.stacks import PTRACE_DENIED, dump_stack, explain, py_spy, stuck_in
 
-DUMP = """Process 4242: python -u scripts/debug_lab.py --case skip
+DUMP = """Process 4242: python -u scripts/demos/debug_lab.py --case skip
 Python v3.11.7 (/usr/bin/python3.11)
 
 Thread 4242 (idle): "MainThread"

@@ -2,7 +2,7 @@
 
 DDP's anatomy (broadcast at construction, averaged gradients, buckets,
 no_sync, unused parameters, BatchNorm) is asserted on a real 2-rank launch
-of scripts/ddp_anatomy.py by notebooks/04_ddp_wrapping.ipynb, and the
+of scripts/demos/ddp_anatomy.py by notebooks/04_ddp_wrapping.ipynb, and the
 two-node LOCAL_RANK table by notebooks/03_device_mapping.ipynb; here are the
 launcher's multi-node failure handling and the pure pieces.
 """
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import SCRIPTS, gpu_count, processes_running
+from conftest import DEMOS, gpu_count, processes_running
 from ddp_tutorial.harness.failures import LaunchError
 from ddp_tutorial.harness.launch import shell_command, torchrun
 from ddp_tutorial.harness.multinode import multinode
@@ -84,9 +84,9 @@ def test_multinode_failure_names_node_and_kills_the_rest(tmp_path, write_script)
 
 def test_multinode_bad_input():
     with pytest.raises(ValueError, match="nnodes must be a positive integer"):
-        multinode(SCRIPTS / "hello.py", nnodes=0)
+        multinode(DEMOS / "hello.py", nnodes=0)
     with pytest.raises(ValueError, match="node_env needs 2 entries"):
-        multinode(SCRIPTS / "hello.py", nnodes=2, node_env=[{}])
+        multinode(DEMOS / "hello.py", nnodes=2, node_env=[{}])
 
 
 def test_shell_command_is_what_a_user_types():
@@ -102,7 +102,7 @@ def test_shell_command_is_what_a_user_types():
 @pytest.mark.gpu
 def test_anatomy_on_gpus_syncbn_and_device_ids(tmp_path):
     n = gpu_count()
-    result = torchrun(SCRIPTS / "ddp_anatomy.py", "--timing-steps", 5, nproc=n,
+    result = torchrun(DEMOS / "ddp_anatomy.py", "--timing-steps", 5, nproc=n,
                       run_dir=tmp_path, echo=False, timeout=300)  # fmt: skip
     for rec in result.records:
         assert rec["backend"] == "nccl"
@@ -122,7 +122,7 @@ def test_anatomy_on_gpus_syncbn_and_device_ids(tmp_path):
 def test_cuda_visible_devices_only_before_init():
     def run(when: str) -> dict:
         out = subprocess.run(
-            [sys.executable, str(SCRIPTS / "cuda_visibility.py"), "--when", when],
+            [sys.executable, str(DEMOS / "cuda_visibility.py"), "--when", when],
             capture_output=True, text=True, check=True, timeout=120,
         )  # fmt: skip
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -137,7 +137,7 @@ def test_load_without_map_location_lands_on_gpu0(tmp_path):
         pytest.skip("needs 2 GPUs to see a rank stray onto another rank's GPU")
     seen = {}
     for mode in ("stray", "clean"):
-        result = torchrun(SCRIPTS / "cuda_contexts.py", "--mode", mode, nproc=2,
+        result = torchrun(DEMOS / "cuda_contexts.py", "--mode", mode, nproc=2,
                           run_dir=tmp_path / mode, echo=False, timeout=180)  # fmt: skip
         seen[mode] = result.records
     assert [r["loaded_on"] for r in seen["stray"]] == ["cuda:0", "cuda:0"]
@@ -153,11 +153,11 @@ def test_load_without_map_location_lands_on_gpu0(tmp_path):
 def test_dp_and_ddp_both_measured(tmp_path):
     n = gpu_count()
     dp = subprocess.run(
-        [sys.executable, str(SCRIPTS / "dp_vs_ddp.py"), "--mode", "dp", "--steps", "5",
+        [sys.executable, str(DEMOS / "dp_vs_ddp.py"), "--mode", "dp", "--steps", "5",
          "--out", str(tmp_path / "dp")], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert dp.returncode == 0, dp.stderr[-2000:]
-    ddp = torchrun(SCRIPTS / "dp_vs_ddp.py", "--mode", "ddp", "--steps", 5, nproc=n,
+    ddp = torchrun(DEMOS / "dp_vs_ddp.py", "--mode", "ddp", "--steps", 5, nproc=n,
                    run_dir=tmp_path / "ddp", echo=False, timeout=300)  # fmt: skip
     assert len(ddp.records) == n and all(r["samples_per_s"] > 0 for r in ddp.records)
 
@@ -185,7 +185,7 @@ def test_multinode_gives_each_node_its_own_gpus(nvml, monkeypatch):
     nvml([fake_gpu(i) for i in range(8)])
     started = {}
     monkeypatch.setattr(mn, "run_together", lambda specs, **kw: started.update(specs) or {})
-    mn.multinode(SCRIPTS / "hello.py", nnodes=2, nproc_per_node=2, echo=False, check=False)
+    mn.multinode(DEMOS / "hello.py", nnodes=2, nproc_per_node=2, echo=False, check=False)
     seen = [started[n].env["CUDA_VISIBLE_DEVICES"] for n in (0, 1)]
     assert seen == [
         f"{fake_gpu(0).uuid},{fake_gpu(1).uuid}",

@@ -10,7 +10,10 @@ reported with its error.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +25,8 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+from ddp_tutorial import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # ddp_tutorial/harness/course.py
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -99,12 +104,15 @@ def run_notebook(
     timeout: float = DEFAULT_TIMEOUT_S,
     parameters: Mapping[str, Any] | None = None,
     html: bool = True,
+    runs_dir: str | Path | None = None,
 ) -> NotebookResult:
     """Execute one notebook top to bottom; never raises for a failing cell.
 
     ``timeout`` bounds each cell. With ``output_dir`` the executed notebook
     (and, with ``html``, an HTML copy) is written there, failed or not, so
-    the error can be read in context.
+    the error can be read in context. The lesson's launches write their run
+    directories under ``runs_dir`` (default: ``<output_dir>/runs/<notebook>``,
+    or a temporary folder removed afterwards), never into ``notebooks/``.
     """
     path = Path(path).resolve()
     nb = nbformat.read(path, as_version=4)
@@ -116,14 +124,23 @@ def run_notebook(
         timeout=int(timeout),
         resources={"metadata": {"path": str(path.parent)}},
     )
+    scratch = None
+    if runs_dir is None and output_dir is not None:
+        runs_dir = Path(output_dir) / "runs" / path.stem
+    elif runs_dir is None:
+        runs_dir = scratch = Path(tempfile.mkdtemp(prefix=f"{path.stem}-runs-"))
+    env = {**os.environ, settings.RUNS_ENV: str(Path(runs_dir).resolve())}
     start = time.monotonic()
     ok, error = True, ""
     try:
-        client.execute()
+        client.execute(env=env)
     except CellExecutionError as exc:
         ok, error = False, str(exc)
     except (CellTimeoutError, DeadKernelError, TimeoutError, RuntimeError) as exc:
         ok, error = False, f"{type(exc).__name__}: {exc}"
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - start
     result = NotebookResult(path, seconds, ok, error, None if ok else _failing_cell(nb))
     if output_dir is not None:

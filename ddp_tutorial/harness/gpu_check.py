@@ -4,7 +4,7 @@ On a machine with GPUs and only torch, pytest, psutil, nvidia-ml-py,
 matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
 
 1. the ``gpu``-marked tests (``pytest -m gpu``);
-2. ``scripts/hello.py`` with nccl across *every* visible GPU — with two or
+2. ``scripts/demos/hello.py`` with nccl across *every* visible GPU — with two or
    more, that is real communication between GPUs;
 3. the GPU branches of lessons 03, 04, 05, 06, 08 (``--deterministic``), 09,
    10 (``NCCL_DEBUG`` lines) and 11 (cuda autocast, inductor, the CUDA
@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_tutorial import settings
 from ddp_tutorial.harness.processes import run_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +57,8 @@ def plan(gpus: int, python: str = sys.executable) -> list[Step]:
         else "one GPU: nccl starts, but no communication between GPUs is tested"
     )
     pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
-    hello = [*torchrun, "--nproc-per-node", str(gpus), "scripts/hello.py", "--backend", "nccl"]
+    hello = [*torchrun, "--nproc-per-node", str(gpus), "scripts/demos/hello.py"]
+    hello += ["--backend", "nccl"]
     steps = [
         Step("gpu tests", [*pytest, "tests"], 180.0),
         Step(f"hello, nccl, {gpus} rank(s)", hello, 60.0, hello_note),
@@ -72,8 +74,9 @@ def run_step(step: Step) -> dict[str, object]:
     # The package from this source tree, for every process below (notebooks run from
     # notebooks/, their ranks from wherever torchrun starts them): an absolute path.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    done = run_command(step.command, timeout=step.timeout_s, env={"PYTHONPATH": path},
-                       cwd=str(REPO))  # fmt: skip
+    runs = str(REPO / "build" / "gpu-check-runs")  # the lessons' runs: not into notebooks/
+    env = {"PYTHONPATH": path, settings.RUNS_ENV: runs}
+    done = run_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
     if done.timed_out:
         status = f"TIMEOUT ({step.timeout_s:.0f} s)"
     else:

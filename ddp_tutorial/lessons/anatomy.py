@@ -1,6 +1,6 @@
 """Small, inspectable pieces for looking inside DDP (lesson 04).
 
-Everything here is plain PyTorch, shared by ``scripts/ddp_anatomy.py`` (the
+Everything here is plain PyTorch, shared by ``scripts/demos/ddp_anatomy.py`` (the
 ranks), the notebook (the single-process reference) and the tests, so that the
 DDP run and the reference it is compared with use the very same model, data
 and optimizer — the comparison is only meaningful if nothing else differs.

@@ -6,7 +6,7 @@ before and after. Because the inputs are known, the expected outputs are
 known too (:func:`expected`), so the notebook can *assert* what each
 collective did on every rank instead of trusting a printout.
 
-Run inside an initialised process group (``scripts/collectives.py``); the
+Run inside an initialised process group (``scripts/demos/collectives.py``); the
 table helpers work on the records afterwards, in the notebook.
 """
 

@@ -48,7 +48,7 @@ def train_classifier(
 def draw_streams(records: list[dict], setting: str, key: str) -> dict[tuple[int, int], list[int]]:
     """``{(rank, worker): draws}``: what each DataLoader worker of each rank drew, in order.
 
-    ``records`` are ``scripts/sampling.py --pipelines`` rank records; ``key``
+    ``records`` are ``scripts/demos/sampling.py --pipelines`` rank records; ``key``
     is ``"crop"`` (the dataset's own numpy generator) or ``"flip"`` (torch's).
     """
     streams: dict[tuple[int, int], list[int]] = {}

@@ -1,6 +1,6 @@
 """The speed tools of lesson 11, made observable: bytes on the wire, compile splits, overlap.
 
-Shared by ``scripts/speed_tools.py`` (the ranks), the notebook and the tests.
+Shared by ``scripts/demos/speed_tools.py`` (the ranks), the notebook and the tests.
 Most of it is pure functions over what a run recorded (a log, a list of
 profiler events, layer shapes), so the claims of the lesson are computed the
 same way everywhere and tested on fixed inputs; :func:`wire_log` is the one

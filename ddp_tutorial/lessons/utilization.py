@@ -9,7 +9,7 @@ def step_breakdown(records: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Per rank, mean ms per step of: extra work, DDP forward+backward (incl. waiting), step.
 
     For records holding per-step lists ``eval``, ``forward``, ``backward`` and
-    ``step`` (seconds), as ``scripts/imbalance.py`` writes them. A rank whose
+    ``step`` (seconds), as ``scripts/demos/imbalance.py`` writes them. A rank whose
     DDP time exceeds its peers' by roughly another rank's extra work spent that
     time waiting inside a collective.
     """

@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_tutorial.data import SyntheticImages
+from ddp_tutorial.distributed import job_backend
 from ddp_tutorial.models import MODEL_NAMES, build_model
 
 
@@ -96,11 +98,18 @@ class Bare:
 
     def __init__(self) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # One backend for the whole job, chosen from the node (not per rank: one GPU and
+        # --nproc 2 would give rank 0 nccl and rank 1 gloo, and init would hang).
+        backend, _ = job_backend(None, rank, world, local_world)
+        cuda = backend == "nccl"
         self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=120), device_id=self.device if cuda else None
+        )
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def setup(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:

@@ -1,6 +1,6 @@
 """The speed tools under DDP, each case checked on every rank and recorded (lesson 11).
 
-    torchrun --standalone --nproc-per-node 2 scripts/speed_tools.py --out runs/speed
+    torchrun --standalone --nproc-per-node 2 scripts/demos/speed_tools.py --out runs/speed
 
 One launch runs every case (each launch costs seconds of start-up): ``amp``
 (bf16 autocast, fp16 + GradScaler with ``no_sync`` accumulation, an inf

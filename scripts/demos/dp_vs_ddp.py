@@ -1,7 +1,7 @@
 """DataParallel (seed 002) against DistributedDataParallel, measured. GPU only.
 
-    python scripts/dp_vs_ddp.py --mode dp --out runs/dp                 # 1 process, N threads
-    torchrun --standalone --nproc-per-node N scripts/dp_vs_ddp.py --mode ddp --out runs/ddp
+    python scripts/demos/dp_vs_ddp.py --mode dp --out runs/dp                 # 1 process, N threads
+    torchrun --standalone --nproc-per-node N scripts/demos/dp_vs_ddp.py --mode ddp --out runs/ddp
 
 Same model (resnet18), same synthetic images, same GLOBAL batch. DataParallel
 is one process: each step it scatters the batch, *replicates the model* to

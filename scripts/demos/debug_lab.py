@@ -1,16 +1,16 @@
 """The debugging lab: each ``--case`` reproduces one classic DDP failure; ``--fix`` repairs it.
 
-    torchrun --standalone --nproc-per-node 2 scripts/debug_lab.py --case unused
-    TORCH_DISTRIBUTED_DEBUG=INFO torchrun ... scripts/debug_lab.py --case unused   # names them
-    torchrun ... scripts/debug_lab.py --case skip --timeout 3                      # hangs 3 s
-    torchrun ... scripts/debug_lab.py --case skip --monitored --timeout 3          # names rank 1
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... scripts/debug_lab.py --case shape
-    torchrun ... scripts/debug_lab.py --case rank0-eval --timeout 3
-    torchrun ... scripts/debug_lab.py --case uneven --timeout 3
-    torchrun ... scripts/debug_lab.py --case slow --timeout 3 --backend nccl   # NCCL's watchdog
-    torchrun ... scripts/debug_lab.py --case all --fix          # every repaired case, one launch
-    torchrun ... scripts/debug_lab.py --case breakpoint         # rank 0 stops in pdb
-    python -m pdb scripts/debug_lab.py --case keys              # a world of one: plain pdb
+    torchrun --standalone --nproc-per-node 2 scripts/demos/debug_lab.py --case unused
+    TORCH_DISTRIBUTED_DEBUG=INFO torchrun ... debug_lab.py --case unused        # names them
+    torchrun ... debug_lab.py --case skip --timeout 3                           # hangs 3 s
+    torchrun ... debug_lab.py --case skip --monitored --timeout 3               # names rank 1
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... debug_lab.py --case shape
+    torchrun ... debug_lab.py --case rank0-eval --timeout 3
+    torchrun ... debug_lab.py --case uneven --timeout 3
+    torchrun ... debug_lab.py --case slow --timeout 3 --backend nccl            # NCCL's watchdog
+    torchrun ... debug_lab.py --case all --fix            # every repaired case, one launch
+    torchrun ... debug_lab.py --case breakpoint           # rank 0 stops in pdb
+    python -m pdb scripts/demos/debug_lab.py --case keys  # a world of one: plain pdb
 
 Every case is a few lines in a function below, the bug and its fix side by
 side (``if fix:``). The process group gets a short timeout (``--timeout``,

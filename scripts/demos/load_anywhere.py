@@ -3,7 +3,7 @@
 Run it from the shell (meant for a GPU box; it also runs on CPU, where every
 device is the CPU and the lesson is moot):
 
-    torchrun --standalone --nproc-per-node 2 scripts/load_anywhere.py --dir /tmp/anywhere
+    torchrun --standalone --nproc-per-node 2 scripts/demos/load_anywhere.py --dir /tmp/anywhere
 
 ``torch.save`` records, for every tensor, the device it was on ("cuda:0"
 when rank 0 saved from its GPU). ``torch.load`` puts it back there unless

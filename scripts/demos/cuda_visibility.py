@@ -2,8 +2,8 @@
 
 GPU only; plain Python, one process:
 
-    python scripts/cuda_visibility.py --when before   # hides every GPU: 0 devices
-    python scripts/cuda_visibility.py --when after    # too late: still every GPU
+    python scripts/demos/cuda_visibility.py --when before   # hides every GPU: 0 devices
+    python scripts/demos/cuda_visibility.py --when after    # too late: still every GPU
 
 Seed 000 sets ``os.environ["CUDA_VISIBLE_DEVICES"]`` inside the training
 script. That works only if nothing has initialised CUDA yet in that process

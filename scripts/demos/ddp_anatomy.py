@@ -1,6 +1,6 @@
 """What DistributedDataParallel does, one experiment at a time, recorded per rank.
 
-    torchrun --standalone --nproc-per-node 2 scripts/ddp_anatomy.py
+    torchrun --standalone --nproc-per-node 2 scripts/demos/ddp_anatomy.py
 
 One launch runs every experiment of lesson 04 (each launch costs seconds of
 start-up, so they share one): the broadcast at construction, the bucketed

@@ -2,8 +2,8 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/teardown.py --init plain
-    torchrun --standalone --nproc-per-node 2 scripts/teardown.py --init package
+    torchrun --standalone --nproc-per-node 2 scripts/demos/teardown.py --init plain
+    torchrun --standalone --nproc-per-node 2 scripts/demos/teardown.py --init package
 
 Each rank wraps a small model in DDP, trains a few steps, gathers a result
 (as a training script's last steps do), and calls ``destroy_process_group``.

@@ -2,7 +2,7 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/collectives.py
+    torchrun --standalone --nproc-per-node 2 scripts/demos/collectives.py
 
 Each rank
 1. reports the environment contract torchrun prepared for it (MASTER_ADDR,

@@ -1,7 +1,7 @@
 """Load imbalance: rank 0 does extra work every step, and everyone else waits for it.
 
-    torchrun --standalone --nproc-per-node 2 scripts/imbalance.py --eval rank0    # the bug
-    torchrun --standalone --nproc-per-node 2 scripts/imbalance.py --eval sharded  # the fix
+    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval rank0    # the bug
+    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval sharded  # the fix
 
 A DDP step holds collectives that complete only when *every* rank has reached
 them: the gradient all_reduce in backward and, for a model with buffers such as

@@ -2,7 +2,7 @@
 
 This is how seed 001 starts its workers. Run it with plain python (no torchrun):
 
-    python scripts/spawn_template.py --nprocs 2
+    python scripts/demos/spawn_template.py --nprocs 2
 
 ``mp.spawn(fn, nprocs=N)`` starts N children with the *spawn* start method
 (not fork: each is a fresh interpreter that imports this file again, as

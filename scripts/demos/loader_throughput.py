@@ -2,7 +2,7 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/loader_throughput.py --workers 0 2
+    torchrun --standalone --nproc-per-node 2 scripts/demos/loader_throughput.py --workers 0 2
 
 Every rank loads ``SyntheticImages`` (each sample is generated on the fly,
 a few hundred microseconds of CPU, like decoding a JPEG) through its own

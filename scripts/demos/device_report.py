@@ -3,12 +3,12 @@
 Run it on one node, or as two "nodes" of one job (on two machines, or twice
 on this one, as lesson 03 does):
 
-    torchrun --standalone --nproc-per-node 2 scripts/device_report.py
+    torchrun --standalone --nproc-per-node 2 scripts/demos/device_report.py
     # node 0 and node 1 of a 2-node job (run each line on its own machine):
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/device_report.py
+        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/demos/device_report.py
     torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/device_report.py
+        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/demos/device_report.py
 
 Each rank reports what torchrun told it (RANK, LOCAL_RANK, GROUP_RANK = node),
 the device seed 000's rule would pick (``cuda:{dist.get_rank()}``: the global

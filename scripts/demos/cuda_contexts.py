@@ -2,8 +2,8 @@
 
 GPU only. Run it on a machine with at least 2 GPUs:
 
-    torchrun --standalone --nproc-per-node 2 scripts/cuda_contexts.py --mode stray
-    torchrun --standalone --nproc-per-node 2 scripts/cuda_contexts.py --mode clean
+    torchrun --standalone --nproc-per-node 2 scripts/demos/cuda_contexts.py --mode stray
+    torchrun --standalone --nproc-per-node 2 scripts/demos/cuda_contexts.py --mode clean
 
 Rank 0 saves a checkpoint from ``cuda:0``; the storage remembers that device.
 ``--mode stray`` loads it the way seed 001 loads its pretrained weights

@@ -2,7 +2,7 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/sampling.py --length 21 --epochs 3
+    torchrun --standalone --nproc-per-node 2 scripts/demos/sampling.py --length 21 --epochs 3
 
 Part 1, sampling. Every rank builds the same ``DataLoader`` over a dataset
 whose item ``i`` is ``i`` (so a rank can report exactly what it received)

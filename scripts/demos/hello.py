@@ -2,7 +2,7 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/hello.py
+    torchrun --standalone --nproc-per-node 2 scripts/demos/hello.py
 
 Each rank reads its identity from the environment torchrun prepared (RANK,
 LOCAL_RANK, WORLD_SIZE), joins the process group, and takes part in one

@@ -2,15 +2,15 @@
 
 Run it from the shell (one node, every rank writes):
 
-    torchrun --standalone --nproc-per-node 2 scripts/save_race.py --dir /tmp/race
+    torchrun --standalone --nproc-per-node 2 scripts/demos/save_race.py --dir /tmp/race
 
 or as two "nodes" on one machine (two torchrun agents, one rank each, sharing
 the disk, so seed 000's ``local_rank == 0`` guard leaves two writers):
 
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1 \
-        --master-port 29555 scripts/save_race.py --dir /tmp/race &
+        --master-port 29555 scripts/demos/save_race.py --dir /tmp/race &
     torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 \
-        --master-port 29555 scripts/save_race.py --dir /tmp/race
+        --master-port 29555 scripts/demos/save_race.py --dir /tmp/race
 
 For each ``--modes`` entry it runs ``--rounds`` rounds. In each round the
 writers of that mode save a training-like state to the same file

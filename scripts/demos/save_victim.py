@@ -2,7 +2,7 @@
 
 Run it from the shell:
 
-    python scripts/save_victim.py --dir /tmp/victim --trials 5
+    python scripts/demos/save_victim.py --dir /tmp/victim --trials 5
 
 A crash, an out-of-memory kill or a pre-empted node stops a process between
 any two bytes, with no ``finally`` and no cleanup. For each ``--modes`` entry

@@ -2,14 +2,16 @@
 
 Run it from the shell — two epochs straight:
 
-    torchrun --standalone --nproc-per-node 2 scripts/resume.py --epochs 2 --checkpoint-dir /tmp/a
+    torchrun --standalone --nproc-per-node 2 scripts/demos/resume.py --epochs 2 \\
+        --checkpoint-dir /tmp/a
 
 or one epoch, stop (as a job hitting its time limit), then a *new* launch that
 finds the snapshot and runs the second epoch:
 
-    torchrun --standalone --nproc-per-node 2 scripts/resume.py --epochs 2 --stop-after 1 \
+    torchrun --standalone --nproc-per-node 2 scripts/demos/resume.py --epochs 2 --stop-after 1 \\
         --checkpoint-dir /tmp/b
-    torchrun --standalone --nproc-per-node 2 scripts/resume.py --epochs 2 --checkpoint-dir /tmp/b
+    torchrun --standalone --nproc-per-node 2 scripts/demos/resume.py --epochs 2 \\
+        --checkpoint-dir /tmp/b
 
 Both leave ``final.pt`` (the plain model ``state_dict()``) in the checkpoint
 directory; on the CPU the two are bitwise equal. What makes that possible is

@@ -2,8 +2,8 @@
 
 Run it from the shell:
 
-    torchrun --standalone --nproc-per-node 2 scripts/uneven_gather.py            # fails
-    torchrun --standalone --nproc-per-node 2 scripts/uneven_gather.py --fix-only # passes
+    torchrun --standalone --nproc-per-node 2 scripts/demos/uneven_gather.py            # fails
+    torchrun --standalone --nproc-per-node 2 scripts/demos/uneven_gather.py --fix-only # passes
 
 Rank r holds ``2 + r`` predictions (rows of ``[index, score]``), as ranks do
 after an unpadded evaluation shard. Each rank first gathers them correctly,

@@ -1,0 +1,84 @@
+"""The two scripts a learner copies first: a plain loop and its DDP twin, torch only.
+
+Lesson 00 renders their diff and asserts, on a real 2-rank launch, that they train the
+same weights. Here: what makes them copyable (imports, length, the essential lines) and
+the clear message when the DDP one is started without torchrun.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPTS
+
+TWINS = [SCRIPTS / "single_process.py", SCRIPTS / "minimal_ddp.py"]
+
+
+def _imported_roots(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("path", TWINS, ids=lambda p: p.name)
+def test_imports_only_torch_and_the_standard_library(path):
+    foreign = _imported_roots(path) - {"torch"} - set(sys.stdlib_module_names)
+    assert not foreign, f"{path.name} imports {sorted(foreign)}: a learner could not copy it"
+
+
+@pytest.mark.parametrize("path", TWINS, ids=lambda p: p.name)
+def test_short_enough_to_read_in_one_sitting(path):
+    assert len(path.read_text().splitlines()) <= 120
+
+
+def test_every_ddp_step_is_in_the_minimal_script():
+    text = (SCRIPTS / "minimal_ddp.py").read_text()
+    for line in [
+        'int(os.environ["LOCAL_RANK"])',
+        "torch.cuda.set_device(device)",
+        "dist.init_process_group(",
+        "DistributedSampler(train_set",
+        "sampler.set_epoch(epoch)",
+        "DDP(model, device_ids=[local_rank]",
+        "dist.all_reduce(loss_sum)",
+        "if rank == 0:",
+        "model.module.state_dict()",
+        "os.replace(tmp, args.out)",
+        "dist.destroy_process_group()",
+    ]:
+        assert line in text, f"minimal_ddp.py lost: {line}"
+
+
+def test_the_twins_share_everything_but_the_ddp_lines():
+    """The data, the model and the optimizer are the same lines in both files."""
+    single, ddp = (path.read_text() for path in TWINS)
+    for line in [
+        "def make_data(n: int, seed: int) -> TensorDataset:",
+        "model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)",
+        "optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)",
+        "loss = nn.functional.cross_entropy(model(x), y)",
+    ]:
+        assert line in single and line in ddp, line
+
+
+@pytest.mark.torchrun
+def test_without_torchrun_it_says_how_to_start_it(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "minimal_ddp.py"), "--out", str(tmp_path / "m.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},  # no RANK, LOCAL_RANK, ... from a surrounding launch
+    )
+    assert done.returncode == 1
+    assert "start me with torchrun: torchrun --standalone --nproc-per-node 2" in done.stderr
+    assert "Traceback" not in done.stderr
