@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import os
+import random
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -77,6 +81,87 @@ def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytes
         )
 
     monkeypatch.setattr(processes, "spawn", refuse)
+
+
+TEST_ID_ENV = "DDP_TUTORIAL_TEST_ID"
+# Set by torch itself on first use (the first torch.compile): restored, not a test's leak.
+TORCH_SETS = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST"}
+_test_ids = itertools.count()
+
+
+def _processes_of(test_id: str, before: set[int]) -> list[psutil.Process]:
+    """Live processes not in ``before`` whose environment carries ``test_id``.
+
+    Every process a test starts inherits the id, also those that outlive their
+    launcher and are reparented to init (which ``children()`` would miss).
+    """
+    found = []
+    for pid in set(psutil.pids()) - before:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(TEST_ID_ENV) == test_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest):
+    """A test leaves the environment, the global RNGs and the process table as it found them.
+
+    The global RNG states of torch, numpy and ``random`` are restored (building
+    a layer draws from them; a test that reseeds them must not decide what the
+    next test draws). Environment variables it set or removed are restored, and
+    a process it started that is still alive 10 s after the test is killed:
+    either fails the test, since the next test would otherwise run in a state
+    it did not ask for (a leaked ``CUBLAS_WORKSPACE_CONFIG``, a torchrun tree).
+    """
+    import numpy as np
+    import torch
+
+    saved_env = dict(os.environ)
+    rngs = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    test_id = f"{os.getpid()}-{next(_test_ids)}"
+    os.environ[TEST_ID_ENV] = test_id
+    before = set(psutil.pids())
+    yield
+    os.environ.pop(TEST_ID_ENV, None)
+    changed = sorted(
+        k
+        for k in set(saved_env) | set(os.environ)
+        if saved_env.get(k) != os.environ.get(k) and k not in TORCH_SETS
+    )
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_rng_state(rngs[0])
+    np.random.set_state(rngs[1])
+    random.setstate(rngs[2])
+    deadline = time.monotonic() + 10
+    left = _processes_of(test_id, before)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _processes_of(test_id, before)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    problems = []
+    if changed:
+        problems.append(f"changed environment variables {changed}")
+    if left:
+        names = []
+        for proc in left:
+            try:
+                names.append(" ".join(proc.cmdline()[:4]))
+            except psutil.Error:  # gone, or a zombie, since
+                continue
+        problems.append(f"left {len(left)} processes running: {names}")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} " + "; ".join(problems) + " (restored)")
 
 
 @pytest.fixture

@@ -81,3 +81,20 @@ def test_a_lessons_runs_go_under_the_output_dir_not_the_notebook_folder(tmp_path
     made = list((tmp_path / "out" / "runs" / "lesson").iterdir())
     assert [p.name.startswith("x-") for p in made] == [True]
     assert not (tmp_path / "runs").exists(), "nothing beside the notebook"
+
+
+def test_the_index_page_lists_every_lesson_with_status_time_and_link(tmp_path):
+    from ddp_tutorial.harness.course import NotebookResult, write_index
+
+    good = _notebook(tmp_path / "00_a.ipynb", ("md", "# 00 · First\nWhat it is.", []))
+    bad = _notebook(tmp_path / "01_b.ipynb", ("md", "# 01 · Second\nMore.", []))
+    results = [
+        NotebookResult(good, 3.2, True, html_path=tmp_path / "00_a.html"),
+        NotebookResult(
+            bad, 7.9, False, "boom", failed_cell=4, executed_path=tmp_path / "01_b.ipynb"
+        ),
+    ]
+    page = write_index(results, tmp_path / "site").read_text()
+    assert '<a href="00_a.html">00 · First</a>' in page and "What it is." in page
+    assert '<a href="01_b.ipynb">01 · Second</a>' in page and "FAILED (cell 4)" in page
+    assert "3.2 s" in page and "7.9 s" in page and "1/2 lessons ok" in page

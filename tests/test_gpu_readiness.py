@@ -40,6 +40,9 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     own = 'torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")' in text
     follows = 'cuda = backend == "nccl"' in text  # scripts/compare/loops.py's bare loop
     own = own or (follows and 'torch.device("cuda", local_rank) if cuda' in text)
+    # scripts/minimal_ddp.py: nccl only in the branch that made device a GPU
+    branch = 'dist.init_process_group("nccl", device_id=device)' in text
+    own = own or (branch and 'device = torch.device("cpu")' in text)
     assert "info.device" in text or pinned or own, f"{path.name}: no rank device, no pinned gloo"
 
 

@@ -14,8 +14,21 @@ import time
 import pytest
 
 from conftest import DEMOS, processes_running
-from ddp_tutorial.harness.failures import LaunchError, LaunchTimeout, parse_failures
-from ddp_tutorial.harness.launch import RunResult, raise_for_failure, start, torchrun
+from ddp_tutorial.harness import processes
+from ddp_tutorial.harness.failures import (
+    LaunchError,
+    LaunchTimeout,
+    failure_message,
+    parse_failures,
+)
+from ddp_tutorial.harness.launch import (
+    LaunchSpec,
+    RunResult,
+    raise_for_failure,
+    run_together,
+    start,
+    torchrun,
+)
 from ddp_tutorial.harness.processes import alive
 
 # No torch in the ranks: they start in a fraction of a second.
@@ -26,9 +39,22 @@ record = {"rank": int(rank), "pid": os.getpid(), "marker": os.environ.get("DDP_T
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print("rank", rank, "wrote its record", flush=True)
-if rank == "1":
-    time.sleep(1)  # rank 0 has finished by then: the failure is rank 1's alone
+if rank == "1":  # wait until rank 0 has finished: the failure is rank 1's alone
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join(out, "rank0.json")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # rank 0 returns right after writing its record
     raise ValueError("deliberate failure on rank 1")
+"""
+
+# Rank 1 dies by a signal (os.abort: SIGABRT, as a C++ "terminate called" does; or SIGKILL,
+# as the OOM killer does) while rank 0 waits: torchrun then terminates rank 0 itself.
+DIES_BY = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    print("rank 1 about to die by {how}", flush=True)
+    os.abort() if "{how}" == "SIGABRT" else os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
 """
 
 HANGING = """
@@ -41,23 +67,32 @@ time.sleep(3600)
 
 
 @pytest.fixture(scope="module")
-def failed(tmp_path_factory) -> tuple[RunResult, float, RunResult]:
-    """A 2-rank launch in which rank 1 fails (start(), check=False), beside a slower one."""
+def failed(tmp_path_factory) -> tuple[RunResult, float, RunResult, dict[str, RunResult]]:
+    """A 2-rank launch in which rank 1 fails (start(), check=False), beside a slower one.
+
+    Beside them, two launches whose rank 1 dies by a signal: what torchrun really
+    prints then is what the failure parser must read.
+    """
     run_dir = tmp_path_factory.mktemp("failing")
     script = run_dir / "fails.py"
     script.write_text(FAILING)
     sleeper = run_dir / "sleeps.py"
     sleeper.write_text("import time\ntime.sleep(4)\n")
+    dying = {}
+    for how in ("SIGABRT", "SIGKILL"):
+        path = run_dir / f"dies_by_{how}.py"
+        path.write_text(DIES_BY.replace("{how}", how))
+        dying[how] = start(path, nproc=2, run_dir=run_dir / how, echo=False, check=False)
     t0 = time.monotonic()
     launch = start(script, nproc=2, run_dir=run_dir, echo=False, check=False,
                    env={"DDP_TEST_MARKER": "hello-from-parent"})  # fmt: skip
     returned_after = time.monotonic() - t0
-    assert not launch.done
+    assert launch.proc.poll() is None, "start() returned while torchrun still runs"
     slow = start(sleeper, nproc=1, run_dir=run_dir / "slow", echo=False, out_flag=None)
     slower = slow.wait()  # collected first, although it ends last
     result = launch.wait()
     assert launch.wait() is result
-    return result, returned_after, slower
+    return result, returned_after, slower, {how: la.wait() for how, la in dying.items()}
 
 
 @pytest.mark.torchrun
@@ -67,7 +102,7 @@ def test_start_returns_before_the_launch_ends(failed):
 
 @pytest.mark.torchrun
 def test_seconds_end_when_the_output_ends_not_when_it_is_collected(failed):
-    result, _, slower = failed
+    result, _, slower, _ = failed
     assert slower.ok and result.seconds < slower.seconds - 1
 
 
@@ -101,20 +136,113 @@ def test_env_override_reaches_ranks_and_output_is_kept_per_rank(failed):
 
 
 @pytest.mark.torchrun
-def test_timeout_kills_everything(tmp_path, write_script):
+def test_timeout_kills_everything_checked_or_not(tmp_path, write_script):
+    """Two hanging launches side by side, one raising (check=True), one returning its result.
+
+    The limit leaves both ranks time to start even on a loaded machine (torchrun's
+    start-up takes seconds there); both launches end within seconds of it.
+    """
     script = write_script("hangs_for_test.py", HANGING)
+    limit = 15
+    launches = {
+        check: start(
+            script,
+            nproc=2,
+            run_dir=tmp_path / f"run-{check}",
+            timeout=limit,
+            echo=False,
+            check=check,
+        )  # fmt: skip
+        for check in (True, False)
+    }
     start_time = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        torchrun(script, nproc=2, run_dir=tmp_path / "run", timeout=8, echo=False)
+        launches[True].wait()
+    unchecked = launches[False].wait()
     elapsed = time.monotonic() - start_time
-    assert elapsed < 25, f"timeout took {elapsed:.0f}s to take effect"
-    assert "did not finish within 8 s" in str(info.value)
-    worker_pids = [r["pid"] for r in info.value.result.records]
-    assert len(worker_pids) == 2, "both ranks had started before the timeout"
-    time.sleep(0.5)
+    assert elapsed < limit + 15, f"the timeout took {elapsed:.0f}s to take effect"
+    assert f"did not finish within {limit} s" in str(info.value)
+    assert unchecked.timed_out and not unchecked.ok, "check=False: returned, not raised"
+    pids = [r["pid"] for r in info.value.result.records + unchecked.records]
+    assert len(pids) == 4, "every rank had started before the timeout"
+    _gone(script, pids)
+
+
+def _gone(script, pids, within_s: float = 10.0) -> None:
+    """Every process of the launch ends within ``within_s`` (a deadline, not a fixed sleep)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not processes_running(str(script)) and not any(alive(pid) for pid in pids):
+            return
+        time.sleep(0.1)
     assert processes_running(str(script)) == [], "no process of the launch may survive"
-    for pid in worker_pids:
-        assert not alive(pid)
+    assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.torchrun
+def test_an_interrupt_while_waiting_kills_the_launch(tmp_path, write_script):
+    """The notebook's stop button: KeyboardInterrupt in wait() ends torchrun and its ranks."""
+    import _thread
+    import threading
+
+    script = write_script("hangs_interrupted.py", HANGING)
+    launch = start(script, nproc=2, run_dir=tmp_path / "run", timeout=120, echo=False)
+
+    def interrupt_once_both_ranks_run() -> None:
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "run").glob("rank*.json"))) < 2:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_both_ranks_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        launch.wait()
+    pids = [int(p.read_text().split('"pid": ')[1].split("}")[0]) for p in
+            (tmp_path / "run").glob("rank*.json")]  # fmt: skip
+    assert len(pids) == 2
+    _gone(script, [launch.proc.pid, *pids])
+
+
+@pytest.mark.torchrun
+def test_a_monitor_that_cannot_start_leaves_no_torchrun_behind(tmp_path, write_script,
+                                                                 monkeypatch):  # fmt: skip
+    from ddp_tutorial.harness import monitor
+
+    def broken(self) -> None:
+        raise RuntimeError("no sampler today")
+
+    monkeypatch.setattr(monitor.Monitor, "start", broken)
+    script = write_script("hangs_monitored.py", HANGING)
+    spawned = []
+    real_spawn = processes.spawn
+    monkeypatch.setattr(processes, "spawn", lambda *a, **k: spawned.append(real_spawn(*a, **k))
+                        or spawned[-1])  # fmt: skip
+    with pytest.raises(RuntimeError, match="no sampler today"):
+        start(script, nproc=2, run_dir=tmp_path / "run", monitor=True, echo=False)
+    assert len(spawned) == 1
+    _gone(script, [spawned[0].pid])
+
+
+@pytest.mark.torchrun
+def test_run_together_kills_what_it_started_when_a_later_launch_cannot_start(
+    tmp_path, write_script
+):
+    script = write_script("hangs_together.py", HANGING)
+    specs = {
+        "first": LaunchSpec(script, nproc=1, run_dir=tmp_path / "a", echo=False, timeout=60),
+        "second": LaunchSpec(tmp_path / "missing.py", nproc=1, echo=False),
+    }
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        run_together(specs)
+    _gone(script, [])
+
+
+@pytest.mark.parametrize("timeout", [0, -5])
+def test_a_timeout_that_is_not_positive_is_refused_before_anything_starts(timeout):
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        torchrun(DEMOS / "hello.py", nproc=2, timeout=timeout)
 
 
 def test_missing_script_fails_before_launch(tmp_path):
@@ -154,6 +282,18 @@ def test_a_killed_rank_is_named_before_the_one_torchrun_terminated(tmp_path):
     """torchrun can call the SIGTERM'd peer the root cause; the SIGKILL'd rank comes first."""
     failures = parse_failures(SIGKILLED_PEER_SUMMARY, tmp_path)
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL"), (0, "SIGTERM")]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("how", ["SIGABRT", "SIGKILL"])
+def test_a_rank_killed_by_a_signal_is_named_from_torchruns_real_summary(failed, how):
+    result = failed[3][how]
+    assert not result.ok
+    first = result.failures[0]
+    assert (first.rank, first.signal) == (1, how), result.output[-3000:]
+    message = failure_message("dies.py", result)
+    assert message.startswith(f"dies.py failed under torchrun: {first.describe()}")
+    assert how in first.describe()
 
 
 ABORTED_PEER_SUMMARY = SIGKILLED_PEER_SUMMARY.replace("-9 (pid: 12)", "-6 (pid: 12)").replace(

@@ -22,18 +22,25 @@ from ddp_tutorial.records import read_rank_records
 # No torch in the ranks: they cost only the spin.
 SPIN = """
 import json, os, sys, time
-start = time.time()
+start, cpu = time.time(), time.process_time()
 x = 0
-while time.time() - start < 2.5:   # busy on one core for 2.5 s
+while time.time() - start < 2.5:   # as busy as the machine lets it be, for 2.5 s
     x += 1
-rank = int(os.environ["RANK"])
+rank, end = int(os.environ["RANK"]), time.time()
+share = 100 * (time.process_time() - cpu) / (end - start)  # what this rank really got
 with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
-    json.dump({"rank": rank, "start": start, "end": time.time()}, f)
+    json.dump({"rank": rank, "start": start, "end": end, "share": share}, f)
 """
 
 
+@pytest.mark.torchrun  # two rank interpreters
 def test_cpu_mode_sees_both_ranks_busy(tmp_path, write_script):
-    """Two rank processes (RANK in their environment, as torchrun sets it) below this one."""
+    """Two rank processes (RANK in their environment, as torchrun sets it) below this one.
+
+    The monitor must report the CPU each rank really got (its own process time over
+    its wall time), however busy the machine is: on a quiet 2-core box that is a full
+    core each, beside other jobs less, and the monitor must say so either way.
+    """
     script = write_script("spin.py", SPIN)
     mon = Monitor(env={"CUDA_VISIBLE_DEVICES": ""}, interval=0.25)
     with mon:
@@ -53,8 +60,9 @@ def test_cpu_mode_sees_both_ranks_busy(tmp_path, write_script):
     # rows carry wall time; summarize in the window when both ranks spun
     shifted = [{**r, "t": r["wall"]} for r in rows]
     stats = summarize(shifted, window=(window[0] + 0.5, window[1] - 0.25))
-    for rank in (0, 1):
-        assert stats[rank]["util_max"] > 30, stats  # a spinning rank keeps a core busy
+    for rank, record in enumerate(result.records):
+        share, seen = record["share"], stats[rank]["util_mean"]
+        assert abs(seen - share) <= max(15.0, 0.35 * share), (rank, share, stats)
         assert stats[rank]["mem_max_mib"] > 10
     assert read_samples_csv(tmp_path / "utilization.csv") == rows
 

@@ -24,7 +24,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _course(args: argparse.Namespace) -> int:
-    from ddp_tutorial.harness.course import notebooks, results_table, run_course
+    from ddp_tutorial.harness.course import notebooks, results_table, run_course, write_index
 
     paths = [Path(p) for p in args.notebooks] or notebooks()
     if not paths:
@@ -36,9 +36,10 @@ def _course(args: argparse.Namespace) -> int:
         print(f"ddp-tutorial course: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
     results = run_course(paths, output_dir=args.output_dir, timeout=args.timeout)
+    index = write_index(results, args.output_dir)
     print()
     print(results_table(results))
-    print(f"\nexecuted notebooks and HTML in {args.output_dir}/")
+    print(f"\nexecuted notebooks and HTML in {args.output_dir}/; read them from {index}")
     return 0 if all(r.ok for r in results) else 1
 
 

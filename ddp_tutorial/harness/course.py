@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import psutil
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -98,6 +99,32 @@ def _failing_cell(nb: nbformat.NotebookNode) -> int | None:
     return None
 
 
+def stop_kernel(km: KernelManager) -> None:
+    """End the kernel and every process it started (torchrun trees a timed-out cell left).
+
+    nbclient leaves a kernel it was handed alive after ``execute()``, and a cell
+    killed by its timeout leaves its launches running in sessions of their own:
+    kill the kernel's descendants first, then the kernel.
+    """
+    from ddp_tutorial.harness.processes import kill_tree
+
+    pid = getattr(getattr(km, "provisioner", None), "pid", None)
+    if pid:
+        try:
+            children = psutil.Process(pid).children()
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            kill_tree(child.pid, grace_s=2.0)
+    try:
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+    except Exception:  # noqa: BLE001 - already gone: nothing left to stop
+        pass
+    if pid:
+        kill_tree(pid, grace_s=2.0)
+
+
 def run_notebook(
     path: str | Path,
     output_dir: str | Path | None = None,
@@ -139,6 +166,7 @@ def run_notebook(
     except (CellTimeoutError, DeadKernelError, TimeoutError, RuntimeError) as exc:
         ok, error = False, f"{type(exc).__name__}: {exc}"
     finally:
+        stop_kernel(km)  # with every launch a cell left running: nothing outlives the lesson
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - start
@@ -175,6 +203,48 @@ def run_course(
     return results
 
 
+def write_index(results: Iterable[NotebookResult], output_dir: str | Path) -> Path:
+    """``output_dir/index.html``: every executed lesson with its title, status, time and a link.
+
+    The executed course can then be read without running it — opened from disk or
+    published as a static site (the HTML of each lesson sits beside it).
+    """
+    import html
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in results:
+        meta = lesson_info(r.path)
+        page_of = r.html_path or r.executed_path
+        link = page_of.name if page_of else ""
+        title = html.escape(meta["title"])
+        name = f'<a href="{html.escape(link)}">{title}</a>' if link else title
+        cell = f" (cell {r.failed_cell})" if r.failed_cell is not None else ""
+        rows.append(
+            f"<tr><td>{name}</td><td>{html.escape(meta['summary'])}</td>"
+            f'<td class="{r.status.lower()}">{r.status}{cell}</td><td>{r.seconds:.1f} s</td></tr>'
+        )
+    total = sum(r.seconds for r in results)
+    ok = sum(r.ok for r in results)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>ddp-tutorial: the executed course</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}
+td,th{{padding:.3em .6em;border-bottom:1px solid #ddd;text-align:left;vertical-align:top}}
+.ok{{color:#080}}.failed{{color:#c00;font-weight:bold}}</style></head><body>
+<h1>ddp-tutorial: the executed course</h1>
+<p>Every lesson below was executed top to bottom by <code>make run</code>; each claim in it is
+an <code>assert</code> that held on this run. {ok}/{len(rows)} lessons ok, {total:.0f} s in all,
+{html.escape(time.strftime("%Y-%m-%d %H:%M"))}.</p>
+<table><tr><th>lesson</th><th>what it teaches</th><th>status</th><th>time</th></tr>
+{chr(10).join(rows)}
+</table></body></html>
+"""
+    index = out / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index
+
+
 def results_table(results: Iterable[NotebookResult]) -> str:
     """``notebook | seconds | status`` as a plain-text table."""
     results = list(results)
@@ -204,18 +274,20 @@ def strip_outputs(path: str | Path) -> bool:
     return changed
 
 
+def lesson_info(path: Path) -> dict[str, str]:
+    """``{notebook, title, summary}`` from a notebook's first markdown cell (title, first line)."""
+    nb = nbformat.read(path, as_version=4)
+    first = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
+    lines = [line.strip() for line in first.splitlines() if line.strip()]
+    title = lines[0].lstrip("# ").strip() if lines else path.stem
+    summary = next((line for line in lines[1:] if not line.startswith("#")), "")
+    return {"notebook": path.name, "title": title, "summary": summary}
+
+
 def lesson_map(directory: Path = NOTEBOOK_DIR) -> list[dict[str, str]]:
     """``[{notebook, title, summary}]`` read from each notebook's first markdown cell.
 
     The map is built from the notebooks themselves, so it cannot drift from
     what is actually in the course.
     """
-    rows = []
-    for path in notebooks(directory):
-        nb = nbformat.read(path, as_version=4)
-        first = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
-        lines = [line.strip() for line in first.splitlines() if line.strip()]
-        title = lines[0].lstrip("# ").strip() if lines else path.stem
-        summary = next((line for line in lines[1:] if not line.startswith("#")), "")
-        rows.append({"notebook": path.name, "title": title, "summary": summary})
-    return rows
+    return [lesson_info(path) for path in notebooks(directory)]

@@ -38,10 +38,10 @@ def code_cells(path: Path, parameters: Mapping[str, Any] | None = None) -> list[
 
 def run(path: Path, parameters: Mapping[str, Any] | None = None) -> tuple[int | None, str]:
     """Execute the code cells in order; ``(index of the failing cell or None, its traceback)``."""
-    os.environ.setdefault("MPLBACKEND", "Agg")  # no display here
     namespace: dict[str, Any] = {"__name__": "__main__"}
     sources = code_cells(path, parameters)
-    previous = Path.cwd()
+    previous, backend = Path.cwd(), os.environ.get("MPLBACKEND")
+    os.environ.setdefault("MPLBACKEND", "Agg")  # no display here
     os.chdir(path.resolve().parent)  # relative paths such as ../scripts/x.py, as in Jupyter
     try:
         for index, source in enumerate(sources):
@@ -51,6 +51,8 @@ def run(path: Path, parameters: Mapping[str, Any] | None = None) -> tuple[int | 
                 return index, traceback.format_exc()
     finally:
         os.chdir(previous)
+        if backend is None:
+            os.environ.pop("MPLBACKEND", None)
     return None, ""
 
 
