@@ -64,15 +64,33 @@ def processes_running(marker: str) -> list[psutil.Process]:
     return matching(marker)
 
 
+def _starts_an_interpreter(args: object) -> bool:
+    """Whether a command line would start Python (a rank, a script, a Jupyter kernel)."""
+    words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if not words:
+        return False
+    program = os.path.basename(words[0])
+    return (
+        words[0] == sys.executable
+        or program.startswith("python")
+        or program in ("torchrun", "jupyter", "ddp-tutorial")
+    )
+
+
 @pytest.fixture(autouse=True)
 def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """A test that starts torchrun must say so (``@pytest.mark.torchrun``).
+    """A test that starts torchrun, a Python interpreter or a kernel must say so.
 
-    ``make test-fast`` leaves those out; this keeps the marker honest, so the
-    edit loop never pays for a launch it did not ask for.
+    ``@pytest.mark.torchrun`` (or ``notebook``, ``gpu``): ``make test-fast``
+    leaves those out, and this keeps the markers honest, so the edit loop never
+    pays for a launch or an ``import torch`` in a new process that it did not
+    ask for. Every new process goes through ``Popen._execute_child``, also a
+    kernel that jupyter_client starts with its own ``Popen``.
     """
     if any(request.node.get_closest_marker(m) for m in ("torchrun", "notebook", "gpu")):
         return
+    import subprocess
+
     from ddp_tutorial.harness import processes
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -81,6 +99,17 @@ def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytes
         )
 
     monkeypatch.setattr(processes, "spawn", refuse)
+    real = subprocess.Popen._execute_child
+
+    def guarded(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
+        if _starts_an_interpreter(args):
+            raise AssertionError(
+                f"{request.node.nodeid} starts a Python process ({args!r}): mark it "
+                "@pytest.mark.torchrun (or make the test pure)"
+            )
+        return real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
 
 
 TEST_ID_ENV = "DDP_TUTORIAL_TEST_ID"

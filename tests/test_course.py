@@ -26,6 +26,7 @@ def _notebook(path, *cells):
     return path
 
 
+@pytest.mark.notebook
 def test_runner_reports_failing_cell_and_error(tmp_path):
     path = _notebook(
         tmp_path / "bad.ipynb",
@@ -40,6 +41,7 @@ def test_runner_reports_failing_cell_and_error(tmp_path):
     assert "bad.ipynb" in results_table([result]) and "FAILED (cell 2)" in results_table([result])
 
 
+@pytest.mark.notebook
 def test_parameters_are_injected_and_cwd_is_the_notebook_folder(tmp_path):
     (tmp_path / "marker.txt").write_text("here")
     path = _notebook(

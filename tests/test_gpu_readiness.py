@@ -113,6 +113,7 @@ def _without(modules, code: str) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, timeout=300)  # fmt: skip
 
 
+@pytest.mark.torchrun
 def test_gpu_tests_collect_on_a_machine_without_jupyter_or_yaml():
     done = _without(GPU_BOX_LACKS, (
         "import pytest; sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu',"
@@ -123,6 +124,7 @@ def test_gpu_tests_collect_on_a_machine_without_jupyter_or_yaml():
     assert re.search(r"\d+/\d+ tests collected", done.stdout), done.stdout[-500:]
 
 
+@pytest.mark.torchrun
 def test_gpu_check_and_the_plain_runner_start_without_jupyter():
     done = _without(GPU_BOX_LACKS, (
         "import ddp_tutorial.harness.gpu_check, ddp_tutorial.harness.plain_notebook\n"

@@ -45,6 +45,7 @@ def test_the_folders_are_the_three_kinds():
     assert {"anatomy", "collectives", "debugging", "perf"} <= lessons
 
 
+@pytest.mark.torchrun
 def test_rank_side_imports_no_host_side_code():
     # Imports only add modules, so one interpreter that imports every rank-side module
     # proves it for each of them: none can have loaded what the union lacks.
