@@ -37,6 +37,8 @@ class GpuInfo:
     memory_total_mib: float
     memory_used_mib: float
     mig: bool = False  # MIG mode on: CUDA shows its instances, never the whole GPU
+    capability: tuple[int, int] | None = None  # CUDA compute capability, (8, 0) for an A100
+    exclusive: bool = False  # compute mode EXCLUSIVE_PROCESS: one process (context) per GPU
 
 
 UUID_PREFIXES = ("GPU-", "MIG-")
@@ -161,10 +163,12 @@ def _resolve(entry: str, inventory: Sequence[GpuInfo] | int) -> int:
             raise DeviceError(f"{VISIBLE_DEVICES_ENV}: no GPU on this machine has UUID {entry!r}")
         return found[0]
     index = int(entry)
-    if index >= count:
+    ids = list(range(count)) if isinstance(inventory, int) else [g.index for g in inventory]
+    if index not in ids:
+        listed = f"0..{count - 1}" if ids == list(range(count)) else ", ".join(map(str, ids))
         raise DeviceError(
             f"{VISIBLE_DEVICES_ENV}: GPU {index} does not exist; this machine has {count} GPU(s)"
-            + (f" (physical ids 0..{count - 1})." if count else ".")
+            + (f" (physical ids {listed})." if count else ".")
         )
     return index
 
@@ -178,9 +182,10 @@ def logical_to_physical(value: str | None, inventory: Sequence[GpuInfo] | int) -
     GPUs (see :func:`order_matches_nvidia_smi`).
     """
     entries = parse_visible_devices(value)
-    count = inventory if isinstance(inventory, int) else len(inventory)
     if entries is None:
-        return list(range(count))
+        return (
+            list(range(inventory)) if isinstance(inventory, int) else [g.index for g in inventory]
+        )
     return [_resolve(entry, inventory) for entry in entries]
 
 
@@ -271,33 +276,57 @@ def _mig_enabled(nvml: Any, handle: Any) -> bool:
     return bool(current)
 
 
-def read_inventory(nvml: Any) -> list[GpuInfo]:
-    """Every physical GPU from an initialised ``pynvml`` module (a fake in tests)."""
+def _optional(nvml: Any, call: str, handle: Any) -> Any:
+    """An NVML reading some devices refuse ("Not Supported"), or that old bindings lack."""
+    try:
+        return getattr(nvml, call)(handle)
+    except (nvml.NVMLError, AttributeError):
+        return None
+
+
+def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo]:
+    """Every physical GPU from an initialised ``pynvml`` module (a fake in tests).
+
+    A device NVML will not describe ("Insufficient Permissions" for a GPU outside
+    the container's cgroup, "GPU is lost") is left out and said in ``problems``:
+    one bad device must not stop the course from using the others.
+    """
     gpus = []
     for i in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(i)
-        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            name = nvml_text(nvml.nvmlDeviceGetName(handle))
+            uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
+        except nvml.NVMLError as exc:
+            if problems is not None:
+                problems.append(f"GPU {i}: NVML refused to describe it ({exc}); left out")
+            continue
+        capability = _optional(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
+        mode = _optional(nvml, "nvmlDeviceGetComputeMode", handle)
         gpus.append(
             GpuInfo(
                 index=i,
-                name=nvml_text(nvml.nvmlDeviceGetName(handle)),
-                uuid=nvml_text(nvml.nvmlDeviceGetUUID(handle)),
+                name=name,
+                uuid=uuid,
                 memory_total_mib=mem.total / 2**20,
                 memory_used_mib=mem.used / 2**20,
                 mig=_mig_enabled(nvml, handle),
+                capability=tuple(capability) if capability else None,
+                exclusive=mode == getattr(nvml, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS", 3),
             )
         )
     return gpus
 
 
-def gpu_inventory() -> list[GpuInfo]:
+def gpu_inventory(problems: list[str] | None = None) -> list[GpuInfo]:
     """All physical GPUs via NVML; ``[]`` where there is no driver.
 
     NVML does not create a CUDA context, so this is safe in the notebook
-    kernel and in the launcher.
+    kernel and in the launcher. Devices NVML refuses are listed in ``problems``.
     """
     with _nvml() as nvml:
-        return read_inventory(nvml) if nvml is not None else []
+        return read_inventory(nvml, problems) if nvml is not None else []
 
 
 def cuda_visible(env: Mapping[str, str], inventory: Sequence[GpuInfo]) -> list[GpuInfo]:
@@ -310,21 +339,25 @@ def cuda_visible(env: Mapping[str, str], inventory: Sequence[GpuInfo]) -> list[G
     rank per whole GPU, so such a setup is refused here, with what to do,
     rather than discovered as eight ranks on one device.
     """
-    visible = [inventory[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
+    by_index = {gpu.index: gpu for gpu in inventory}
+    visible = [by_index[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
     mig = [gpu.index for gpu in visible if gpu.mig]
     if mig:
         raise DeviceError(
             f"MIG mode is on for GPU(s) {mig}: CUDA would show each process a single MIG "
             f"instance, not {len(visible)} GPU(s), so the ranks of a node could not each have "
             f"a GPU. The course needs whole GPUs: set {VISIBLE_DEVICES_ENV} to GPUs without MIG, "
-            "or turn MIG off (nvidia-smi -i ID -mig 0, as root, then reset the GPU)."
+            "or turn MIG off (nvidia-smi -i ID -mig 0, as root, then reset the GPU). Or run "
+            f"the course on the CPU, with gloo: {VISIBLE_DEVICES_ENV}= make run (an empty value)."
         )
     return visible
 
 
-def visible_gpus(env: Mapping[str, str] | None = None) -> list[GpuInfo]:
+def visible_gpus(
+    env: Mapping[str, str] | None = None, problems: list[str] | None = None
+) -> list[GpuInfo]:
     """The GPUs a process started with ``env`` would see (:func:`cuda_visible` on NVML's list)."""
-    inventory = gpu_inventory()
+    inventory = gpu_inventory(problems)
     return cuda_visible(os.environ if env is None else env, inventory) if inventory else []
 
 

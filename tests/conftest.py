@@ -217,11 +217,21 @@ class FakeNVMLError(Exception):
     pass
 
 
-def fake_gpu(index: int, uuid: str | None = None, name: str = "H100", mig: bool = False):
-    """One physical GPU as :func:`fake_pynvml` serves it (80 GB, 1 MiB used)."""
+def fake_gpu(
+    index: int,
+    uuid: str | None = None,
+    name: str = "H100",
+    mig: bool = False,
+    capability: tuple[int, int] | None = (9, 0),
+    exclusive: bool = False,
+    memory_mib: float = 80_000.0,
+):
+    """One physical GPU as :func:`fake_pynvml` serves it (80 GB, 1 MiB used, an H100)."""
     from ddp_tutorial.devices import GpuInfo
 
-    return GpuInfo(index, name, uuid or f"GPU-{index:08d}-aaaa", 80_000.0, 1.0, mig=mig)
+    uuid = uuid or f"GPU-{index:08d}-aaaa"
+    return GpuInfo(index, name, uuid, memory_mib, 1.0, mig=mig, capability=capability,
+                   exclusive=exclusive)  # fmt: skip
 
 
 def fake_pynvml(
@@ -229,13 +239,16 @@ def fake_pynvml(
     pids: dict[int, list[int]] | None = None,
     driver_cuda: int = 12040,
     failing: set[str] = frozenset(),
+    refused: dict[int, str] | None = None,
 ):
     """A stand-in for the ``pynvml`` module; ``gpus=None``: no driver.
 
     Utilization of GPU ``i`` is ``10 * i`` %, its memory used ``(i + 1)`` GiB;
     ``failing`` names NVML calls that raise (as MIG and vGPU devices do for
     utilization: "Not Supported"); ``driver_cuda`` is what
-    ``nvmlSystemGetCudaDriverVersion`` reports (12040: CUDA 12.4).
+    ``nvmlSystemGetCudaDriverVersion`` reports (12040: CUDA 12.4); ``refused``
+    maps a physical index to the error NVML gives for that one device
+    ("Insufficient Permissions": a GPU outside the container's cgroup).
     """
     import types
 
@@ -262,7 +275,20 @@ def fake_pynvml(
     mod.nvmlInit = init
     mod.nvmlShutdown = shutdown
     mod.nvmlDeviceGetCount = lambda: len(gpus)
-    mod.nvmlDeviceGetHandleByIndex = lambda i: gpus[i]
+
+    def handle(i):
+        if refused and i in refused:
+            raise FakeNVMLError(refused[i])
+        return gpus[i]
+
+    mod.nvmlDeviceGetHandleByIndex = handle
+    mod.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
+    mod.nvmlDeviceGetCudaComputeCapability = call(
+        "nvmlDeviceGetCudaComputeCapability", lambda h: h.capability or (9, 0)
+    )
+    mod.nvmlDeviceGetComputeMode = call(
+        "nvmlDeviceGetComputeMode", lambda h: 3 if h.exclusive else 0
+    )
     mod.nvmlDeviceGetName = lambda h: h.name.encode()  # old bindings return bytes
     mod.nvmlDeviceGetUUID = lambda h: h.uuid
     mod.nvmlDeviceGetMemoryInfo = call("nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(

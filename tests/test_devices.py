@@ -221,6 +221,41 @@ def test_inventory_and_visible_gpus(nvml):
         devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "1,1"})
 
 
+def test_one_gpu_nvml_refuses_is_left_out_and_said_the_others_are_used(nvml):
+    """A GPU outside the container's cgroup: "Insufficient Permissions" for that one only."""
+    nvml([fake_gpu(i) for i in range(4)], refused={2: "Insufficient Permissions"})
+    problems: list[str] = []
+    inventory = devices.gpu_inventory(problems)
+    assert [g.index for g in inventory] == [0, 1, 3]
+    assert problems == ["GPU 2: NVML refused to describe it (Insufficient Permissions); left out"]
+    assert devices.visible_gpu_count({}) == 3
+    assert [g.index for g in devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "3"})] == [3]
+
+
+def test_the_inventory_knows_capability_and_compute_mode(nvml):
+    nvml([fake_gpu(0, name="Tesla T4", capability=(7, 5), exclusive=True), fake_gpu(1)])
+    t4, h100 = devices.gpu_inventory()
+    assert (t4.capability, t4.exclusive) == ((7, 5), True)
+    assert (h100.capability, h100.exclusive) == ((9, 0), False)
+
+
+def test_mig_refusal_says_how_to_run_on_the_cpu_instead(nvml):
+    nvml([fake_gpu(i, mig=True) for i in range(2)])
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES= make run"):
+        devices.visible_gpu_count({})
+    assert devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0  # the CPU route works
+
+
+def test_the_environment_report_survives_mig_and_plans_the_cpu(nvml):
+    from ddp_tutorial.harness.environment import environment_report, format_report
+
+    nvml([fake_gpu(i, mig=True) for i in range(2)])
+    report = environment_report()
+    assert "MIG mode is on" in report["gpu_error"]
+    assert report["plan"]["backend"] == "gloo" and report["plan"]["nproc"] == 2
+    assert "MIG mode is on" in format_report(report)
+
+
 def test_gpu_memory_report_lists_processes_per_gpu(nvml):
     nvml([_gpu(0, "GPU-a"), _gpu(1, "GPU-b")], pids={0: [30, 10], 1: [20]})
     report = devices.gpu_memory_report()

@@ -208,3 +208,11 @@ def test_a_torch_the_machine_already_has_is_kept(tmp_path):
     assert (
         "pip install --index-url https://download.pytorch.org/whl/cu124 torch torchvision" in index
     )
+
+
+def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
+    from ddp_tutorial.harness import gpu_check
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    assert gpu_check.main() == 2
+    assert "the module pynvml is missing: pip install nvidia-ml-py" in capsys.readouterr().err

@@ -170,3 +170,12 @@ def test_real_nvml_samples_every_visible_gpu():
         time.sleep(0.5)
     assert mon.mode == "gpu"
     assert {r["id"] for r in mon.samples()} == set(range(gpu_count()))
+
+
+def test_a_gpu_nvml_refuses_is_skipped_and_the_others_sampled():
+    nvml = FakeNVML(4, refused={1: "Insufficient Permissions"})
+    mon = Monitor(env={}, nvml=nvml, interval=0.05, nproc=3)
+    with mon:
+        pass
+    assert mon.mode == "gpu"
+    assert {(r["id"], r["util"]) for r in mon.samples()} == {(0, 0.0), (1, 20.0), (2, 30.0)}

@@ -26,12 +26,14 @@ from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 def environment_report() -> dict[str, Any]:
     """A dict of facts about this machine and the plan the course will follow here."""
+    problems: list[str] = []
     try:
-        gpus = visible_gpus()
+        gpus = visible_gpus(problems=problems)
         gpu_error = ""
-    except DeviceError as exc:
+        nproc = default_nproc()
+    except DeviceError as exc:  # MIG: refused, with what to do; the CPU plan meanwhile
         gpus, gpu_error = [], str(exc)
-    nproc = default_nproc()
+        nproc = default_nproc({VISIBLE_DEVICES_ENV: ""})
     backend, reason = choose_backend("auto", nproc, gpus=len(gpus))
     shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None
     return {
@@ -52,6 +54,7 @@ def environment_report() -> dict[str, Any]:
         },
         "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
         "gpu_error": gpu_error,
+        "gpu_problems": problems,
         "gpus": [
             {
                 "logical": i,
@@ -90,6 +93,7 @@ def format_report(report: dict[str, Any]) -> str:
             )
     else:
         rows.append(("gpus", report["gpu_error"] or "none visible (NVML found no GPU)"))
+    rows += [("gpu left out", problem) for problem in report.get("gpu_problems", [])]
     plan = report["plan"]
     rows.append(("course plan", f"{plan['nproc']} ranks, {plan['backend']} ({plan['reason']})"))
     width = max(len(k) for k, _ in rows)

@@ -92,6 +92,12 @@ def main() -> int:
     from ddp_tutorial.records import format_table
 
     try:
+        import pynvml  # noqa: F401 - how the course counts GPUs without a CUDA context
+    except ImportError:
+        print("gpu-check: the module pynvml is missing: pip install nvidia-ml-py (the course "
+              "counts GPUs through NVML, without touching CUDA)", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
         gpus = visible_gpu_count()
     except DeviceError as exc:  # e.g. MIG: say what to do, do not start
         print(f"gpu-check: {exc}", file=sys.stderr)

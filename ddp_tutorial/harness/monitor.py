@@ -100,8 +100,8 @@ class Monitor:
         from ddp_tutorial.devices import DeviceError, cuda_visible, read_inventory
 
         try:
-            inventory = read_inventory(nvml)
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(len(inventory))]
+            inventory = read_inventory(nvml)  # a device NVML refuses is left out
+            handles = {g.index: nvml.nvmlDeviceGetHandleByIndex(g.index) for g in inventory}
             visible = cuda_visible(self.env, inventory) if inventory else []
         except (DeviceError, nvml.NVMLError) as exc:  # e.g. MIG: say why, sample the CPU
             self.note = f"GPU sampling off: {exc}"
