@@ -6,7 +6,12 @@ PYTHON ?= python3
 # reuses it. Or pick the CUDA build for the first install: make run TORCH_INDEX=<index URL>.
 TORCH_INDEX ?=
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('torch'))" 2>/dev/null && echo yes)
+# ... and pinned: without the pin, pip would replace it by a download whenever torchvision
+# is missing or too old for it (torchvision 0.29 needs torch >= 2.14). A torch older than
+# the course's torch>=2.4 then fails the install with pip's conflict, instead of a swap.
+SYSTEM_TORCH_VERSION := $(if $(SYSTEM_TORCH),$(shell $(PYTHON) -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null))
 VENV := .venv
+CONSTRAINTS := $(VENV)/constraints.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
@@ -17,7 +22,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --index-url $(TORCH_INDEX) torch torchvision)
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(if $(SYSTEM_TORCH_VERSION),echo "torch==$(SYSTEM_TORCH_VERSION)" > $(CONSTRAINTS))
+	$(BIN)/python -m pip install $(if $(SYSTEM_TORCH_VERSION),-c $(CONSTRAINTS)) -e ".[dev]"
 	touch $(STAMP)
 
 run: $(STAMP)  ## execute every notebook into build/ (ipynb + HTML) and print a table

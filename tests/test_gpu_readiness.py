@@ -196,14 +196,18 @@ def test_make_lab_runs_as_root_the_way_gpu_containers_do():
 def test_a_torch_the_machine_already_has_is_kept(tmp_path):
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("__version__ = '2.5.1+cu124'\n")  # no torchvision beside
     stamp = ".venv/.installed-stamp"
     # -S: no site-packages, so only what PYTHONPATH names; -I also ignores PYTHONPATH.
     has_torch = f"PYTHON={sys.executable} -S"
     no_torch = f"PYTHON={sys.executable} -S -I"
     with_torch = _make_n("-B", stamp, has_torch, PYTHONPATH=str(fake.parent))
     assert "-m venv --system-site-packages .venv" in with_torch
+    # pinned: a missing torchvision is resolved against that torch, never by replacing it
+    assert 'echo "torch==2.5.1" > .venv/constraints.txt' in with_torch
+    assert "pip install -c .venv/constraints.txt -e" in with_torch
     assert "--system-site-packages" not in _make_n("-B", stamp, no_torch)
+    assert "constraints" not in _make_n("-B", stamp, no_torch)
     index = _make_n("-B", stamp, no_torch, "TORCH_INDEX=https://download.pytorch.org/whl/cu124")
     assert (
         "pip install --index-url https://download.pytorch.org/whl/cu124 torch torchvision" in index
