@@ -225,8 +225,6 @@ def ddp_step_figure(records: list[dict[str, Any]], values: int = 24) -> Any:
     the bucket it travels in); each bucket, a bar from the moment DDP sent its
     all_reduce to the moment it came back (a dotted line marks the sending).
     """
-    import numpy as np
-
     from ddp_tutorial.harness.plots import new_figure
 
     wraps = [r["wrap"] for r in records]
@@ -235,7 +233,17 @@ def ddp_step_figure(records: list[dict[str, Any]], values: int = 24) -> Any:
     heights = [max(2.0, 0.8 * len(wraps)), *rows_per_step]  # in rows of about 0.3 inch
     fig = new_figure(figsize=(9.5, 0.3 * sum(heights) + 0.8 * len(heights)))
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
-    ax = fig.add_subplot(grid[0])
+    _construction_panel(fig.add_subplot(grid[0]), wraps, values)
+    for k, (step, tl) in enumerate(steps.items()):
+        _step_panel(fig.add_subplot(grid[1 + k]), step, tl)
+    fig.tight_layout()
+    return fig
+
+
+def _construction_panel(ax: Any, wraps: list[dict[str, Any]], values: int) -> None:
+    """Every rank's first ``values`` parameters before and after ``DDP(model)``, as colours."""
+    import numpy as np
+
     table = [w["params_before_wrap"][:values] for w in wraps]
     table += [w["params_after_wrap"][:values] for w in wraps]
     labels = [f"rank {r} before DDP()" for r in range(len(wraps))]
@@ -245,39 +253,40 @@ def ddp_step_figure(records: list[dict[str, Any]], values: int = 24) -> Any:
     ax.set_xlabel(f"the first {values} parameter values (colour: value)", fontsize=8)
     ax.set_title("construction: DDP(model) broadcasts rank 0's parameters to every rank",
                  fontsize=9)  # fmt: skip
-    for k, (step, tl) in enumerate(steps.items()):
-        ax = fig.add_subplot(grid[1 + k])
-        marks, grads, buckets = tl["marks"], tl["grads"], tl["buckets"]
-        bucket_of = {p: i for i, b in enumerate(buckets) for p in b["params"]}
-        top = len(grads) + len(buckets)
-        phases = [("forward", "backward", "0.55"), ("backward", "optimizer.step", "0.8"),
-                  ("optimizer.step", "done", "0.55")]  # fmt: skip
-        for a, b, grey in phases:
-            ax.broken_barh([(marks[a], marks[b] - marks[a])], (top - 0.35, 0.7), color=grey)
-        ax.text(marks["backward"], top, " backward() ", fontsize=7, va="center")
-        for row, (name, t) in enumerate(grads):
-            y = top - 1 - row
-            ax.plot(t, y, "o", ms=6, color=f"C{bucket_of.get(name, 0) % 10}", mec="k", mew=0.5)
-        for i, b in enumerate(buckets):
-            y = len(buckets) - 1 - i
-            ax.broken_barh([(b["sent"], b["done"] - b["sent"])], (y - 0.3, 0.6),
-                           color=f"C{i % 10}", alpha=0.85, label=f"bucket {i}")  # fmt: skip
-            ax.vlines(b["sent"], y, top - 0.5, color=f"C{i % 10}", ls=":", lw=1)
-            layers = ", ".join(dict.fromkeys(p.rsplit(".", 1)[0] for p in b["params"]))
-            ax.text(b["sent"], y, f" {b['numel']} values ({layers})", fontsize=7, va="center")
-        ax.set_yticks(
-            [top, *(top - 1 - r for r in range(len(grads))), *range(len(buckets))][::-1],
-            [f"all_reduce of bucket {i}" for i in range(len(buckets))]
-            + [f"grad of {name}" for name, _ in grads][::-1]
-            + ["forward | backward | step"],
-            fontsize=7,
-        )
-        ax.set_ylim(-0.6, top + 0.6)
-        ax.grid(alpha=0.3, axis="x")
-        ax.set_title(f"step {step} on rank 0: {len(buckets)} bucket(s)", fontsize=9)
-        ax.set_xlabel("ms since the step began", fontsize=8)
-    fig.tight_layout()
-    return fig
+
+
+def _step_panel(ax: Any, step: str, tl: dict[str, Any]) -> None:
+    """One recorded step in time: phases, gradient-ready dots, one bar per bucket."""
+    marks, grads, buckets = tl["marks"], tl["grads"], tl["buckets"]
+    bucket_of = {p: i for i, b in enumerate(buckets) for p in b["params"]}
+    top = len(grads) + len(buckets)
+    phases = [("forward", "backward", "0.55"), ("backward", "optimizer.step", "0.8"),
+              ("optimizer.step", "done", "0.55")]  # fmt: skip
+    for a, b, grey in phases:
+        ax.broken_barh([(marks[a], marks[b] - marks[a])], (top - 0.35, 0.7), color=grey)
+    ax.text(marks["backward"], top, " backward() ", fontsize=7, va="center")
+    for row, (name, t) in enumerate(grads):
+        ax.plot(t, top - 1 - row, "o", ms=6, color=f"C{bucket_of.get(name, 0) % 10}",
+                mec="k", mew=0.5)  # fmt: skip
+    for i, b in enumerate(buckets):
+        y = len(buckets) - 1 - i
+        ax.broken_barh([(b["sent"], b["done"] - b["sent"])], (y - 0.3, 0.6),
+                       color=f"C{i % 10}", alpha=0.85, label=f"bucket {i}")  # fmt: skip
+        ax.vlines(b["sent"], y, top - 0.5, color=f"C{i % 10}", ls=":", lw=1)
+        layers = ", ".join(dict.fromkeys(p.rsplit(".", 1)[0] for p in b["params"]))
+        ax.text(b["sent"], y, f" {b['numel']} values ({layers})", fontsize=7, va="center")
+    ax.set_yticks(
+        [top, *(top - 1 - r for r in range(len(grads))), *range(len(buckets))][::-1],
+        [f"all_reduce of bucket {i}" for i in range(len(buckets))]
+        + [f"grad of {name}" for name, _ in grads][::-1]
+        + ["forward | backward | step"],
+        fontsize=7,
+    )
+    ax.set_ylim(-0.6, top + 0.6)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(f"step {step} on rank 0: {len(buckets)} bucket(s)", fontsize=9)
+    ax.set_xlabel("ms since the step began", fontsize=8)
 
 
 class UnusedBranch(nn.Module):
