@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DEMOS
+from conftest import DEMOS, REPO
 from ddp_tutorial.checkpoint import (
     CheckpointError,
     atomic_save,
@@ -56,6 +56,51 @@ def small_model(seed: int = 0) -> MLP:
 def same_weights(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class Wrapper(nn.Module):
+    """Holds the model as ``.module``, as DDP and DataParallel do: their state_dict keys."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+
+CUDA_PROBES = ("is_available", "device_count", "get_device_properties", "_lazy_init")
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every call of the torch.cuda functions that look for GPUs (or start CUDA), recorded.
+
+    ``nn.DataParallel(model)`` calls them in its constructor, and on a GPU
+    machine initialises CUDA and moves the model to cuda:0; building
+    ``module.``-prefixed keys must not (issue 23.1): assert the list is empty.
+    """
+    calls: list[str] = []
+    for name in CUDA_PROBES:
+        original = getattr(torch.cuda, name)
+
+        def probe(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, name, probe)
+    return calls
+
+
+def cpu_data_parallel(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> nn.DataParallel:
+    """``nn.DataParallel(model)`` as built on a machine without GPUs: a pass-through, no CUDA."""
+    import importlib
+
+    module = importlib.import_module("torch.nn.parallel.data_parallel")  # not the function
+    monkeypatch.setattr(module, "_get_available_device_type", lambda: None)
+    return nn.DataParallel(model)
+
+
+def test_cuda_calls_fixture_sees_data_parallel(cuda_calls):
+    nn.DataParallel(small_model())  # the constructor the lessons and tests no longer use
+    assert "is_available" in cuda_calls
 
 
 # --------------------------------------------------------------------------- atomic save
@@ -190,17 +235,19 @@ def test_weights_only_refuses_namespace_saved_by_plain_torch_save(tmp_path):
 # --------------------------------------------------------------------------- prefixes and keys
 
 
-def test_prefixes_module_orig_mod_and_both(tmp_path):
+def test_prefixes_module_orig_mod_and_both(tmp_path, cuda_calls):
     reference = small_model(1)
     plain = reference.state_dict()
     variants = {
         "plain": plain,
-        "module": nn.DataParallel(reference).state_dict(),
+        "module": Wrapper(reference).state_dict(),
         "compiled": torch.compile(reference).state_dict(),
-        "ddp(compile)": {f"module._orig_mod.{k}": v for k, v in plain.items()},
+        "ddp(compile)": Wrapper(torch.compile(reference)).state_dict(),
     }
-    assert next(iter(variants["module"])).startswith("module.")
-    assert next(iter(variants["compiled"])).startswith("_orig_mod.")
+    assert cuda_calls == [], "building prefixed keys looked for GPUs"
+    assert list(variants["module"]) == [f"module.{k}" for k in plain]
+    assert list(variants["compiled"]) == [f"_orig_mod.{k}" for k in plain]
+    assert list(variants["ddp(compile)"]) == [f"module._orig_mod.{k}" for k in plain]
     for name, state in variants.items():
         path = atomic_save(state, tmp_path / f"{name}.pt")
         fresh = small_model(2)
@@ -219,13 +266,29 @@ def test_strip_only_when_every_key_has_the_prefix():
         load_model_state(small_model(), seed002)
 
 
-def test_model_state_unwraps_and_load_into_wrapped_model():
+def test_model_state_unwraps_and_load_into_wrapped_model(monkeypatch, cuda_calls):
     model = small_model(3)
-    assert unwrap_model(nn.DataParallel(torch.compile(model))) is model
-    assert list(model_state(nn.DataParallel(model))) == list(model.state_dict())
-    target = nn.DataParallel(small_model(4))
+    assert unwrap_model(cpu_data_parallel(torch.compile(model), monkeypatch)) is model
+    assert list(model_state(cpu_data_parallel(model, monkeypatch))) == list(model.state_dict())
+    target = cpu_data_parallel(small_model(4), monkeypatch)
     load_model_state(target, {"model": model.state_dict(), "epoch": 1})  # a training state
     assert same_weights(target.module, model)
+    assert cuda_calls == []
+
+
+def test_lesson05_builds_module_keys_without_touching_cuda(cuda_calls):
+    """Lesson 05's section-4 cell, run as the kernel runs it, with the CUDA probes recorded."""
+    import nbformat
+
+    from ddp_tutorial.records import format_table
+
+    notebook = nbformat.read(REPO / "notebooks" / "05_checkpointing.ipynb", as_version=4)
+    (cell,) = [c for c in notebook.cells if "states = {" in c.source and c.cell_type == "code"]
+    namespace = {"torch": torch, "MLP": MLP, "format_table": format_table}
+    exec(compile(cell.source, "05_checkpointing.ipynb:section 4", "exec"), namespace)
+    assert cuda_calls == [], "lesson 05's key-building cell looked for GPUs"
+    keys = [next(iter(s)) for s in namespace["states"].values()]
+    assert [k.split(".")[0] for k in keys] == ["net", "module", "_orig_mod"]
 
 
 def test_other_architecture_lists_keys_and_shapes(tmp_path):

@@ -21,7 +21,13 @@ from conftest import DEMOS, gpu_count, processes_running
 from ddp_tutorial.harness.failures import LaunchError
 from ddp_tutorial.harness.launch import shell_command, torchrun
 from ddp_tutorial.harness.multinode import multinode
-from ddp_tutorial.lessons.anatomy import shard, train_single, tutorial_series_run
+from ddp_tutorial.lessons.anatomy import (
+    ddp_step_figure,
+    shard,
+    step_order,
+    train_single,
+    tutorial_series_run,
+)
 
 STEPS, BATCH, LR, SEED = 5, 32, 0.1, 100
 
@@ -47,6 +53,40 @@ def test_shard_refuses_uneven_batches():
     assert shard(torch.arange(6), 1, 2).tolist() == [3, 4, 5]
     with pytest.raises(ValueError, match="does not split into 4 equal shards"):
         shard(torch.arange(6), 0, 4)
+
+
+def timeline(sent: list[float], grads: list[float], done: float = 9.0) -> dict:
+    """A recorded step (StepTimeline.record()) with one parameter per bucket."""
+    names = [f"p{i}" for i in range(len(grads))]
+    buckets = [{"index": i, "numel": 1, "sent": t, "done": done, "params": [names[i]]}
+               for i, t in enumerate(sent)]  # fmt: skip
+    marks = {"forward": 0.0, "backward": 1.0, "optimizer.step": 10.0, "done": 11.0}
+    grad_times = [[n, t] for n, t in zip(names, grads, strict=True)]
+    return {"marks": marks, "grads": grad_times, "buckets": buckets}
+
+
+def test_step_order_reads_the_order_of_events():
+    overlapped = step_order(timeline(sent=[2.5, 4.5], grads=[2.0, 4.0]))
+    assert overlapped["buckets"] == 2 and overlapped["first_sent_before_last_grad"]
+    assert overlapped["all_done_before_backward_returned"] and overlapped["params_once"]
+    waited = step_order(timeline(sent=[4.5], grads=[2.0]))
+    assert not waited["first_sent_before_last_grad"]
+    late = step_order(timeline(sent=[2.5, 4.5], grads=[2.0, 4.0], done=10.5))
+    assert not late["all_done_before_backward_returned"]
+    with pytest.raises(ValueError, match="no gradient or no bucket"):
+        step_order(timeline(sent=[], grads=[]))
+
+
+def test_ddp_step_figure_draws_construction_and_every_bucket():
+    steps = {"0": timeline(sent=[4.5], grads=[2.0]), "4": timeline([2.5, 4.5], [2.0, 4.0])}
+    steps["0"]["buckets"][0]["params"] = ["p0"]
+    records = [{"wrap": {"params_before_wrap": [float(r)] * 30, "params_after_wrap": [0.0] * 30,
+                         "timelines": steps}} for r in range(3)]  # fmt: skip
+    fig = ddp_step_figure(records)
+    assert len(fig.axes) == 3
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()][-1] == "rank 2 after DDP()"
+    bars = [c for ax in fig.axes[1:] for c in ax.collections if c.get_label().startswith("bucket")]
+    assert len(bars) == 3
 
 
 # -- launching several torchruns at once -----------------------------------------
@@ -112,6 +152,15 @@ def test_anatomy_on_gpus_syncbn_and_device_ids(tmp_path):
     means = [vec(r["batchnorm"]["syncbn_running_mean"]) for r in result.records]
     for m in means[1:]:
         torch.testing.assert_close(m, means[0])  # one set of statistics for all ranks
+    for rec in result.records:  # forward all-gathers (counts differ), backward all-reduces
+        c = rec["batchnorm"]["syncbn_collectives"]
+        assert c["forward"] and all(n.startswith("all_gather") for n in c["forward"])
+        assert c["backward"] == ["all_reduce"]
+        torch.testing.assert_close(vec(c["running_mean"]), vec(c["global_mean"]))
+    for rec in result.records:  # buffers: each spelling, synced when it says
+        b = rec["buffers"]
+        assert b["broadcast_buffers=False"]["future_warning"] is not None
+        assert b["forward_sync_buffers=False"]["after_init"] == 1.0  # rank 0's, everywhere
     reference = train_single(SEED, STEPS, BATCH, LR)
     torch.testing.assert_close(
         vec(result.records[0]["wrap"]["params_after_steps"]), reference, atol=1e-4, rtol=1e-4

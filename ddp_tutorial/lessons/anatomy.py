@@ -130,6 +130,165 @@ def counting_allreduce_hook(
     return default_hooks.allreduce_hook(None, bucket)
 
 
+@dataclass
+class StepTimeline(CommCounter):
+    """What one DDP step did, and in which order: gradients ready, buckets sent, buckets done.
+
+    The state of :func:`timed_allreduce_hook`. :meth:`watch` puts a hook on
+    every parameter that notes when backward produced its gradient; the comm
+    hook notes when DDP handed it each bucket (the all_reduce is launched
+    then) and when that all_reduce finished; :meth:`mark` notes the phases of
+    the step (forward, backward, optimizer). Times are milliseconds since
+    :meth:`reset`, on this process's clock (on a GPU: when the CPU *launched*
+    the work). :meth:`record` gives it all as plain data for the rank's record.
+    """
+
+    names: dict[int, str] = field(default_factory=dict)  # data_ptr of a parameter -> its name
+    origin: float = field(default_factory=time.perf_counter)
+    marks: dict[str, float] = field(default_factory=dict)
+    grads: list[tuple[str, float]] = field(default_factory=list)
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return 1e3 * (time.perf_counter() - self.origin)
+
+    def reset(self) -> None:
+        super().reset()
+        self.marks.clear()
+        self.grads.clear()
+        self.buckets.clear()
+        self.origin = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = self.now()
+
+    def watch(self, model: nn.Module) -> None:
+        """Note the moment backward computes each parameter's gradient (a tensor hook)."""
+        for name, p in model.named_parameters():
+            self.names[p.data_ptr()] = name
+            p.register_hook(lambda grad, name=name: self.grads.append((name, self.now())))
+
+    def record(self) -> dict[str, Any]:
+        return {"marks": dict(self.marks), "grads": [list(g) for g in self.grads],
+                "buckets": [dict(b) for b in self.buckets]}  # fmt: skip
+
+
+def timed_allreduce_hook(
+    state: StepTimeline, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`counting_allreduce_hook` that also notes when each bucket left and came back."""
+    state.numels.append(bucket.buffer().numel())
+    entry = {"index": bucket.index(), "numel": bucket.buffer().numel(), "sent": state.now(),
+             "done": None, "params": [state.names.get(p.data_ptr(), "?")
+                                      for p in bucket.parameters()]}  # fmt: skip
+    state.buckets.append(entry)
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        entry["done"] = state.now()
+        return fut.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
+
+
+def step_order(timeline: dict[str, Any]) -> dict[str, Any]:
+    """The order facts of one recorded step (:meth:`StepTimeline.record`), no durations.
+
+    ``first_sent_before_last_grad``: the first bucket left while backward was
+    still computing gradients (what lets communication overlap computation);
+    ``all_done_before_backward_returned``: ``loss.backward()`` returned only
+    after every bucket's all_reduce had finished; ``params_once``: every
+    parameter travelled in exactly one bucket.
+    """
+    grads = [t for _, t in timeline["grads"]]
+    buckets = timeline["buckets"]
+    sent = [p for b in buckets for p in b["params"]]
+    if not grads or not buckets:
+        raise ValueError("a step with no gradient or no bucket recorded")
+    return {
+        "buckets": len(buckets),
+        "first_sent_before_last_grad": buckets[0]["sent"] < max(grads),
+        "all_done_before_backward_returned": all(
+            b["done"] is not None and b["done"] <= timeline["marks"]["optimizer.step"]
+            for b in buckets
+        ),
+        "params_once": sorted(sent) == sorted(name for name, _ in timeline["grads"]),
+    }
+
+
+def ddp_step_figure(records: list[dict[str, Any]], values: int = 24) -> Any:
+    """Lesson 04's picture, from the launch's records: construction, then two steps in time.
+
+    Top: the first ``values`` parameters of every rank before and after
+    ``DDP(model)`` (rank 0's are broadcast). Below, rank 0's first and last
+    recorded step, one row per event source: the step's phases; each
+    parameter, with a dot where backward computed its gradient (coloured by
+    the bucket it travels in); each bucket, a bar from the moment DDP sent its
+    all_reduce to the moment it came back (a dotted line marks the sending).
+    """
+    from ddp_tutorial.harness.plots import new_figure
+
+    wraps = [r["wrap"] for r in records]
+    steps = wraps[0]["timelines"]
+    rows_per_step = [1 + len(tl["grads"]) + len(tl["buckets"]) for tl in steps.values()]
+    heights = [max(2.0, 0.8 * len(wraps)), *rows_per_step]  # in rows of about 0.3 inch
+    fig = new_figure(figsize=(9.5, 0.3 * sum(heights) + 0.8 * len(heights)))
+    grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+    _construction_panel(fig.add_subplot(grid[0]), wraps, values)
+    for k, (step, tl) in enumerate(steps.items()):
+        _step_panel(fig.add_subplot(grid[1 + k]), step, tl)
+    fig.tight_layout()
+    return fig
+
+
+def _construction_panel(ax: Any, wraps: list[dict[str, Any]], values: int) -> None:
+    """Every rank's first ``values`` parameters before and after ``DDP(model)``, as colours."""
+    import numpy as np
+
+    table = [w["params_before_wrap"][:values] for w in wraps]
+    table += [w["params_after_wrap"][:values] for w in wraps]
+    labels = [f"rank {r} before DDP()" for r in range(len(wraps))]
+    labels += [f"rank {r} after DDP()" for r in range(len(wraps))]
+    ax.imshow(np.array(table), aspect="auto", cmap="coolwarm", interpolation="nearest")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel(f"the first {values} parameter values (colour: value)", fontsize=8)
+    ax.set_title("construction: DDP(model) broadcasts rank 0's parameters to every rank",
+                 fontsize=9)  # fmt: skip
+
+
+def _step_panel(ax: Any, step: str, tl: dict[str, Any]) -> None:
+    """One recorded step in time: phases, gradient-ready dots, one bar per bucket."""
+    marks, grads, buckets = tl["marks"], tl["grads"], tl["buckets"]
+    bucket_of = {p: i for i, b in enumerate(buckets) for p in b["params"]}
+    top = len(grads) + len(buckets)
+    phases = [("forward", "backward", "0.55"), ("backward", "optimizer.step", "0.8"),
+              ("optimizer.step", "done", "0.55")]  # fmt: skip
+    for a, b, grey in phases:
+        ax.broken_barh([(marks[a], marks[b] - marks[a])], (top - 0.35, 0.7), color=grey)
+    ax.text(marks["backward"], top, " backward() ", fontsize=7, va="center")
+    for row, (name, t) in enumerate(grads):
+        ax.plot(t, top - 1 - row, "o", ms=6, color=f"C{bucket_of.get(name, 0) % 10}",
+                mec="k", mew=0.5)  # fmt: skip
+    for i, b in enumerate(buckets):
+        y = len(buckets) - 1 - i
+        ax.broken_barh([(b["sent"], b["done"] - b["sent"])], (y - 0.3, 0.6),
+                       color=f"C{i % 10}", alpha=0.85, label=f"bucket {i}")  # fmt: skip
+        ax.vlines(b["sent"], y, top - 0.5, color=f"C{i % 10}", ls=":", lw=1)
+        layers = ", ".join(dict.fromkeys(p.rsplit(".", 1)[0] for p in b["params"]))
+        ax.text(b["sent"], y, f" {b['numel']} values ({layers})", fontsize=7, va="center")
+    ax.set_yticks(
+        [top, *(top - 1 - r for r in range(len(grads))), *range(len(buckets))][::-1],
+        [f"all_reduce of bucket {i}" for i in range(len(buckets))]
+        + [f"grad of {name}" for name, _ in grads][::-1]
+        + ["forward | backward | step"],
+        fontsize=7,
+    )
+    ax.set_ylim(-0.6, top + 0.6)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(f"step {step} on rank 0: {len(buckets)} bucket(s)", fontsize=9)
+    ax.set_xlabel("ms since the step began", fontsize=8)
+
+
 class UnusedBranch(nn.Module):
     """A model whose ``aux`` head never contributes to the output (a common accident)."""
 

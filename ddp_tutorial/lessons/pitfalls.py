@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ def bn_model(seed: int, hidden: int = 16) -> nn.Module:
 class Checkpointed(nn.Module):
     """An MLP whose middle block is recomputed in backward (activation checkpointing)."""
 
-    def __init__(self, seed: int, use_reentrant: bool, hidden: int = 16) -> None:
+    def __init__(self, seed: int, use_reentrant: bool | None, hidden: int = 16) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.stem = nn.Linear(IN_FEATURES, hidden)
@@ -60,12 +61,16 @@ class Checkpointed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.stem(x))
-        h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)  # saves memory
+        if self.use_reentrant is None:  # not passed: torch warns, then picks use_reentrant=True
+            h = checkpoint(self.block, h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)  # saves memory
         return self.head(h)
 
 
 CHECKPOINT_CASES = {
     "reentrant + find_unused_parameters": (True, {"find_unused_parameters": True}),
+    "use_reentrant not passed + find_unused_parameters": (None, {"find_unused_parameters": True}),
     "use_reentrant=False + find_unused_parameters": (False, {"find_unused_parameters": True}),
     "reentrant + static_graph": (True, {"static_graph": True}),
 }
@@ -79,24 +84,29 @@ def checkpointing(
     for name, (reentrant, options) in CHECKPOINT_CASES.items():
         ddp = wrap(Checkpointed(seed, reentrant), device, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        try:
-            for _ in range(steps):
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(ddp(x), y).backward()
-                grad = flat_grads(ddp)
-                opt.step()
-            out[name] = {"error": None, "grad": grad}
-        except RuntimeError as exc:  # raised in backward, on every rank alike
-            out[name] = {"error": first_line(exc, lines=20), "grad": None}
+        with warnings.catch_warnings(record=True) as caught:  # kept in the record, not printed
+            warnings.simplefilter("always")
+            try:
+                for _ in range(steps):
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(ddp(x), y).backward()
+                    grad = flat_grads(ddp)
+                    opt.step()
+                out[name] = {"error": None, "grad": grad}
+            except RuntimeError as exc:  # raised in backward, on every rank alike
+                out[name] = {"error": first_line(exc, lines=20), "grad": None}
+        checkpoint_warnings = [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
+        out[name]["warning"] = checkpoint_warnings[0] if checkpoint_warnings else None
     return out
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:
     """DDP's option that stops the buffer copy before each forward, in this torch's spelling.
 
-    ``broadcast_buffers=False``, which recent torch deprecates (2.14.1 warns) for
-    ``forward_sync_buffers=False`` (which still syncs the buffers once, at
-    construction: what you want here).
+    ``forward_sync_buffers=False`` where this torch has it (2.13+; it still
+    copies rank 0's buffers once, at construction: what you want here), else
+    ``broadcast_buffers=False`` (which 2.14.1 deprecates with a FutureWarning
+    and which, unlike the new name, also skips the copy at construction).
     """
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"

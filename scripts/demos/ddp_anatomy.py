@@ -4,22 +4,26 @@
 
 One launch runs every experiment of lesson 04 (each launch costs seconds of
 start-up, so they share one): the broadcast at construction, the bucketed
-all_reduce in backward, replicas after N steps, ``no_sync`` accumulation,
-unused parameters, BatchNorm vs SyncBatchNorm and ``device_ids``, and three
-pitfalls (``ddp_tutorial.lessons.pitfalls``): BatchNorm against the one-process
-reference, reentrant activation checkpointing, two forwards before one
-backward. Each rank
-writes what it saw to ``--out``; the notebook compares the ranks and checks
-the claims. ``--only NAME`` runs a subset (the tests use it).
+all_reduce in backward with the order of its events (gradient ready, bucket
+sent, bucket done), replicas after N steps, ``no_sync`` accumulation, unused
+parameters, BatchNorm vs SyncBatchNorm, which buffer-sync spelling syncs when,
+``device_ids``, and three pitfalls (``ddp_tutorial.lessons.pitfalls``):
+BatchNorm against the one-process reference, reentrant activation
+checkpointing, two forwards before one backward. Each rank writes what it saw
+to ``--out``; the notebook compares the ranks and checks the claims.
+``--only NAME`` runs a subset (the tests use it).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
+import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -28,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import (
     CommCounter,
+    StepTimeline,
     UnusedBranch,
     counting_allreduce_hook,
     deep_mlp,
@@ -39,12 +44,13 @@ from ddp_tutorial.lessons.anatomy import (
     sgd_step,
     shard,
     time_steps,
+    timed_allreduce_hook,
     tiny_model,
 )
 from ddp_tutorial.lessons.pitfalls import bn_model, checkpointing, two_forwards
 from ddp_tutorial.models import SmallCNN
 
-EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "device_ids", "pitfalls")
+EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "buffers", "device_ids", "pitfalls")
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=100, help="rank r initialises with seed+r")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.001, help="small: many buckets")
-    parser.add_argument("--timing-steps", type=int, default=30, help="steps per timing block")
+    parser.add_argument("--timing-steps", type=int, default=10, help="steps per timing block")
+    parser.add_argument("--timing-rounds", type=int, default=6, help="interleaved timing rounds")
     parser.add_argument("--only", nargs="*", choices=EXPERIMENTS, default=list(EXPERIMENTS))
     parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
@@ -71,29 +78,39 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
     """Broadcast at construction; averaged, bucketed gradients; identical replicas."""
     model = tiny_model(args.seed + info.rank)  # every rank starts from a DIFFERENT init
     before = flat_params(model)
-    ddp = wrap(model, info.device, bucket_cap_mb=args.bucket_cap_mb)
-    after_wrap = flat_params(ddp)  # DDP's constructor broadcast rank 0's parameters
-    counter = CommCounter()
-    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    # The lines lesson 04 shows (the DDP line of scripts/minimal_ddp.py), plus a small bucket cap:
+    model = model.to(info.device)  # 1. this rank's device first
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None  # a CPU module: none
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)  # 2. broadcast now
+    after_wrap = flat_params(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
     # Step 0 in slow motion: this rank's own gradient vs what DDP hands the optimizer.
     x, y = local_batch(0, args, info)
     plain = copy.deepcopy(ddp.module)  # same weights, no DDP: a purely local gradient
     F.cross_entropy(plain(x), y).backward()
-    calls_per_step, numels_per_step, losses = [], [], []
+    timeline = StepTimeline()  # counts the bucket all_reduces and notes when things happen
+    timeline.watch(ddp.module)
+    ddp.register_comm_hook(timeline, timed_allreduce_hook)
+    calls_per_step, numels_per_step, losses, timelines = [], [], [], {}
     for step in range(args.steps):
-        counter.reset()
         x, y = local_batch(step, args, info)
+        timeline.reset()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()  # all_reduce per bucket, overlapped with the rest of backward
+        timeline.mark("forward")
+        loss = F.cross_entropy(ddp(x), y)  # 3. forward through the wrapper
+        timeline.mark("backward")
+        loss.backward()  # 4. all_reduce per bucket, launched while backward still runs
+        timeline.mark("optimizer.step")
         if step == 0:
             ddp_grad = flat_grads(ddp)
         opt.step()
+        timeline.mark("done")
         losses.append(loss.item())
-        calls_per_step.append(counter.calls)
-        numels_per_step.append(sum(counter.numels))
+        calls_per_step.append(timeline.calls)
+        numels_per_step.append(sum(timeline.numels))
+        if step in (0, args.steps - 1):
+            timelines[step] = timeline.record()
 
     # The same tiny model with DDP's default 25 MB buckets: one all_reduce per step.
     big = wrap(tiny_model(args.seed), info.device)
@@ -110,20 +127,24 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
         "losses": losses,
         "allreduce_calls_per_step": calls_per_step,
         "allreduce_numel_per_step": numels_per_step,
-        "bucket_numels_last_step": list(counter.numels),
+        "bucket_numels_last_step": list(timeline.numels),
+        "timelines": timelines,
         "allreduce_calls_default_buckets": big_counter.calls,
         "module_is_wrapped_model": ddp.module is model,
     }
 
 
 def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
-    """Two micro-batches under ``no_sync`` == one batch twice the size, fewer all_reduces."""
+    """Two micro-batches under ``no_sync`` == one batch twice the size, fewer all_reduces.
+
+    Also what happens when the forward bypasses the wrapper (``ddp.module(x)``).
+    """
     x, y = local_batch(0, args, info)
     half = x.shape[0] // 2
     micro = [(x[:half], y[:half]), (x[half:], y[half:])]
     base = tiny_model(args.seed)
     results = {}
-    for name in ("one_big_batch", "accumulate_no_sync", "accumulate_naive"):
+    for name in ("one_big_batch", "accumulate_no_sync", "accumulate_naive", "bypass_wrapper"):
         ddp = wrap(copy.deepcopy(base), info.device)  # default buckets: one all_reduce per sync
         counter = CommCounter()
         ddp.register_comm_hook(counter, counting_allreduce_hook)
@@ -133,9 +154,11 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
             with ddp.no_sync():  # gradients accumulate locally, nothing is sent
                 F.cross_entropy(ddp(micro[0][0]), micro[0][1]).div(2).backward()
             F.cross_entropy(ddp(micro[1][0]), micro[1][1]).div(2).backward()  # syncs the sum
-        else:  # accumulation without no_sync: every micro-batch is all-reduced
+        elif name == "accumulate_naive":  # without no_sync: every micro-batch is all-reduced
             for mx, my in micro:
                 F.cross_entropy(ddp(mx), my).div(2).backward()
+        else:  # a forward that bypasses the wrapper: ddp.module(x) instead of ddp(x)
+            F.cross_entropy(ddp.module(x), y).backward()
         results[name] = {"grad": flat_grads(ddp), "allreduce_calls": counter.calls}
     return results
 
@@ -165,13 +188,18 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     }
     opts = {flag: torch.optim.SGD(m.parameters(), lr=1e-3) for flag, m in models.items()}
     times: dict[bool, list[float]] = {False: [], True: []}
-    for _block in range(2):
+    ratios = []  # one per round: median step with the flag / median step without
+    for _round in range(args.timing_rounds):
+        block = {}
         for flag, model in models.items():
-            times[flag] += time_steps(
+            block[flag] = time_steps(
                 lambda m=model, f=flag: sgd_step(m, x, y, opts[f]), args.timing_steps
             )
+            times[flag] += block[flag]
+        ratios.append(statistics.median(block[True]) / statistics.median(block[False]))
     out["step_ms_default"] = 1e3 * statistics.median(times[False])
     out["step_ms_find_unused"] = 1e3 * statistics.median(times[True])
+    out["ratio_per_round"] = ratios
     out["same_result_with_and_without"] = torch.equal(
         flat_params(models[False]), flat_params(models[True])
     )
@@ -205,9 +233,94 @@ def exp_batchnorm(args: argparse.Namespace, info: DistInfo) -> dict:
             ddp(bn_batch(args, info)).sum().backward()
         out["syncbn_running_mean"] = ddp.module.features[1].running_mean
         out["syncbn_error"] = None
+        out["syncbn_collectives"] = syncbn_collectives(info)
     except (ValueError, RuntimeError) as exc:  # CPU/gloo: SyncBatchNorm needs GPUs
         out["syncbn_error"] = first_line(exc)
     return out
+
+
+def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
+    """Which spelling syncs BatchNorm's buffers when: at construction, before each forward.
+
+    Every rank gives its model a rank-local ``running_mean`` (``rank + 1``),
+    wraps it, and reads the buffer; then sets it rank-local again and runs one
+    forward in eval mode (BatchNorm then leaves its statistics alone, so any
+    change is DDP's copy of rank 0's buffers). The FutureWarning of the
+    constructor, if any, is recorded too.
+    """
+    accepts = inspect.signature(DDP.__init__).parameters
+    spellings: dict[str, dict] = {
+        "default": {},
+        "broadcast_buffers=False": {"broadcast_buffers": False},
+        "forward_sync_buffers=False": {"forward_sync_buffers": False},
+        "DDP(...); ddp.broadcast_buffers = False": {},  # the template's way
+    }
+    x, _ = local_batch(0, args, info)
+    out: dict = {}
+    for name, options in spellings.items():
+        if any(option not in accepts for option in options):
+            out[name] = None  # an older torch without this keyword
+            continue
+        model = bn_model(args.seed).to(info.device)
+        buffer = model[1].running_mean
+        buffer.fill_(info.rank + 1.0)  # rank-local: 1.0 on rank 0, 2.0 on rank 1, ...
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = wrap(model, info.device, **options)
+        if name.startswith("DDP(...)"):
+            ddp.broadcast_buffers = False  # a property: sets forward_sync_buffers on torch 2.13+
+        after_init = buffer[0].item()
+        buffer.fill_(info.rank + 1.0)
+        ddp.eval()  # BatchNorm in eval mode does not update its running statistics
+        ddp(x)
+        future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        out[name] = {"after_init": after_init, "after_forward": buffer[0].item(),
+                     "future_warning": future[0] if future else None}  # fmt: skip
+    return out
+
+
+def syncbn_collectives(info: DistInfo, channels: int = 4) -> dict:
+    """A bare SyncBatchNorm on ranks with different batch sizes: its collectives, its statistics.
+
+    Rank r gets ``2(r+1)`` rows whose per-channel mean is exactly ``3r``, so
+    the mean over all rows (what SyncBatchNorm must use) differs from the
+    average of the ranks' means (what an all_reduce of means would give).
+    ``momentum=1`` makes the running mean equal to the batch mean it used.
+    The ``torch.distributed`` functions it calls are recorded per phase.
+    """
+    counts = [2 * (r + 1) for r in range(info.world_size)]
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for r, n in enumerate(counts):
+        d = torch.randn(n, channels, generator=gen)
+        data.append(d - d.mean(0) + 3.0 * r)
+    layer = nn.SyncBatchNorm(channels, momentum=1.0).to(info.device)
+    x = data[info.rank].to(info.device).requires_grad_(True)
+    names = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce")
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+    calls: dict[str, list[str]] = {"forward": [], "backward": []}
+    phase = ["forward"]
+
+    def spy(name: str):
+        def call(*a, **k):
+            calls[phase[0]].append(name)
+            return originals[name](*a, **k)
+
+        return call
+
+    try:
+        for n in originals:
+            setattr(dist, n, spy(n))
+        out = layer(x)
+        phase[0] = "backward"
+        out.pow(2).sum().backward()
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    everything = torch.cat(data)
+    return {"counts": counts, "forward": calls["forward"], "backward": calls["backward"],
+            "running_mean": layer.running_mean.cpu(), "global_mean": everything.mean(0),
+            "mean_of_rank_means": torch.stack([d.mean(0) for d in data]).mean(0)}  # fmt: skip
 
 
 def exp_device_ids(args: argparse.Namespace, info: DistInfo) -> dict:
@@ -250,6 +363,7 @@ def main() -> None:
         "no_sync": exp_no_sync,
         "unused": exp_unused,
         "batchnorm": exp_batchnorm,
+        "buffers": exp_buffers,
         "device_ids": exp_device_ids,
         "pitfalls": exp_pitfalls,
     }

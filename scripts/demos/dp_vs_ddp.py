@@ -57,13 +57,17 @@ def run_steps(
     return (time.perf_counter() - t0) / args.steps
 
 
-def one_dp_step(model: nn.DataParallel, batch: int = 8) -> dict[str, object]:
+def one_dp_step(model: nn.DataParallel, rows_per_gpu: int = 2) -> dict[str, object]:
     """What one DataParallel forward does, seen from inside: scatter, replicate, gather.
 
     A forward hook on the wrapped module runs in every replica: it records the
     device each one ran on, the rows of the batch it got, and whether its
-    weight is the original module's tensor (on cuda:0) or a fresh copy.
+    weight is the original module's tensor (on cuda:0) or a fresh copy. The
+    probe batch has ``rows_per_gpu`` rows per GPU: a fixed batch smaller than
+    the GPU count would leave GPUs without a replica (scatter makes at most
+    one chunk per row), and two rows keep BatchNorm trainable on every GPU.
     """
+    batch = rows_per_gpu * len(model.device_ids)
     seen: list[dict[str, object]] = []
     original = model.module.fc.weight
 
@@ -76,7 +80,8 @@ def one_dp_step(model: nn.DataParallel, batch: int = 8) -> dict[str, object]:
         out = model(torch.randn(batch, 3, 32, 32, device="cuda:0"))
     finally:
         handle.remove()
-    return {"replicas": sorted(seen, key=lambda r: r["device"]), "output_device": str(out.device)}
+    replicas = sorted(seen, key=lambda r: int(str(r["device"]).split(":")[1]))  # cuda:2 < cuda:10
+    return {"replicas": replicas, "probe_rows": batch, "output_device": str(out.device)}
 
 
 @record
