@@ -379,6 +379,31 @@ def driver_cuda_version() -> tuple[int, int] | None:
         return version // 1000, (version % 1000) // 10
 
 
+def peer_to_peer(indices: Sequence[int]) -> bool | None:
+    """Whether every pair of these physical GPUs can read each other's memory directly.
+
+    NVML's P2P status (``nvmlDeviceGetP2PStatus``, read capability): NVLink or a
+    PCIe switch that allows it. Without it NCCL moves data through host memory,
+    which is what two T4s in a hosted notebook usually do. ``None`` where NVML
+    cannot tell (no driver, old bindings, fewer than two GPUs).
+    """
+    if len(indices) < 2:
+        return None
+    with _nvml() as nvml:
+        if nvml is None or not hasattr(nvml, "nvmlDeviceGetP2PStatus"):
+            return None
+        caps = getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        try:
+            return all(
+                nvml.nvmlDeviceGetP2PStatus(a, b, caps) == getattr(nvml, "NVML_P2P_STATUS_OK", 0)
+                for i, a in enumerate(handles)
+                for b in handles[i + 1 :]
+            )
+        except nvml.NVMLError:
+            return None
+
+
 def gpu_memory_report() -> list[dict[str, object]]:
     """Per physical GPU: memory used and the pids holding a CUDA context on it (NVML).
 

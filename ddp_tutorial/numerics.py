@@ -74,3 +74,18 @@ def amp_dtype(
             "float32. Use --amp fp16 (float16 with a GradScaler), or no --amp."
         )
     return torch.bfloat16
+
+
+def amp_for_capability(capability: tuple[int, int] | None) -> str:
+    """The ``--amp`` choice for a device: "bf16" where it is native, else "fp16".
+
+    ``capability`` is the GPU's CUDA compute capability (NVML or
+    ``torch.cuda.get_device_capability``), ``None`` for the CPU. bfloat16
+    arithmetic exists from 8.0 (A100, H100, RTX 30xx and later); a V100 (7.0)
+    or a T4 (7.5) only emulates it, slower than float32, so those get float16
+    and a GradScaler. CPU autocast computes in bfloat16. One function, so the
+    doctor's advice, the GPU tests and the lessons pick the same dtype.
+    """
+    if capability is None:
+        return "bf16"
+    return "bf16" if tuple(capability) >= (8, 0) else "fp16"

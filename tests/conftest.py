@@ -240,6 +240,7 @@ def fake_pynvml(
     driver_cuda: int = 12040,
     failing: set[str] = frozenset(),
     refused: dict[int, str] | None = None,
+    p2p: bool = True,
 ):
     """A stand-in for the ``pynvml`` module; ``gpus=None``: no driver.
 
@@ -282,6 +283,8 @@ def fake_pynvml(
         return gpus[i]
 
     mod.nvmlDeviceGetHandleByIndex = handle
+    mod.NVML_P2P_CAPS_INDEX_READ, mod.NVML_P2P_STATUS_OK = 0, 0
+    mod.nvmlDeviceGetP2PStatus = lambda a, b, caps: 0 if p2p else 2  # 2: chipset not supported
     mod.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
     mod.nvmlDeviceGetCudaComputeCapability = call(
         "nvmlDeviceGetCudaComputeCapability", lambda h: h.capability or (9, 0)

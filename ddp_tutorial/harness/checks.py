@@ -132,10 +132,32 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if not torch.cuda.is_available():  # the driver API answers without a context
         return Finding("cuda build", "fail", found + ", yet torch sees no GPU",
                        "check the driver (nvidia-smi) and the container's GPU access")  # fmt: skip
+    unsupported = gpus_without_kernels(env, torch.cuda.get_arch_list())
+    if unsupported:
+        return Finding("cuda build", "fail", f"{found}, for {' '.join(torch.cuda.get_arch_list())}"
+                       f"; no code for {unsupported}: every kernel would fail with 'no kernel "
+                       "image is available'", "a torch build for this GPU (an older release "
+                       "or a container that lists its capability)")  # fmt: skip
     if (major, minor) > driver:
         return Finding("cuda build", "warn", found + ": runs by minor-version compatibility; "
                        "kernels that need the newer driver (PTX JIT) fail", fix)  # fmt: skip
     return Finding("cuda build", "ok", f"{found}; torch sees {torch.cuda.device_count()} GPU(s)")
+
+
+def gpus_without_kernels(env: Mapping[str, str], arch_list: list[str]) -> str:
+    """The visible GPUs this torch has no code for, as "cuda:0 Tesla V100 (7.0)", or ""."""
+    from ddp_tutorial.devices import DeviceError, visible_gpus
+    from ddp_tutorial.harness.advice import has_kernels_for
+
+    try:
+        gpus = visible_gpus(env)
+    except DeviceError:
+        return ""  # reported by the gpus check
+    return ", ".join(
+        f"cuda:{i} {g.name} ({g.capability[0]}.{g.capability[1]})"
+        for i, g in enumerate(gpus)
+        if g.capability and arch_list and not has_kernels_for(g.capability, arch_list)
+    )
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -173,15 +195,27 @@ def check_gpus(env: Mapping[str, str]) -> tuple[Finding, int]:
         visible_gpus,
     )
 
-    inventory = gpu_inventory()
-    if not inventory:
+    problems: list[str] = []
+    inventory = gpu_inventory(problems)
+    if not inventory and not problems:
         return Finding("gpus", "ok", "no NVIDIA GPU (NVML found none): gloo on the CPU"), 0
     try:
-        gpus = visible_gpus(env)
+        gpus = visible_gpus(env, problems=[])
     except DeviceError as exc:
         return Finding("gpus", "fail", str(exc), "as the message says"), 0
     names = ", ".join(f"cuda:{i}={g.name} (physical {g.index})" for i, g in enumerate(gpus))
     detail = f"{len(gpus)} of {len(inventory)} visible: {names or 'none'}"
+    if problems:
+        return Finding("gpus", "warn", detail + "; " + "; ".join(problems),
+                       "check the container's GPU access (nvidia-smi -L)"), len(gpus)  # fmt: skip
+    exclusive = [f"cuda:{i}" for i, g in enumerate(gpus) if g.exclusive]
+    if exclusive:
+        found = f"{detail}; {', '.join(exclusive)} in compute mode EXCLUSIVE_PROCESS"
+        fix = (
+            "one process per GPU at a time: the lessons then run their launches one after "
+            "another (slower); nvidia-smi -c DEFAULT, as root, allows them side by side"
+        )
+        return Finding("gpus", "warn", found, fix), len(gpus)
     if torch.version.cuda is None:
         return Finding(
             "gpus",
@@ -393,3 +427,17 @@ def check_shm(path: str = "/dev/shm") -> Finding:
             "in Docker: --shm-size=8g or --ipc=host; or num_workers=0",
         )
     return Finding("shm", "ok", detail)
+
+
+def check_plan(env: Mapping[str, str]) -> Finding:
+    """The command lines that fit this machine (:mod:`ddp_tutorial.harness.advice`)."""
+    from ddp_tutorial.devices import DeviceError, peer_to_peer, visible_gpus
+    from ddp_tutorial.harness.advice import hosted_notebook, plan_lines
+
+    try:
+        gpus = visible_gpus(env)
+    except DeviceError:
+        gpus = []
+    p2p = peer_to_peer([g.index for g in gpus])
+    summary, commands = plan_lines(gpus, settings.usable_cores(), p2p, hosted_notebook(env))
+    return Finding("plan", "ok", "\n".join([summary, *commands]))

@@ -29,6 +29,7 @@ from ddp_tutorial.harness.checks import (
     check_cuda_build,
     check_gpus,
     check_interfaces,
+    check_plan,
     check_port,
     check_python,
     check_shm,
@@ -144,6 +145,7 @@ def run_checks(
     add(check_node_interfaces(env, gpus))
     add(check_threads(env, gpus or 2))
     add(check_shm())
+    add(check_plan(env))
     if launch:
         add(check_gloo(env, timeout))
         add(check_nccl(env, gpus, timeout))
@@ -167,7 +169,8 @@ MARKS = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
 def format_finding(f: Finding, width: int = 20) -> str:
-    text = f"[{MARKS[f.status]}] {f.check:<{width}} {f.detail}"
+    indent = "\n" + " " * (len(MARKS[f.status]) + 3 + width + 1)
+    text = f"[{MARKS[f.status]}] {f.check:<{width}} {f.detail.replace(chr(10), indent)}"
     if f.fix and f.status in ("warn", "fail"):
         text += f"\n       {'':<{width}} fix: {f.fix}"
     return text
