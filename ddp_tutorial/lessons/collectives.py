@@ -31,8 +31,14 @@ def rank_value(rank: int) -> list[float]:
 
 
 def rank_loss(rank: int) -> float:
-    """A per-rank "loss" for the ``reduce_loss`` demo: 1.0, 3.0, 5.0, ..."""
-    return float(2 * rank + 1)
+    """A per-rank "loss" for the ``reduce_loss`` demo: 1, 2, 4, 8, ...
+
+    Powers of two, so that no rank's own loss is ever the mean of them all
+    ((2**N - 1) / N is not a power of two for N > 1): with 1, 3, 5, ... the
+    middle rank of an odd world would hold the mean by coincidence, and the
+    lesson's "the other ranks do not get the mean" could not be checked there.
+    """
+    return float(2**rank)
 
 
 def _values(t: torch.Tensor) -> list[float]:
@@ -50,8 +56,9 @@ def reduce_loss_seed001(tensor: torch.Tensor, rank: int, world_size: int) -> Non
 def average_all_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """The portable average: ``all_reduce(SUM)`` then divide — every rank gets it.
 
-    ``ReduceOp.AVG`` is not available on every backend and PyTorch version
-    (and never for integer tensors); SUM is, everywhere.
+    ``ReduceOp.AVG`` works on nccl, and on gloo since torch 2.7 (pytorch#149781,
+    March 2025: a SUM, then a division), but gloo refuses it for integer tensors
+    and older torch (or other backends) may not have it. SUM works everywhere.
     """
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     tensor /= world_size
@@ -79,6 +86,13 @@ def run_collectives(rank: int, world_size: int, device: torch.device) -> dict[st
     except (RuntimeError, ValueError) as exc:  # backends without AVG say so here
         out["all_reduce_avg"] = {"before": before, "after": None, "error": str(exc)[:300]}
     dist.barrier()  # keep the ranks in step even if one raised
+    whole = torch.tensor([rank + 1], device=device)  # an integer tensor (int64)
+    try:
+        dist.all_reduce(whole, op=dist.ReduceOp.AVG)
+        out["all_reduce_avg"]["int_error"] = None
+    except (RuntimeError, ValueError) as exc:
+        out["all_reduce_avg"]["int_error"] = str(exc)[:300]
+    dist.barrier()
 
     t = torch.tensor(rank_value(rank), device=device)
     before = _values(t)
@@ -159,6 +173,35 @@ def check_records(records: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def store_listener(port: int) -> dict[str, Any]:
+    """Which process listens on ``port`` (the store at MASTER_PORT): this one, its parent, neither.
+
+    Call it while the process group exists. Under torchrun the parent of a rank
+    is the torchrun agent, which hosts the store; under ``mp.spawn`` rank 0's
+    ``init_process_group`` creates it, in rank 0's own process. psutil is
+    imported here, not at module level: only the lesson's scripts need it.
+    """
+    import os
+
+    import psutil
+
+    def listens(pid: int) -> bool:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+
+    parent = os.getppid()
+    return {
+        "port": port,
+        "self": listens(os.getpid()),
+        "parent": listens(parent),
+        "parent_pid": parent,
+        "parent_cmd": " ".join(psutil.Process(parent).cmdline()[:4]),
+    }
+
+
 def close(got: Any, want: Any, rel: float = 1e-6) -> bool:
     """Equal up to float32 rounding, element by element (nested lists too).
 
@@ -184,3 +227,88 @@ def progress_frames(output: str) -> list[str]:
     """
     frames = (f.strip() for f in output.replace("\r", "\n").splitlines())
     return [f for f in frames if "|" in f and "it" in f]
+
+
+PICTURED = ("all_reduce_sum", "broadcast", "all_gather", "reduce")
+"""The collectives :func:`collectives_figure` draws, top to bottom."""
+
+_CAPTIONS = {
+    "all_reduce_sum": "all_reduce(SUM): every rank gets the sum",
+    "broadcast": f"broadcast(src={SRC}): every rank gets rank {SRC}'s tensor",
+    "all_gather": "all_gather: every rank gets every rank's tensor",
+    "reduce": f"reduce(dst={SRC}): only rank {SRC} is promised the sum (hatched: whatever is left)",
+}
+
+
+def collectives_figure(records: list[dict[str, Any]], ops: tuple[str, ...] = PICTURED) -> Any:
+    """Each rank's tensor before (left) and after (right) each collective, from the records.
+
+    One panel per collective, one row per rank, one box per number. A box's
+    colour says whose value it is: the rank's own colour, grey for a sum of
+    every rank's values, and a hatched pale box for what ``reduce`` leaves on
+    the other ranks (not promised by PyTorch; drawn with the value recorded).
+    matplotlib is imported here: ranks import this module and never draw.
+    """
+    from matplotlib import colormaps
+    from matplotlib.patches import FancyArrow
+
+    from ddp_tutorial.harness.plots import new_figure
+
+    n = len(records)
+    tab10 = colormaps["tab10"]
+    palette = [tab10(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # no grey: grey means "a sum"
+
+    def colours(rank: int) -> Any:
+        return palette[rank % len(palette)]
+
+    widest = max(len(_flat(rec["collectives"][op]["after"])) for rec in records for op in ops)
+    width_units = 2 + 2 + 1.5 + widest  # label, before (2 numbers), arrow, after
+    fig = new_figure(figsize=(max(7.0, 0.55 * width_units), (0.32 * n + 0.55) * len(ops)))
+    axes = fig.subplots(len(ops), 1, squeeze=False)[:, 0]
+    for ax, op in zip(axes, ops, strict=True):
+        for rec in records:
+            rank, entry = rec["rank"], rec["collectives"][op]
+            y = n - 1 - rank
+            ax.text(1.7, y + 0.45, f"rank {rank}", ha="right", va="center", fontsize=8)
+            before = _flat(entry["before"])
+            for k, v in enumerate(before):
+                _box(ax, 2 + k, y, v, colours(rank))
+            ax.add_patch(FancyArrow(2 + len(before) + 0.2, y + 0.45, 0.9, 0, width=0.04,
+                                    head_width=0.25, head_length=0.25, color="0.4"))  # fmt: skip
+            start = 2 + len(before) + 1.5
+            after = entry["after"]
+            if op == "all_gather":  # a list of every rank's tensor: colour by its owner
+                for owner, part in enumerate(after):
+                    for k, v in enumerate(part):
+                        _box(ax, start + owner * len(part) + k, y, v,
+                             colours(owner))  # fmt: skip
+            elif op == "broadcast":
+                for k, v in enumerate(after):
+                    _box(ax, start + k, y, v, colours(SRC))
+            elif op == "reduce" and rank != SRC:
+                for k, v in enumerate(after):
+                    _box(ax, start + k, y, v, "0.95", hatch="///")
+            else:  # a sum of every rank's values
+                for k, v in enumerate(after):
+                    _box(ax, start + k, y, v, "0.75")
+        ax.set_xlim(0, width_units + 0.2)
+        ax.set_ylim(-0.2, n + 0.1)
+        ax.set_title(_CAPTIONS.get(op, op), fontsize=9, loc="left")
+        ax.axis("off")
+    fig.suptitle("each rank's tensor: before → after", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _flat(values: Any) -> list[float]:
+    if values and isinstance(values[0], list):
+        return [v for part in values for v in part]
+    return list(values)
+
+
+def _box(ax: Any, x: float, y: float, value: float, colour: Any, hatch: str | None = None) -> None:
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x, y + 0.05), 0.92, 0.8, facecolor=colour, edgecolor="0.3",
+                           linewidth=0.6, alpha=0.85, hatch=hatch))  # fmt: skip
+    ax.text(x + 0.46, y + 0.45, f"{value:g}", ha="center", va="center", fontsize=7)
