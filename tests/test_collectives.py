@@ -98,6 +98,9 @@ def test_no_rank_holds_the_mean_loss_by_coincidence(world):
     """Lesson 01 asserts that reduce leaves the mean on rank 0 only: at any world size."""
     mean = expected("reduce_loss", 0, world)[0]
     assert all(rank_loss(r) != mean for r in range(world))
+    # nor any partial sum a non-destination rank may be left with (sums of powers of two are
+    # whole numbers; the mean (2**N - 1) / N is not, for N > 1)
+    assert mean != int(mean)
 
 
 def test_store_listener_sees_who_listens():

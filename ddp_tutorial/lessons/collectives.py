@@ -122,8 +122,8 @@ def expected(op: str, rank: int, world_size: int) -> Any:
     """What ``op`` must leave on ``rank`` (``None``: not specified by PyTorch).
 
     ``reduce`` only promises the result on the destination rank; what the
-    other ranks hold afterwards is unspecified (gloo leaves their input,
-    nccl may leave a partial sum), so code must never read it.
+    other ranks hold afterwards is unspecified (on gloo: their input with 2
+    ranks; with 3, rank 1 held a partial sum), so code must never read it.
     """
     values = [rank_value(r) for r in range(world_size)]
     total = [sum(col) for col in zip(*values, strict=True)]
