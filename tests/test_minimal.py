@@ -45,7 +45,7 @@ def test_every_ddp_step_is_in_the_minimal_script():
     for line in [
         'int(os.environ["LOCAL_RANK"])',
         "torch.cuda.set_device(device)",
-        "dist.init_process_group(",
+        "dist.init_process_group(backend",
         "DistributedSampler(train_set",
         "sampler.set_epoch(epoch)",
         "DDP(model, device_ids=[local_rank]",
