@@ -56,9 +56,10 @@ def reduce_loss_seed001(tensor: torch.Tensor, rank: int, world_size: int) -> Non
 def average_all_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """The portable average: ``all_reduce(SUM)`` then divide — every rank gets it.
 
-    ``ReduceOp.AVG`` works on nccl, and on gloo since torch 2.7 (pytorch#149781,
-    March 2025: a SUM, then a division), but gloo refuses it for integer tensors
-    and older torch (or other backends) may not have it. SUM works everywhere.
+    ``ReduceOp.AVG`` works on nccl, and on gloo since pytorch#149781 (March 2025:
+    a SUM, then a division in float, which an integer tensor cannot hold: gloo
+    refuses AVG on int64, and on torch 2.14.1 that error may surface in the *next*
+    collective instead). Older torch may not have it on gloo. SUM works everywhere.
     """
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     tensor /= world_size
@@ -86,13 +87,6 @@ def run_collectives(rank: int, world_size: int, device: torch.device) -> dict[st
     except (RuntimeError, ValueError) as exc:  # backends without AVG say so here
         out["all_reduce_avg"] = {"before": before, "after": None, "error": str(exc)[:300]}
     dist.barrier()  # keep the ranks in step even if one raised
-    whole = torch.tensor([rank + 1], device=device)  # an integer tensor (int64)
-    try:
-        dist.all_reduce(whole, op=dist.ReduceOp.AVG)
-        out["all_reduce_avg"]["int_error"] = None
-    except (RuntimeError, ValueError) as exc:
-        out["all_reduce_avg"]["int_error"] = str(exc)[:300]
-    dist.barrier()
 
     t = torch.tensor(rank_value(rank), device=device)
     before = _values(t)
