@@ -306,3 +306,57 @@ def _box(ax: Any, x: float, y: float, value: float, colour: Any, hatch: str | No
     ax.add_patch(Rectangle((x, y + 0.05), 0.92, 0.8, facecolor=colour, edgecolor="0.3",
                            linewidth=0.6, alpha=0.85, hatch=hatch))  # fmt: skip
     ax.text(x + 0.46, y + 0.45, f"{value:g}", ha="center", va="center", fontsize=7)
+
+
+class Background:
+    """A plain command (not torchrun) running in a thread; :meth:`wait` returns its result."""
+
+    def __init__(self, command: list[str], timeout: float, run_dir: Any = None) -> None:
+        import subprocess
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.command, self.run_dir = command, run_dir
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(
+            subprocess.run, command, capture_output=True, text=True, timeout=timeout
+        )
+
+    def wait(self) -> Any:
+        """The ``subprocess.CompletedProcess`` (raises ``TimeoutExpired`` past the timeout)."""
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+def start_lesson_launches(nproc: int, timeout: float, demos: str = "../scripts/demos") -> dict:
+    """Every launch of lesson 01, started at once: ``{name: handle}``, each with ``.wait()``.
+
+    A launch costs seconds of interpreter and torch start-up; started together
+    they cost little more than the slowest, and the notebook reads each in its
+    own section. torchrun launches return a ``RunResult`` from ``wait()``; the
+    plain commands (``mp.spawn``, the deprecated launcher) a ``CompletedProcess``.
+    Host side only: imports the harness here, never at module level (ranks import
+    this module).
+    """
+    import sys
+
+    from ddp_tutorial.harness.launch import default_run_dir, start
+
+    script = f"{demos}/collectives.py"
+    legacy = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nnodes=1",
+              "--nproc_per_node=2", f"{demos}/legacy_local_rank.py"]  # fmt: skip
+    spawn_dir = default_run_dir("spawn_template")
+    spawn = [sys.executable, f"{demos}/spawn_template.py", "--nprocs", "2", "--bars"]
+    quiet = {"timeout": timeout, "echo": False}
+    return {
+        "main": start(script, nproc=nproc, timeout=timeout),
+        "one rank": start(script, nproc=1, **quiet),
+        "uneven": start(f"{demos}/uneven_gather.py", nproc=2, check=False, **quiet),
+        "torchrun, seed": start(
+            f"{demos}/legacy_local_rank.py", "--style", "seed", nproc=2, **quiet
+        ),  # fmt: skip
+        "spawn": Background([*spawn, "--out", str(spawn_dir)], timeout, run_dir=spawn_dir),
+        "legacy, seed": Background([*legacy, "--style", "seed"], timeout),
+        "legacy, fixed": Background([*legacy, "--style", "fixed"], timeout),
+    }
