@@ -43,13 +43,12 @@ def main() -> None:
     rank = int(os.environ["RANK"])  # 0 ... world_size-1, unique in the whole job
     local_rank = int(os.environ["LOCAL_RANK"])  # 0 ... on this machine: picks the GPU
     world_size = int(os.environ["WORLD_SIZE"])  # processes in the job, all machines
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):  # a GPU per process
-        device = torch.device("cuda", local_rank)
+    # nccl when every process on this machine can have a GPU of its own; else gloo, on the CPU
+    backend = "nccl" if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]) else "gloo"
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
         torch.cuda.set_device(device)  # before anything touches CUDA
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
 
     if rank == 0:
         print(f"{world_size} processes, global batch {args.batch_size * world_size}", flush=True)

@@ -11,7 +11,16 @@ import pytest
 
 from conftest import DEMOS, gpu_count
 from ddp_tutorial.harness.launch import torchrun
-from ddp_tutorial.lessons.collectives import OPS, check_records, expected
+from ddp_tutorial.lessons.collectives import (
+    OPS,
+    PICTURED,
+    check_records,
+    collectives_figure,
+    expected,
+    rank_loss,
+    rank_value,
+    store_listener,
+)
 
 GLOO = {"DDP_TUTORIAL_BACKEND": "gloo"}
 
@@ -22,7 +31,7 @@ def test_expected_values_follow_the_definitions():
     assert expected("broadcast", 3, 4) == [1.0, 10.0]
     assert expected("all_gather", 0, 3) == [[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]]
     assert expected("reduce", 0, 2) == [3.0, 30.0] and expected("reduce", 1, 2) is None
-    assert expected("reduce_loss", 0, 3) == [3.0] and expected("reduce_loss", 2, 3) is None
+    assert expected("reduce_loss", 0, 3) == [7 / 3] and expected("reduce_loss", 2, 3) is None
     with pytest.raises(ValueError, match="unknown collective"):
         expected("scatter", 0, 2)
 
@@ -82,3 +91,48 @@ def _nudge(want):
     if isinstance(want[0], list):  # all_gather: a list per rank
         return [_one_rounding_step_off(w) for w in want]
     return _one_rounding_step_off(want)
+
+
+@pytest.mark.parametrize("world", range(2, 17))
+def test_no_rank_holds_the_mean_loss_by_coincidence(world):
+    """Lesson 01 asserts that reduce leaves the mean on rank 0 only: at any world size."""
+    mean = expected("reduce_loss", 0, world)[0]
+    assert all(rank_loss(r) != mean for r in range(world))
+    # nor any partial sum a non-destination rank may be left with (sums of powers of two are
+    # whole numbers; the mean (2**N - 1) / N is not, for N > 1)
+    assert mean != int(mean)
+
+
+def test_store_listener_sees_who_listens():
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        seen = store_listener(port)
+        assert seen["self"] and not seen["parent"] and seen["port"] == port
+    assert not store_listener(port)["self"], "closed: nobody listens"
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_collectives_figure_draws_every_number_of_every_rank(world):
+    pytest.importorskip("matplotlib")
+    from matplotlib.patches import FancyArrow, Rectangle
+
+    records = [
+        {
+            "rank": r,
+            "collectives": {
+                op: {"before": rank_value(r), "after": expected(op, r, world) or rank_value(r)}
+                for op in OPS
+            },
+        }
+        for r in range(world)
+    ]
+    fig = collectives_figure(records)
+    assert len(fig.axes) == len(PICTURED)
+    boxes = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in fig.axes]
+    # before: 2 numbers per rank; after: 2, except all_gather (2 per rank, on every rank)
+    assert boxes == [4 * world, 4 * world, 2 * world + 2 * world * world, 4 * world]
+    assert all(sum(isinstance(p, FancyArrow) for p in ax.patches) == world for ax in fig.axes)

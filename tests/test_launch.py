@@ -367,3 +367,21 @@ def test_default_run_dirs_follow_the_runs_root_and_old_ones_are_pruned(tmp_path,
     assert set(mine) <= set(kept) and len(kept) <= launch.KEEP_RUNS + 2
     assert not old[0].exists() and old[-1].exists(), "the oldest go, the newest stay"
     assert other.exists(), "another script's runs are not touched"
+
+
+@pytest.mark.torchrun
+def test_a_launch_collected_after_its_deadline_did_not_time_out(tmp_path, monkeypatch):
+    """start() now, wait() later: a launch that ended in time is not a timeout."""
+    from ddp_tutorial.harness import launch as launch_module
+
+    script = tmp_path / "quick.py"
+    script.write_text("print('done', flush=True)\n")
+    launch = start(script, nproc=1, run_dir=tmp_path, echo=False, out_flag=None, timeout=60)
+    for _ in range(600):  # the output ends (the reader thread notes when), nobody polls
+        if launch._ended_at is not None:
+            break
+        time.sleep(0.1)
+    late = launch.deadline + 10  # the notebook comes back to it long after the deadline
+    monkeypatch.setattr(launch_module.time, "monotonic", lambda: late)
+    result = launch.wait()
+    assert not result.timed_out and result.ok and "done" in result.output

@@ -45,7 +45,7 @@ def test_every_ddp_step_is_in_the_minimal_script():
     for line in [
         'int(os.environ["LOCAL_RANK"])',
         "torch.cuda.set_device(device)",
-        "dist.init_process_group(",
+        "dist.init_process_group(backend",
         "DistributedSampler(train_set",
         "sampler.set_epoch(epoch)",
         "DDP(model, device_ids=[local_rank]",
@@ -82,3 +82,44 @@ def test_without_torchrun_it_says_how_to_start_it(tmp_path):
     assert done.returncode == 1
     assert "start me with torchrun: torchrun --standalone --nproc-per-node 2" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_diff_is_of_the_code_not_the_docstrings():
+    from ddp_tutorial.lessons.first_steps import changed_lines, code_after_docstring, code_diff
+
+    single, ddp = TWINS
+    assert not code_after_docstring(single).startswith('"""')
+    assert code_after_docstring(single).startswith("import argparse")
+    removed, added = changed_lines(code_diff(single, ddp))
+    assert "dist.destroy_process_group()" in added and not any('"""' in x for x in added)
+    assert "from torch.utils.data import DataLoader, RandomSampler, TensorDataset" in removed
+
+
+def test_unexplained_names_the_lines_no_fragment_covers():
+    from ddp_tutorial.lessons.first_steps import unexplained
+
+    diff = "--- a\n+++ b\n@@ -1 +1,2 @@\n-x = 1\n+y = 2\n+# a comment\n+z = 3\n"
+    assert unexplained(diff, {"y =": 1, "x =": 1}) == ["z = 3"]
+    assert unexplained(diff, {"=": 1}) == []
+
+
+def test_epoch_losses_reads_both_twins_output():
+    from ddp_tutorial.lessons.first_steps import epoch_losses
+
+    assert epoch_losses("epoch 0: loss 1.2500\nepoch 1: loss 0.5000\n") == [1.25, 0.5]
+    ranked = "[default0]:2 processes, global batch 64\n[default0]:epoch 0: loss 0.9000\n"
+    assert epoch_losses(ranked) == [0.9]
+    with pytest.raises(ValueError, match="once each"):
+        epoch_losses("epoch 0: loss 1.0\nepoch 0: loss 1.0\n")  # printed by two ranks
+
+
+def test_max_difference_of_state_dicts():
+    import torch
+
+    from ddp_tutorial.lessons.first_steps import max_difference
+
+    a = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    b = {"w": torch.zeros(2, 2), "b": torch.tensor([0.0, 0.5])}
+    assert max_difference(a, b) == 0.5
+    with pytest.raises(ValueError, match="different keys"):
+        max_difference(a, {"w": a["w"]})

@@ -288,13 +288,17 @@ class Launch:
         """Collect (and echo) output that has arrived, waiting up to ``block_s`` for the first."""
         while not self._done:
             remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
+            # A launch collected late (start() now, wait() after the deadline) that ended in
+            # time did not time out: its output is all in the queue, take it.
+            ended_in_time = self._ended_at is not None and self._ended_at <= self.deadline
+            if remaining <= 0 and not ended_in_time:
                 self.timed_out = True
                 self._seen_before_kill = len(self.lines)
                 self._done = True
                 return
+            wait_s = min(max(remaining, 0.001), block_s) if block_s > 0 else 0.001
             try:
-                line = self._pipe.get(timeout=min(remaining, block_s) if block_s > 0 else 0.001)
+                line = self._pipe.get(timeout=wait_s)
             except queue.Empty:
                 return
             if line is None:

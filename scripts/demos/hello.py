@@ -8,6 +8,9 @@ Each rank reads its identity from the environment torchrun prepared (RANK,
 LOCAL_RANK, WORLD_SIZE), joins the process group, and takes part in one
 all_reduce: the sum of all ranks, 0 + 1 = 1 with two ranks. With ``--out DIR``
 each rank also writes ``DIR/rank{r}.json`` for the notebook to check.
+
+The smallest ``torch.distributed`` program: processes that talk, no model and no
+DDP yet (``scripts/minimal_ddp.py`` is the smallest DDP training script).
 """
 
 from __future__ import annotations

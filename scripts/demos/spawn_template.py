@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from ddp_tutorial.lessons.collectives import store_listener
 from ddp_tutorial.records import write_rank_record
 
 ENV_SEEN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -74,6 +75,7 @@ def main_worker(index: int, world_size: int, out: str | None, bars: bool = False
         value = torch.tensor([float(index)])
         dist.all_reduce(value)
         rank = dist.get_rank()
+        store = store_listener(int(os.environ["MASTER_PORT"]))  # who hosts it: rank 0 itself
         if bars:
             progress_bars(rank)
         print(
@@ -89,6 +91,7 @@ def main_worker(index: int, world_size: int, out: str | None, bars: bool = False
                 "world_size": dist.get_world_size(),
                 "all_reduce_sum": value.item(),
                 "pid": os.getpid(),
+                "store": store,
                 # "__mp_main__": this file was imported afresh (spawn); a forked child
                 # would still run the parent's "__main__"
                 "main_module": sys.modules["__main__"].__name__,
