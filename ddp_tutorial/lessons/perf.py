@@ -329,8 +329,11 @@ def draw_ring(run: RingRun, ax: Any | None = None) -> Any:
     ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
     ax.set_xticks([k * (n + 1) + c for k in range(len(states)) for c in range(n)],
                   [str(c) for _ in states for c in range(n)], fontsize="x-small")  # fmt: skip
-    ax.set_xlabel("chunk, in each block (RS: reduce-scatter step, AG: all-gather step)")
-    ax.set_title(f"ring all_reduce over {n} ranks: ranks' inputs summed in each copy", pad=18)
+    steps = 2 * (n - 1)
+    sent = f"{steps}/{n} S = {ring_factor(n):g} S"
+    ax.set_xlabel(f"chunk, in each block (RS: reduce-scatter, AG: all-gather). Each rank sends "
+                  f"one chunk of S/{n} per step: {sent} in all")  # fmt: skip
+    ax.set_title(f"ring all_reduce over {n} ranks: how many ranks' inputs each copy sums", pad=26)
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
     return ax.figure
