@@ -180,7 +180,8 @@ def test_the_template_has_every_numbered_section_in_order():
         assert s.code.strip() and s.start <= s.end
         assert s.code == s.code.lstrip("\n") and not s.code.startswith(" "), "dedented"
     by_number = {s.number: s for s in sections}
-    assert "init_process_group" in by_number[3].code and "destroy_process_group" in by_number[3].code
+    assert "init_process_group" in by_number[3].code
+    assert "destroy_process_group" in by_number[3].code, "main()'s finally: belongs to section 3"
     assert "DDP(" in by_number[5].code and "def data_loader" in by_number[6].code
 
 
