@@ -266,6 +266,38 @@ def fixed_costs(args: argparse.Namespace, device: torch.device) -> list[dict[str
     return [{"setting": name, **r} for name, r in best.items()]
 
 
+def fixed_cost_pairs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """DDP's own cost per step, measured as the difference of back-to-back step pairs.
+
+    The same model twice on every rank, one plain and one under DDP, stepped
+    alternately (plain, DDP, plain, DDP, …) on the same batches: a slow patch
+    of the machine hits both halves of a pair alike, so the per-pair
+    difference — the collectives (buffer broadcast, gradient all_reduce) and
+    DDP's hooks — survives the noise better than two separate runs do. Rank
+    0's median and quartiles of the differences, in ms.
+    """
+    batches = make_batches(args, 8, dist.get_rank())
+    plain, ddp = new_model(args).to(device), wrap(new_model(args), device)
+    loops = [(plain, sgd(plain)), (ddp, sgd(ddp))]
+    pairs = 20 if args.quick else 60
+    times: list[list[float]] = [[], []]
+    for i in range(args.warmup + pairs):
+        for k, (model, optimizer) in enumerate(loops):
+            dist.barrier()  # both ranks start each half together: no wait carried over
+            t = perf.timed_loop(model, optimizer, [batches[i % len(batches)]], 1, 0, device=device)
+            if i >= args.warmup:
+                times[k] += t
+    diffs = [1000 * (d - p) for p, d in zip(*times, strict=True)]
+    return {
+        "pairs": pairs,
+        "plain_ms_p50": 1000 * perf.percentile(times[0], 50),
+        "ddp_ms_p50": 1000 * perf.percentile(times[1], 50),
+        "diff_ms_p25": perf.percentile(diffs, 25),
+        "diff_ms_p50": perf.percentile(diffs, 50),
+        "diff_ms_p75": perf.percentile(diffs, 75),
+    }
+
+
 def template_loader(args: argparse.Namespace) -> Any:
     """The template's input pipeline (SyntheticImages, DistributedSampler, no workers)."""
     need = (args.steps + args.warmup + 2) * args.batch_size * dist.get_world_size()
@@ -290,6 +322,7 @@ def role_ddp(args: argparse.Namespace) -> None:
             result["with_loader"] = ddp_throughput(args, info.device, batches=template_loader(args))
             result["allreduce"] = allreduce_sweep(args, info.device)
             result["fixed_costs"] = fixed_costs(args, info.device)
+            result["fixed_cost_pairs"] = fixed_cost_pairs(args, info.device)
             if not args.no_knobs:
                 result["knobs"] = knobs(args, info.device)
         if info.is_main:
@@ -413,7 +446,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         f"ddp_world{n}": {
             k: v
             for k, v in world_n.items()
-            if k not in {"allreduce", "knobs", "with_loader", "fixed_costs"}
+            if k not in {"allreduce", "knobs", "with_loader", "fixed_costs", "fixed_cost_pairs"}
         },
         "world_size": n,
         "plain_concurrent": ceiling,
@@ -428,6 +461,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "allreduce": world_n["allreduce"],
         "knobs": world_n.get("knobs", []),
+        "fixed_cost_pairs": world_n.get("fixed_cost_pairs"),
         "fixed_costs": [
             {
                 **r,
@@ -497,6 +531,12 @@ def report(result: dict[str, Any]) -> str:
             {"setting": r["setting"], "samples/s": r["samples_per_sec"],
              "scaling_efficiency": r["scaling_efficiency"], "of ceiling": r["of_ceiling"]}
             for r in result["fixed_costs"]])]  # fmt: skip
+    if result.get("fixed_cost_pairs"):
+        f = result["fixed_cost_pairs"]
+        lines.append(
+            f"DDP's cost per step  {f['diff_ms_p50']:.2f} ms (quartiles {f['diff_ms_p25']:.2f} to "
+            f"{f['diff_ms_p75']:.2f}; {f['pairs']} interleaved plain/DDP step pairs)"
+        )
     if "ring_fit" in result:
         fit = result["ring_fit"]
         lines.append(

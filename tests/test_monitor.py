@@ -179,3 +179,80 @@ def test_a_gpu_nvml_refuses_is_skipped_and_the_others_sampled():
         pass
     assert mon.mode == "gpu"
     assert {(r["id"], r["util"]) for r in mon.samples()} == {(0, 0.0), (1, 20.0), (2, 30.0)}
+
+
+# -- lesson 06: the template read section by section, and what "busy" means per device -------
+
+
+def test_the_template_has_every_numbered_section_in_order():
+    from conftest import SCRIPTS
+    from ddp_tutorial.lessons.utilization import template_sections
+
+    sections = template_sections((SCRIPTS / "train.py").read_text())
+    numbers = sorted(s.number for s in sections)
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 10
+    steps = [s.number for s in sections if not s.whole_function]
+    assert steps == sorted(steps)
+    for s in sections:
+        assert s.code.strip() and s.start <= s.end
+        assert s.code == s.code.lstrip("\n") and not s.code.startswith(" "), "dedented"
+    by_number = {s.number: s for s in sections}
+    assert "init_process_group" in by_number[3].code
+    assert "destroy_process_group" in by_number[3].code, "main()'s finally: belongs to section 3"
+    assert "DDP(" in by_number[5].code and "def data_loader" in by_number[6].code
+
+
+SOURCE = '''
+def helper():
+    """2. A whole function is a section when its docstring starts with a number."""
+    return 2
+
+
+def main():
+    # 1. First.
+    a = 1
+    # 3. A comment above the loop that holds the next section.
+    while a:
+        # 4. Inside the loop.
+        a = 0
+        b = helper()  # a continuation of section 4
+    # 5. After the loop.
+    return b
+
+
+def other():
+    return 0
+'''
+
+
+def test_sections_follow_blocks_and_functions():
+    from ddp_tutorial.lessons.utilization import template_sections
+
+    sections = {s.number: s for s in template_sections(SOURCE)}
+    assert sorted(sections) == [1, 2, 3, 4, 5]
+    assert sections[2].whole_function and sections[2].code.startswith("def helper")
+    assert sections[1].code == "# 1. First.\na = 1"
+    assert sections[3].code.startswith("# 3.") and "while a:" in sections[3].code  # as text
+    assert "# 4." not in sections[3].code
+    assert sections[4].code.endswith("b = helper()  # a continuation of section 4")
+    assert sections[5].code == "# 5. After the loop.\nreturn b", "ends with its function"
+    assert sections[1].title == "First." and "lines" in repr(sections[1])
+    assert sections[1]._repr_markdown_().count("```") == 2
+
+
+def test_utilization_thresholds_per_device_kind():
+    from ddp_tutorial.lessons.utilization import imbalance_workload, utilization_plan
+
+    cpu, gpu = utilization_plan("cpu"), utilization_plan("gpu")
+    assert cpu["run"] == "template" and gpu["run"] != "template", "a GPU is checked where it works"
+    assert 0 < cpu["min_busy"] < 66, "holds with one CPU-bound job beside two ranks on two cores"
+    assert gpu["min_busy"] >= 50 and "NVML" in gpu["unit"] and "core" in cpu["unit"]
+    assert 0 < gpu["balance"] <= cpu["balance"] < 1
+    assert imbalance_workload("cpu") == []
+    gpu_args = imbalance_workload("gpu")
+    assert gpu_args[gpu_args.index("--model") + 1] == "resnet18"
+    for bad in ("tpu", "GPU"):
+        with pytest.raises(ValueError):
+            utilization_plan(bad)
+        with pytest.raises(ValueError):
+            imbalance_workload(bad)

@@ -73,3 +73,48 @@ def test_the_gpu_all_reduce_sweep_reaches_a_gibibyte_and_reports_both_bandwidths
     # nccl-tests' definitions: busbw = algbw * 2(N-1)/N
     assert perf.alg_bandwidth(2**30, 0.5) == 2 * 2**30
     assert perf.bus_bandwidth(2**30, 0.5, 8) == pytest.approx(2 * 2**30 * 2 * 7 / 8)
+
+
+# -- the ring all-reduce of lesson 07: a computed schedule, run on real numbers ---------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_the_ring_schedule_sums_exactly_and_sends_two_n_minus_one_over_n(world):
+    import torch
+
+    schedule = perf.ring_schedule(world)
+    assert len(schedule) == 2 * (world - 1)
+    for step in schedule:  # every rank sends one chunk to its right neighbour, each step
+        assert sorted(src for src, _, _, _ in step) == list(range(world))
+        assert all(dst == (src + 1) % world for src, dst, _, _ in step)
+    size = 4 * world * 6
+    inputs = [torch.randint(-99, 99, (size,)).double() for _ in range(world)]
+    run = perf.simulate_ring(inputs)
+    total = torch.stack(inputs).sum(0)
+    assert all(torch.equal(r, total) for r in run.results)
+    assert run.bytes_sent == [perf.ring_factor(world) * 8 * size] * world
+    after_rs = run.contributions[world - 1]  # rank r holds the full sum of chunk r+1
+    assert all(after_rs[r][(r + 1) % world] == world for r in range(world))
+    assert run.contributions[-1] == [[world] * world] * world
+
+
+def test_the_reduce_scatter_adds_and_the_all_gather_copies():
+    import torch
+
+    # A schedule that sent the wrong chunk would add a partial sum twice: count the inputs.
+    run = perf.simulate_ring([torch.full((3,), 10.0**r) for r in range(3)])
+    assert [r.tolist() for r in run.results] == [[111.0] * 3] * 3
+    phases = [step[0][3] for step in perf.ring_schedule(3)]
+    assert phases == ["reduce-scatter"] * 2 + ["all-gather"] * 2
+    with pytest.raises(ValueError):
+        perf.ring_schedule(0)
+
+
+def test_the_ring_picture_has_a_block_per_step_and_a_box_per_send():
+    import torch
+
+    fig = perf.draw_ring(perf.simulate_ring([torch.ones(8) for _ in range(4)]))
+    (ax,) = fig.axes
+    assert len(ax.images) == 1 and len(ax.patches) == 6 * 4
+    titles = [t.get_text() for t in ax.texts if t.get_text().startswith(("start", "RS", "AG"))]
+    assert titles == ["start", "RS 1", "RS 2", "RS 3", "AG 1", "AG 2", "AG 3"]

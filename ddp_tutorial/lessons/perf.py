@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -221,3 +222,118 @@ def timed_loop(
         torch.cuda.synchronize(device)
         times = [begin.elapsed_time(end) / 1000 for begin, end in events]  # ms -> s
     return times
+
+
+# -- the ring all-reduce, step by step (lesson 07) ----------------------------------------
+
+RING_PHASES = ("reduce-scatter", "all-gather")
+
+
+def ring_schedule(world_size: int) -> list[list[tuple[int, int, int, str]]]:
+    """Who sends which chunk to whom at each step of a ring all_reduce over ``world_size`` ranks.
+
+    The tensor is cut into N chunks and the ranks form a ring, r → r+1 (mod N).
+    **Reduce-scatter**, N−1 steps: at step s rank r sends chunk (r − s) mod N
+    to its right neighbour, which *adds* it to its own copy; afterwards rank r
+    holds the complete sum of chunk (r + 1) mod N. **All-gather**, N−1 more
+    steps: at step s rank r sends chunk (r + 1 − s) mod N, a complete sum, to
+    its right neighbour, which *overwrites* its copy. 2(N−1) steps in all, each
+    rank sending one chunk per step: 2(N−1)/N of the tensor, whatever N.
+    Returns, per step, ``(sender, receiver, chunk, phase)`` for every rank.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    steps = [
+        [(r, (r + 1) % n, (r - s) % n, RING_PHASES[0]) for r in range(n)] for s in range(n - 1)
+    ]
+    steps += [[(r, (r + 1) % n, (r + 1 - s) % n, RING_PHASES[1]) for r in range(n)]
+              for s in range(n - 1)]  # fmt: skip
+    return steps
+
+
+@dataclass
+class RingRun:
+    """What :func:`simulate_ring` did: each rank's result, whose inputs each copy sums, bytes."""
+
+    results: list[torch.Tensor]
+    contributions: list[list[list[int]]]  # per state (start, then after each step): [rank][chunk]
+    bytes_sent: list[int]  # per rank
+
+
+def simulate_ring(tensors: Sequence[torch.Tensor]) -> RingRun:
+    """Run :func:`ring_schedule` on real tensors, one per rank, as the ranks would.
+
+    Every step's messages are taken from the state *before* the step (the
+    ranks send at the same time), then added (reduce-scatter) or copied
+    (all-gather) at the receiver. ``contributions`` counts, for each rank's
+    copy of each chunk, how many ranks' inputs it sums: 1 everywhere at the
+    start, N everywhere at the end.
+    """
+    n = len(tensors)
+    chunks = [list(t.detach().clone().tensor_split(n)) for t in tensors]
+    holds = [[{r} for _ in range(n)] for r in range(n)]  # whose inputs each copy sums
+    history = [[[len(h) for h in row] for row in holds]]
+    sent = [0] * n
+    for step in ring_schedule(n):
+        messages = [(dst, c, phase, chunks[src][c].clone(), set(holds[src][c]), src)
+                    for src, dst, c, phase in step]  # fmt: skip
+        for dst, c, phase, data, who, src in messages:
+            if phase == RING_PHASES[0]:
+                chunks[dst][c] += data
+                holds[dst][c] |= who
+            else:
+                chunks[dst][c], holds[dst][c] = data, who
+            sent[src] += data.numel() * data.element_size()
+        history.append([[len(h) for h in row] for row in holds])
+    return RingRun([torch.cat(c) for c in chunks], history, sent)
+
+
+def draw_ring(run: RingRun, ax: Any | None = None) -> Any:
+    """The state after every step of a ring all_reduce: one N×N block (rank × chunk) per step.
+
+    Each cell's colour and number say how many ranks' inputs that rank's copy
+    of that chunk sums; the outlined cells are the ones that just received a
+    chunk from their left neighbour.
+    """
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    if ax is None:
+        from ddp_tutorial.harness.plots import new_figure
+
+        ax = new_figure(figsize=(11, 3)).add_subplot()
+    n = len(run.results)
+    states = run.contributions
+    grid = np.full((n, len(states) * (n + 1) - 1), np.nan)
+    for k, state in enumerate(states):
+        grid[:, k * (n + 1) : k * (n + 1) + n] = np.array(state)
+    ax.imshow(grid, cmap="viridis", vmin=1, vmax=n, aspect="equal")
+    schedule = [None, *ring_schedule(n)]
+    for k, state in enumerate(states):
+        x0 = k * (n + 1)
+        for rank in range(n):
+            for chunk in range(n):
+                colour = "white" if state[rank][chunk] < n else "black"
+                ax.text(x0 + chunk, rank, state[rank][chunk], ha="center", va="center",
+                        fontsize="x-small", color=colour)  # fmt: skip
+        if schedule[k] is None:
+            title = "start"
+        else:
+            for _, dst, chunk, _ in schedule[k]:
+                ax.add_patch(Rectangle((x0 + chunk - 0.5, dst - 0.5), 1, 1, fill=False, lw=2,
+                                       edgecolor="tab:red"))  # fmt: skip
+            phase = "RS" if k <= n - 1 else "AG"
+            title = f"{phase} {k if k <= n - 1 else k - n + 1}"
+        ax.text(x0 + (n - 1) / 2, -0.9, title, ha="center", fontsize="small")
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_xticks([k * (n + 1) + c for k in range(len(states)) for c in range(n)],
+                  [str(c) for _ in states for c in range(n)], fontsize="x-small")  # fmt: skip
+    steps = 2 * (n - 1)
+    sent = f"{steps}/{n} S = {ring_factor(n):g} S"
+    ax.set_xlabel(f"chunk, in each block (RS: reduce-scatter, AG: all-gather). Each rank sends "
+                  f"one chunk of S/{n} per step: {sent} in all")  # fmt: skip
+    ax.set_title(f"ring all_reduce over {n} ranks: how many ranks' inputs each copy sums", pad=26)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    return ax.figure

@@ -1,45 +1,74 @@
-"""Load imbalance: rank 0 does extra work every step, and everyone else waits for it.
+"""Rank 0 alone: printing there is right, evaluating there is slow, scheduling there is wrong.
 
-    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval rank0    # the bug
-    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval sharded  # the fix
+    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval rank0 \\
+        --schedule rank0                                                        # the habits
+    torchrun --standalone --nproc-per-node 2 scripts/demos/imbalance.py --eval sharded  # the fixes
 
-A DDP step holds collectives that complete only when *every* rank has reached
-them: the gradient all_reduce in backward and, for a model with buffers such as
-BatchNorm's running statistics, a broadcast of rank 0's buffers at the start of
-every forward (``broadcast_buffers=True``, the default). If rank 0 evaluates on
-a validation batch before each step (a habit: "only the main process
-evaluates"), the other ranks sit in the first of those collectives waiting for
-it; the whole job runs at the slow rank's pace. The fix
-is to share the extra work: every rank evaluates its own shard and the counts
-are summed with all_reduce. Each rank records how long its forward, backward
-(which includes waiting for the others) and evaluation took.
+A DDP training loop as you would write it (lesson 06): a GradScaler, gradient
+clipping after ``scaler.unscale_``, a warm-up + cosine learning-rate schedule
+scaled with the global batch, and log lines from rank 0 only. Two habits of
+"only the main process does it" are switchable:
+
+* ``--eval rank0``: rank 0 evaluates a validation batch before every step.
+  A DDP step holds collectives that complete only when *every* rank reaches
+  them — the buffer broadcast at the start of ``forward()`` (a model with
+  BatchNorm, ``broadcast_buffers=True``, the default) and the gradient
+  all_reduce in ``backward()`` — so the other ranks wait there, every step.
+  ``--eval sharded``: each rank evaluates its slice and the counts are summed
+  with all_reduce: the same work, split evenly.
+* ``--schedule rank0``: ``scheduler.step()`` on rank 0 only. Nothing fails:
+  DDP averages the gradients, but each rank applies them with its own learning
+  rate, and the replicas silently drift apart. ``every`` (the default) steps it
+  on every rank, once per optimizer step.
+
+The batches are generated once, on the rank's device (no input pipeline: on a
+GPU the step is the GPU's work). Each rank records its per-step times (its
+evaluation, DDP forward, backward + optimizer step, which include any waiting),
+learning rates and gradient norms, and a digest of its weights at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_tutorial.data import SyntheticImages
 from ddp_tutorial.distributed import process_group, wrap
 from ddp_tutorial.lessons.perf import clock
-from ddp_tutorial.models import build_model
+from ddp_tutorial.models import MODEL_NAMES, build_model
+from ddp_tutorial.recorder import state_digest
 from ddp_tutorial.records import write_rank_record
+
+REFERENCE_BATCH = 256  # --lr is the peak learning rate of a global batch of this size
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--eval", choices=["none", "rank0", "sharded"], default="rank0")
+    p.add_argument("--schedule", choices=["every", "rank0"], default="every")
+    p.add_argument("--model", choices=MODEL_NAMES, default="cnn")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--eval-batch", type=int, default=256, help="validation samples per step")
     p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.2, help="peak LR of a global batch of 256")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default=None)
     return p.parse_args()
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
 @torch.no_grad()
@@ -50,31 +79,40 @@ def count_correct(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     return int(correct)
 
 
+def random_batch(n: int, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` images and labels drawn on the generator's device: nothing to load, nothing to copy."""
+    device = gen.device
+    images = torch.randn(n, 3, size, size, generator=gen, device=device)
+    return images, torch.randint(0, 10, (n,), generator=gen, device=device)
+
+
 @record
 def main() -> None:
     args = parse_args()
     with process_group() as info:
-        device = info.device  # cuda:LOCAL_RANK with nccl: every tensor a collective sees goes there
+        rank, world, device = info.rank, info.world_size, info.device
+        log = print if rank == 0 else (lambda *a, **k: None)  # one voice: rank 0's
         torch.manual_seed(0)
-        model = wrap(build_model("cnn", 10, args.image_size), device)  # .to(device), then DDP
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = SyntheticImages(args.steps * args.batch_size * info.world_size, args.image_size, 10)
-        val = SyntheticImages(args.eval_batch, args.image_size, 10, seed=1)
-        val_x = torch.stack([val[i][0] for i in range(len(val))]).to(device)
-        val_y = torch.tensor([val[i][1] for i in range(len(val))]).to(device)
-        # Each rank's slice of the validation batch, for the sharded fix.
-        shard = slice(info.rank, None, info.world_size)
+        model = wrap(build_model(args.model, 10, args.image_size), device)  # .to(device), DDP
+        global_batch = args.batch_size * world
+        peak = args.lr * global_batch / REFERENCE_BATCH  # the linear scaling rule
+        optimizer = torch.optim.SGD(model.parameters(), lr=peak, momentum=0.9)
+        schedule = partial(lr_factor, warmup=args.warmup_steps, total=args.steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scaler = torch.amp.GradScaler(device.type)  # fp16's loss scaling; runs on a CPU too
+        gen = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data
+        batches = [random_batch(args.batch_size, args.image_size, gen) for _ in range(4)]
+        val_x, val_y = random_batch(args.eval_batch, args.image_size, gen.manual_seed(1))
+        shard = slice(rank, None, world)  # each rank's slice of the validation batch (the fix)
         times: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "eval": []}
+        lrs, norms = [], []
+        log(f"{world} ranks, global batch {global_batch}, peak lr {peak:.4g}, eval={args.eval}, "
+            f"schedule={args.schedule}", flush=True)  # fmt: skip
         start = time.time()
         for step in range(args.steps):
-            idx = [
-                (step * info.world_size + info.rank) * args.batch_size + j
-                for j in range(args.batch_size)
-            ]
-            x = torch.stack([data[i][0] for i in idx]).to(device)
-            y = torch.tensor([data[i][1] for i in idx]).to(device)
+            x, y = batches[step % len(batches)]
             t0 = clock(device)  # on a GPU: after the queued work, or the times mean nothing
-            if args.eval == "rank0" and info.rank == 0:
+            if args.eval == "rank0" and rank == 0:
                 count_correct(model.module, val_x, val_y)  # only rank 0 works; others wait
             elif args.eval == "sharded":
                 correct = torch.tensor(
@@ -84,23 +122,30 @@ def main() -> None:
             t1 = clock(device)
             loss = torch.nn.functional.cross_entropy(model(x), y)  # broadcasts buffers first
             t2 = clock(device)
-            opt.zero_grad()
-            loss.backward()  # gradient all_reduce: blocks until every rank gets here
-            opt.step()
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # the gradient all_reduce: waits for every rank
+            scaler.unscale_(optimizer)  # true gradients again, before measuring them
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            lrs.append(optimizer.param_groups[0]["lr"])  # the rate this step uses
+            scaler.step(optimizer)  # skipped if a gradient is inf/nan (on every rank alike)
+            scaler.update()
+            if args.schedule == "every" or rank == 0:
+                scheduler.step()  # "every": once per optimizer step, on every rank
             t3 = clock(device)
             times["eval"].append(t1 - t0)
             times["forward"].append(t2 - t1)
             times["backward"].append(t3 - t2)
             times["step"].append(t3 - t0)
+            norms.append(norm.item())
+            if (step + 1) % args.log_every == 0:
+                log(f"step {step + 1}: loss {loss.item():.4f}, grad norm {norms[-1]:.3f} "
+                    f"(max {args.clip:g}), lr {lrs[-1]:.4g}", flush=True)  # fmt: skip
         end = time.time()
-        write_rank_record(args.out, {"eval": args.eval, "start": start, "end": end, **times})
-        per_step = {k: 1000 * sum(v) / args.steps for k, v in times.items()}
-        print(
-            f"rank {info.rank}: eval={args.eval} {per_step['step']:.1f} ms/step, of which "
-            f"DDP forward+backward (incl. waiting) "
-            f"{per_step['forward'] + per_step['backward']:.1f} ms",
-            flush=True,
-        )
+        weights = state_digest(dict(model.module.named_parameters()))
+        sizes = {"batch_size": args.batch_size, "world_size": world, "device": str(device)}
+        write_rank_record(args.out, {"eval": args.eval, "schedule": args.schedule, "start": start,
+                                     "end": end, **times, "lr": lrs, "grad_norm": norms,
+                                     "weights": weights, **sizes})  # fmt: skip
 
 
 if __name__ == "__main__":
