@@ -318,7 +318,8 @@ def overlap_timeline(cases: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure
     in µs. Backward's compute nodes are the upper lane (``AccumulateGrad``,
     where DDP's hooks run and finally wait, is left out), the backend's
     all_reduces the lower one; a dotted line marks each launch from backward.
-    Communication drawn under backward compute is overlap.
+    Communication drawn under backward compute is overlap. ``kernel_rows``
+    output (a GPU's kernels, no launches) draws the same way.
     """
     if not cases:
         raise ValueError("overlap_timeline needs at least one case")
@@ -336,7 +337,8 @@ def overlap_timeline(cases: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure
         ax.set_yticks([1, 0])
         ax.set_yticklabels(["backward", "all_reduce"], fontsize=8)
         ax.set_ylim(-0.6, 1.6)
-        ax.set_title(f"{label} (dotted: all_reduce launched)", fontsize=9)
+        launched = any(r["kind"] == "launch" for r in rows)  # GPU kernel rows have none
+        ax.set_title(f"{label} (dotted: all_reduce launched)" if launched else label, fontsize=9)
         ax.grid(alpha=0.3, axis="x")
     axes[-1].set_xlabel("ms since backward began (one rank, one step)")
     fig.tight_layout()

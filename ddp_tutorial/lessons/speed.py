@@ -2,25 +2,98 @@
 
 Shared by ``scripts/demos/speed_tools.py`` (the ranks), the notebook and the tests.
 Most of it is pure functions over what a run recorded (a log, a list of
-profiler events, layer shapes), so the claims of the lesson are computed the
-same way everywhere and tested on fixed inputs; :func:`wire_log` is the one
-piece that touches ``torch.distributed`` at run time.
+profiler events, layer shapes, gradients), so the claims of the lesson are
+computed the same way everywhere and tested on fixed inputs; :func:`wire_log`
+is the one piece that touches ``torch.distributed`` at run time.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 COMM_EVENTS = ("c10d::allreduce_", "gloo:all_reduce", "nccl:all_reduce")
+BF16_FROM_CAPABILITY = (8, 0)  # Ampere (A100) and later compute in bfloat16 natively
+SIGNIFICANT_BITS = {"fp32": 24, "bf16": 8, "fp16": 11}  # stored mantissa bits + the implicit 1
+FP16_SMALLEST_NORMAL = 2.0**-14  # below it fp16 has fewer significant bits (subnormals)
+
+
+class AmpChoice(NamedTuple):
+    """The 16-bit type a device should train in, and whether it needs a ``GradScaler``."""
+
+    precision: str  # "bf16" or "fp16"
+    dtype: torch.dtype
+    scaler: bool
+
+
+def amp_choice(device_type: str, capability: tuple[int, int] | None = None) -> AmpChoice:
+    """bfloat16 where the hardware computes in it, else float16 with a ``GradScaler``.
+
+    A pure function of what the rank saw (``torch.cuda.get_device_capability``
+    on a GPU), so it is tested without one. From compute capability 8.0 (A100,
+    H100, RTX 30xx and later) bf16 runs natively and, with float32's exponent
+    range, needs no loss scaling. Below it (V100 = 7.0, T4 = 7.5) autocast
+    still accepts bf16 but emulates it, slower than float32: fp16 and a
+    scaler are the choice there. On a CPU autocast's own default is bf16
+    (``torch.get_autocast_dtype("cpu")``); this course's CPU runs are about
+    correctness, not speed.
+    """
+    if device_type == "cuda":
+        if capability is None:
+            raise ValueError("a CUDA device needs its compute capability, e.g. (8, 0)")
+        if tuple(capability) < BF16_FROM_CAPABILITY:
+            return AmpChoice("fp16", torch.float16, True)
+    return AmpChoice("bf16", torch.bfloat16, False)
+
+
+def mean_relative_error(
+    approx: Sequence[float] | torch.Tensor,
+    exact: Sequence[float] | torch.Tensor,
+    floor: float = 4 * FP16_SMALLEST_NORMAL,
+) -> float:
+    """Mean of ``|approx - exact| / |exact|`` over the elements with ``|exact| > floor``.
+
+    Rounding to p significant bits moves a number by at most half a unit in
+    its last place, ``2**-p`` of its size, wherever its exponent is: a
+    relative error, so its mean over thousands of elements measures p, and
+    two formats' means differ by 2 to the difference in bits. The floor keeps
+    out the tiny elements that fp16 stores as subnormals (fewer bits) and
+    the zeros (no relative error at all). The default, 4x fp16's smallest
+    normal number, leaves room for the division by the world size that the
+    compression hooks do before they round.
+    """
+    a, e = torch.as_tensor(approx, dtype=torch.float64), torch.as_tensor(exact, dtype=torch.float64)
+    keep = e.abs() > floor
+    if not bool(keep.any()):
+        raise ValueError(f"no element above the floor {floor:g}")
+    return ((a - e).abs()[keep] / e.abs()[keep]).mean().item()
+
+
+def source_of(path: str | Path, name: str) -> str:
+    """The source text of the top-level function ``name`` in the file ``path``.
+
+    A notebook shows the lines a rank ran straight from the launched file,
+    so the text it shows cannot drift from the code that ran. Parsed, not
+    imported: nothing of the script executes in the kernel.
+    """
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            return "\n".join(lines[first - 1 : node.end_lineno])  # whole lines: comments too
+    raise LookupError(f"no top-level function {name!r} in {path}")
 
 
 @dataclass
@@ -114,6 +187,8 @@ def profile_rows(events: Any, step_start_us: float | None = None) -> list[dict[s
     """
     rows = []
     for e in events:
+        if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU:
+            continue  # with CUDA profiling a record_function also has a GPU twin: not CPU time
         if e.name.startswith(BACKWARD_PREFIX):
             name = e.name[len(BACKWARD_PREFIX) :]
             kind = "accumulate" if "AccumulateGrad" in name else "backward"
@@ -152,6 +227,110 @@ def overlap_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         "first_comm": first_comm,
         "launches": len(launches),
         "overlapped_us": max(0.0, end - first_launch),
+    }
+
+
+def _backward_node(op: Any) -> str | None:
+    """The autograd node an op ran inside (walking up its CPU parents), or None."""
+    while op is not None:
+        if op.name.startswith(BACKWARD_PREFIX):
+            return op.name[len(BACKWARD_PREFIX) :]
+        op = getattr(op, "cpu_parent", None)
+    return None
+
+
+def _is_gpu_kernel(e: Any) -> bool:
+    """A CUDA kernel's execution (not a memcpy/memset, nor a GPU twin of a record_function)."""
+    if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CUDA:
+        return False
+    return getattr(e, "activity_type", None) in (None, "kernel")
+
+
+def kernel_rows(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The GPU kernels of a CUDA ``torch.profiler`` run, as rows on the GPU's own clock.
+
+    With ``ProfilerActivity.CUDA`` the profiler records every kernel as it ran
+    on the GPU (``device_type == DeviceType.CUDA``, its stream in
+    ``device_resource_id``) and links it to the CPU op that launched it
+    (``linked_correlation_id`` = that op's ``id``). Kept: NCCL's kernels
+    (``kind="comm"``, named ``nccl…``) and every kernel launched from inside
+    an autograd node, classified as :func:`profile_rows` does (``backward``,
+    or ``accumulate`` for ``AccumulateGrad``, where DDP copies gradients into
+    its buckets). Forward and optimizer kernels are dropped. Times are µs
+    from the first backward kernel's start.
+    """
+    events = list(events)
+    ops = {e.id: e for e in events
+           if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+           and getattr(e, "linked_correlation_id", 0) == 0}  # fmt: skip
+    rows = []
+    for e in events:
+        if not _is_gpu_kernel(e):
+            continue
+        if "nccl" in e.name.lower():
+            kind, node = "comm", None
+        else:
+            node = _backward_node(ops.get(getattr(e, "linked_correlation_id", 0)))
+            if node is None:
+                continue
+            kind = "accumulate" if "AccumulateGrad" in node else "backward"
+        rows.append({"kind": kind, "name": e.name, "node": node,
+                     "stream": getattr(e, "device_resource_id", None),
+                     "start": e.time_range.start, "end": e.time_range.end})  # fmt: skip
+    t0 = min((r["start"] for r in rows if r["kind"] == "backward"), default=0)
+    for r in rows:
+        r["start"], r["end"] = r["start"] - t0, r["end"] - t0
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_us(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
+    """How long something of ``a`` and something of ``b`` ran at the same time (µs)."""
+    ua, ub = _union(a), _union(b)
+    total, j = 0.0, 0
+    for start, end in ua:
+        while j < len(ub) and ub[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(ub) and ub[k][0] < end:
+            total += min(end, ub[k][1]) - max(start, ub[k][0])
+            k += 1
+    return total
+
+
+def gpu_overlap_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Did NCCL run on the GPU while backward's kernels ran? From :func:`kernel_rows`.
+
+    ``backward_end``: the end of the last backward kernel; ``first_comm``:
+    the start of the first NCCL kernel; ``overlapped_us``: the time during
+    which an NCCL kernel and a backward kernel were both running (on
+    different streams, or it could not be); ``shared_streams``: streams that
+    ran both kinds (none expected: NCCL has streams of its own).
+    """
+    compute = [r for r in rows if r["kind"] == "backward" and r.get("node") != "TBackward0"]
+    comms = [r for r in rows if r["kind"] == "comm"]
+    if not compute or not comms:
+        raise ValueError(
+            f"need backward and NCCL kernels, got {len(compute)} and {len(comms)}: was the "
+            "step profiled with ProfilerActivity.CUDA, and may this process use CUPTI?"
+        )
+    return {
+        "backward_end": max(r["end"] for r in compute),
+        "first_comm": min(r["start"] for r in comms),
+        "comm_kernels": len(comms),
+        "overlapped_us": overlap_us(
+            [(r["start"], r["end"]) for r in comms], [(r["start"], r["end"]) for r in compute]
+        ),  # fmt: skip
+        "shared_streams": sorted({r["stream"] for r in comms} & {r["stream"] for r in compute}),
     }
 
 

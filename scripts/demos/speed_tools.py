@@ -3,12 +3,14 @@
     torchrun --standalone --nproc-per-node 2 scripts/demos/speed_tools.py --out runs/speed
 
 One launch runs every case (each launch costs seconds of start-up): ``amp``
-(bf16 autocast, fp16 + GradScaler with ``no_sync`` accumulation, an inf
-gradient injected on one rank), ``compile`` (``torch.compile`` of the DDP
-model against eager, its state_dict keys, a saved copy), ``hooks`` (fp16/bf16
-compression and PowerSGD, bytes counted on the wire) and ``overlap`` (a
-profiler trace of one step, bucket sizes, ``gradient_as_bucket_view``,
-``static_graph``). ``--only NAME ...`` runs a subset. Run with
+(autocast in bf16 where the device computes in it, fp16 + GradScaler, with
+``no_sync`` accumulation; an inf gradient injected on one rank), ``compile``
+(``torch.compile`` of the DDP model against eager, its state_dict keys, a
+saved copy, what a bare ``nn.Sequential`` and ``bucket_cap_mb < 1`` do),
+``hooks`` (fp16/bf16 compression and PowerSGD, bytes counted on the wire) and
+``overlap`` (a profiler trace of one step, bucket sizes,
+``gradient_as_bucket_view``, ``static_graph``; on GPUs the trace adds each
+kernel as it ran on its stream). ``--only NAME ...`` runs a subset. Run with
 ``TORCH_LOGS=ddp_graphs`` to see how compile splits the graph at DDP's buckets.
 """
 
@@ -44,7 +46,7 @@ from ddp_tutorial.lessons.anatomy import (
     time_steps,
     tiny_model,
 )
-from ddp_tutorial.lessons.speed import profile_rows, wire_log
+from ddp_tutorial.lessons.speed import amp_choice, kernel_rows, profile_rows, wire_log
 from ddp_tutorial.models import MLP
 
 CASES = ("amp", "compile", "hooks", "overlap")
@@ -65,6 +67,7 @@ def parse_args() -> argparse.Namespace:
     add("--compile-steps", type=int, default=6)
     add("--powersgd-steps", type=int, default=20)
     add("--timing-steps", type=int, default=10)
+    add("--overlap-width", type=int, default=None, help="default: 256 on CPU, 2048 on GPU")
     add("--only", nargs="*", choices=CASES, default=list(CASES))
     add("--backend", default=None, help="auto (default), gloo or nccl")
     add("--out", default=None, help="run directory for per-rank JSON records")
@@ -78,6 +81,32 @@ def batch(step: int, size: int, args: argparse.Namespace, info: DistInfo) -> lis
 
 
 # -- 1. mixed precision ------------------------------------------------------------
+def amp_step(
+    model: nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    dtype: torch.dtype | None,
+) -> float:
+    """One optimizer step over several micro-batches: the lines lesson 11 teaches.
+
+    ``dtype``: torch.bfloat16, torch.float16 or None (float32). ``scaler`` is
+    a ``torch.amp.GradScaler``, enabled for float16 only. Returns the loss.
+    """
+    accum, total = len(micro_batches), 0.0
+    optimizer.zero_grad(set_to_none=True)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == accum - 1
+        with nullcontext() if last else model.no_sync():  # all_reduce on the last one only
+            with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y) / accum  # forward and loss only
+            scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients stay > 0
+        total += loss.item()
+    scaler.step(optimizer)  # unscales; skips optimizer.step() if a gradient is inf or nan
+    scaler.update()  # after a skip: scale / 2
+    return total
+
+
 def inf_gradient(grad: torch.Tensor) -> torch.Tensor:
     """A tensor hook's replacement gradient: the same, with one element set to +inf."""
     grad = grad.clone()
@@ -85,38 +114,29 @@ def inf_gradient(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def amp_step(
-    ddp: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    opt: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    precision: str,
-    accum: int,
-    inject: bool,
-) -> dict:
-    """One optimizer step of ``accum`` micro-batches: autocast forward, ``no_sync`` on all
-    but the last (one all_reduce per step), the scaler deciding whether to step."""
-    opt.zero_grad(set_to_none=True)
-    dtype, total = DTYPES[precision], 0.0
-    micro = list(zip(x.chunk(accum), y.chunk(accum), strict=True))
-    for i, (mx, my) in enumerate(micro):
-        hook = ddp.module.net[1].weight.register_hook(inf_gradient) if inject and i == 0 else None
-        sync = nullcontext() if i == accum - 1 else ddp.no_sync()  # local until the last
-        with sync:
-            with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-                loss = F.cross_entropy(ddp(mx), my) / accum  # autocast: forward only
-            scaler.scale(loss).backward()  # the last micro-batch all_reduces the sum
-        total += loss.item()
-        if hook is not None:
-            hook.remove()
+def recorded_amp_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                      precision: str, accum: int, inject: bool) -> dict:  # fmt: skip
+    """:func:`amp_step`, and what it did: was a gradient inf, did the weights move, the scale.
+
+    ``inject``: the first micro-batch's gradient of one weight gets an inf on
+    this rank (inside ``no_sync``: nothing is sent yet).
+    """
+    calls = []
+
+    def first_call_inf(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return inf_gradient(grad) if len(calls) == 1 else grad
+
+    hook = ddp.module.net[1].weight.register_hook(first_call_inf) if inject else None
     before, scale = flat_params(ddp), scaler.get_scale()
-    finite = bool(torch.isfinite(flat_grads(ddp)).all())
-    scaler.step(opt)  # unscales; skips opt.step() if any gradient is inf/nan
-    scaler.update()  # a skip halves the scale
+    micro = list(zip(x.chunk(accum), y.chunk(accum), strict=True))
+    loss = amp_step(ddp, micro, opt, scaler, DTYPES[precision])
+    if hook is not None:
+        hook.remove()
     return {
-        "loss": total,
-        "grads_finite": finite,
+        "loss": loss,
+        "grads_finite": bool(torch.isfinite(flat_grads(ddp)).all()),  # after the all_reduce
         "scale_before": scale,
         "scale_after": scaler.get_scale(),
         "stepped": not torch.equal(before, flat_params(ddp)),
@@ -134,15 +154,22 @@ def train_amp(args: argparse.Namespace, info: DistInfo, precision: str, steps: i
     for step in range(steps):
         inject = step == inject_step and info.rank == args.inject_rank
         x, y = batch(step, args.batch_size, args, info)
-        rows.append(amp_step(ddp, x, y, opt, scaler, precision, args.grad_accum, inject))
+        rows.append(recorded_amp_step(ddp, x, y, opt, scaler, precision, args.grad_accum, inject))
     return rows
 
 
 def case_amp(args: argparse.Namespace, info: DistInfo) -> dict:
-    """Loss curves in fp32, bf16 and fp16; then an inf gradient on one rank in fp16."""
-    curves = {p: [r["loss"] for r in train_amp(args, info, p, args.steps)] for p in DTYPES}
+    """Loss curves in fp32 and the 16-bit types this device should use; then an inf gradient
+    on one rank in fp16 (every GPU runs fp16; bf16 only from compute capability 8.0)."""
+    capability = (
+        list(torch.cuda.get_device_capability(info.device)) if info.device.type == "cuda" else None
+    )
+    choice = amp_choice(info.device.type, tuple(capability) if capability else None)
+    precisions = list(dict.fromkeys(["fp32", choice.precision, "fp16"]))
+    curves = {p: [r["loss"] for r in train_amp(args, info, p, args.steps)] for p in precisions}
     injected = train_amp(args, info, "fp16", 3, inject_step=1)
-    return {"curves": curves, "inject_step": 1, "injected": injected,
+    return {"capability": capability, "choice": choice.precision, "scaler": choice.scaler,
+            "curves": curves, "inject_step": 1, "injected": injected,
             "grad_accum": args.grad_accum}  # fmt: skip
 
 
@@ -187,10 +214,55 @@ def case_compile(args: argparse.Namespace, info: DistInfo) -> dict:
         }
     keys = list(model.state_dict())
     out["state_dict_keys"] = keys[:2]
+    out["module_keys"] = list(model.module.state_dict())[:2]  # through the compiled wrapper
+    out["module_is_the_model"] = model.module is ddp.module
     out["params"] = flat_params(ddp)
     if info.is_main and args.out:  # what a naive save of the compiled model writes
         atomic_save(model.state_dict(), Path(args.out) / "compiled_state.pt")
+    out["sequential_graphs"] = graphs_compiled(
+        nn.Sequential(nn.Linear(IN_FEATURES, 512), nn.ReLU(), nn.Linear(512, NUM_CLASSES)),
+        info,
+        args,
+    )
+    out["small_bucket_error"] = small_bucket_error(backend, info, args)
     return out
+
+
+def graphs_compiled(module: nn.Module, info: DistInfo, args: argparse.Namespace) -> list[int]:
+    """Compile ``DDP(module)`` with a backend that only counts: ops in each graph handed to it.
+
+    Dynamo is reset first, so nothing compiled before is reused: a fresh process's answer.
+    """
+    torch._dynamo.reset()
+    graphs: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(sum(node.op == "call_function" for node in gm.graph.nodes))
+        return gm.forward
+
+    model = torch.compile(wrap(module, info.device, bucket_cap_mb=1), backend=counting_backend)
+    x, y = batch(0, args.batch_size, args, info)
+    F.cross_entropy(model(x), y).backward()
+    return graphs
+
+
+def small_bucket_error(backend: str, info: DistInfo, args: argparse.Namespace) -> str | None:
+    """The first line of what a compiled DDP model with ``bucket_cap_mb < 1`` raises (or None).
+
+    Dynamo is reset first: code compiled for the same class before would be reused
+    (its guards pass) and DDPOptimizer, which refuses the buckets, would not run again.
+    """
+    torch._dynamo.reset()
+    model = torch.compile(wrap(compile_model(args.seed), info.device, bucket_cap_mb=0.5),
+                          backend=backend)  # fmt: skip
+    x, y = batch(0, args.batch_size, args, info)
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except AssertionError as exc:  # DDPOptimizer's own check, at compile time
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    finally:
+        torch._dynamo.reset()  # forget the failed frame
+    return None
 
 
 def _sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer) -> float:
@@ -241,19 +313,29 @@ def train_hooked(args: argparse.Namespace, info: DistInfo, base: nn.Module, name
 
 
 # -- 4. overlap and the bucket knobs -------------------------------------------------
-def overlap_model(seed: int) -> nn.Module:
-    """Six 256x256 layers (257 KB each): several buckets at ``bucket_cap_mb=0.3``."""
-    return deep_mlp(seed, width=256, depth=6)
+def overlap_model(seed: int, width: int) -> nn.Module:
+    """Six width x width layers: 256 on a CPU (257 KB each), 2048 on GPUs (16 MiB each), so
+    that a GPU's backward kernels last long enough for an all_reduce to run beside them."""
+    return deep_mlp(seed, width=width, depth=6)
 
 
-def profiled_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, opt) -> list[dict]:
-    """One training step under ``torch.profiler``: backward ops and collectives, in µs."""
+def profiled_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, opt) -> dict:
+    """One training step under ``torch.profiler``: backward ops and collectives, in µs.
+
+    ``events``: CPU-side ranges (when backward's nodes ran on their thread,
+    when each all_reduce was launched and when the backend ran it). On a GPU
+    those are only the host's view — an op's CPU range ends when its kernel is
+    *queued* — so ``kernels`` adds the GPU's own: each kernel as it ran on
+    its stream (NCCL's all_reduce kernels and backward's compute kernels).
+    """
     activities = [ProfilerActivity.CPU]
     if x.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         _sgd(ddp, x, y, opt)
-    return profile_rows(prof.events())
+    events = prof.events()
+    return {"events": profile_rows(events),
+            "kernels": kernel_rows(events) if x.device.type == "cuda" else []}  # fmt: skip
 
 
 def bucket_storages(state: set[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -264,27 +346,33 @@ def bucket_storages(state: set[int], bucket: dist.GradBucket) -> torch.futures.F
 
 def case_overlap(args: argparse.Namespace, info: DistInfo) -> dict:
     """A profiled step with small and with one big bucket; bucket views; static graph."""
+    width = args.overlap_width or (2048 if info.device.type == "cuda" else 256)
     x, y = batch(0, 8 * args.batch_size, args, info)  # a heavier step: backward worth seeing
+    layer_mb = width * (width + 1) * 4 / 2**20
+    small = round(1.2 * layer_mb, 1)  # about one layer per bucket
+    total_mb = sum(p.numel() * 4 for p in overlap_model(args.seed, width).parameters()) / 2**20
+    one = max(25.0, 2 * total_mb)  # DDP's default 25 MB, or more if the model is bigger
     knobs = {
-        "small buckets (0.3 MB)": {"bucket_cap_mb": 0.3},
-        "one bucket (25 MB)": {"bucket_cap_mb": 25},
-        "gradient_as_bucket_view": {"bucket_cap_mb": 0.3, "gradient_as_bucket_view": True},
-        "static_graph": {"bucket_cap_mb": 0.3, "static_graph": True},
+        "small buckets": {"bucket_cap_mb": small},
+        "one bucket": {"bucket_cap_mb": one},
+        "gradient_as_bucket_view": {"bucket_cap_mb": small, "gradient_as_bucket_view": True},
+        "static_graph": {"bucket_cap_mb": small, "static_graph": True},
     }
-    out: dict = {"knobs": {}}
+    out: dict = {"width": width, "knobs": {}}
     for name, options in knobs.items():
-        ddp = wrap(overlap_model(args.seed), info.device, **options)
+        ddp = wrap(overlap_model(args.seed, width), info.device, **options)
         storages: set[int] = set()
         ddp.register_comm_hook(storages, bucket_storages)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         for _ in range(2):  # the first step builds the real buckets
             _sgd(ddp, x, y, opt)
-        rows = profiled_step(ddp, x, y, opt)
+        profiled = profiled_step(ddp, x, y, opt)
         times = time_steps(lambda d=ddp, o=opt: _sgd(d, x, y, o), args.timing_steps)
         storages.clear()  # only the buckets of the step whose .grad we look at
         _sgd(ddp, x, y, opt)
         views = [p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters()]
-        out["knobs"][name] = {"events": rows, "step_ms": 1e3 * statistics.median(times),
+        out["knobs"][name] = {**profiled, "bucket_cap_mb": options["bucket_cap_mb"],
+                              "step_ms": 1e3 * statistics.median(times),
                               "grads_in_buckets": sum(views), "params": len(views),
                               "weights": flat_params(ddp)}  # fmt: skip
     return out
