@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
+from ddp_tutorial.numerics import amp_for_capability
+
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 COMM_EVENTS = ("c10d::allreduce_", "gloo:all_reduce", "nccl:all_reduce")
-BF16_FROM_CAPABILITY = (8, 0)  # Ampere (A100) and later compute in bfloat16 natively
 SIGNIFICANT_BITS = {"fp32": 24, "bf16": 8, "fp16": 11}  # stored mantissa bits + the implicit 1
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it fp16 has fewer significant bits (subnormals)
 
@@ -49,11 +50,11 @@ def amp_choice(device_type: str, capability: tuple[int, int] | None = None) -> A
     (``torch.get_autocast_dtype("cpu")``); this course's CPU runs are about
     correctness, not speed.
     """
-    if device_type == "cuda":
-        if capability is None:
-            raise ValueError("a CUDA device needs its compute capability, e.g. (8, 0)")
-        if tuple(capability) < BF16_FROM_CAPABILITY:
-            return AmpChoice("fp16", torch.float16, True)
+    if device_type == "cuda" and capability is None:
+        raise ValueError("a CUDA device needs its compute capability, e.g. (8, 0)")
+    name = amp_for_capability(tuple(capability) if device_type == "cuda" else None)
+    if name == "fp16":  # the rule itself is numerics.amp_for_capability: one for the course
+        return AmpChoice("fp16", torch.float16, True)
     return AmpChoice("bf16", torch.bfloat16, False)
 
 
