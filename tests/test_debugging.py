@@ -107,3 +107,14 @@ def test_lab_shows_the_typed_command_and_finds_only_its_own_leftovers(tmp_path):
         sleeper.wait()
         lab.close()
     assert holder.fileno() == -1  # close() freed the port
+
+
+def test_the_lab_imports_dynamo_early_for_exactly_the_cases_that_wrap_in_ddp():
+    """A DDP case imports ``torch._dynamo`` before the short timeout; the others need not."""
+    import inspect
+
+    from conftest import load_script
+
+    lab = load_script("demos/debug_lab.py")
+    wrapping = {name for name, fn in lab.CASES.items() if "wrap(" in inspect.getsource(fn)}
+    assert wrapping == lab.DDP_CASES
