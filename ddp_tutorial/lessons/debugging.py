@@ -217,8 +217,8 @@ def start_lab(
     The broken cases (each ends by itself after ``hang_timeout_s``), ``hung``
     (section 5's real hang, for ``py-spy``: its timeout is as long as the
     launch's), ``all-fixed`` (every repaired case in one launch, with pdb on
-    rank 0), ``teardown`` and ``teardown-fixed`` (section 8), and section 3's
-    pdb session. ``launch_timeout_s`` is every launch's hard limit.
+    rank 0), ``teardown`` (section 8: rank 0 without the fix, rank 1 with it),
+    and section 3's pdb session. ``launch_timeout_s`` is every launch's hard limit.
     """
     lab, hello, teardown = f"{demos}/debug_lab.py", f"{demos}/hello.py", f"{demos}/teardown.py"
     port_holder = socket.create_server(("127.0.0.1", 0))  # "another job" got there first
@@ -237,8 +237,7 @@ def start_lab(
         "shape": launch(lab, "--case", "shape", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
         "rank0-eval": launch(lab, "--case", "rank0-eval", *hang),
         "uneven": launch(lab, "--case", "uneven", *hang),
-        "teardown": launch(teardown, "--init", "plain"),
-        "teardown-fixed": launch(teardown, "--init", "plain", "--import-first"),
+        "teardown": launch(teardown, "--init", "plain", "--import-first-rank", 1),
         "all-fixed": launch(lab, "--case", "all", "--fix", "--breakpoint", stdin=PDB_BREAKPOINT),
     }  # fmt: skip
     try:
