@@ -28,13 +28,20 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from ddp_tutorial.harness.launch import Launch, LaunchSpec, RunResult, run_together, shell_command
+from ddp_tutorial.harness.launch import (
+    Launch,
+    LaunchSpec,
+    RunResult,
+    run_together,
+    shell_command,
+    start,
+)
 from ddp_tutorial.harness.processes import CommandResult, run_command
 
 KEY_PATTERNS = (
@@ -145,7 +152,9 @@ def start_cases(
     try:
         for name, spec in cases.items():
             where = base / name if base is not None else spec.run_dir
-            launches[name] = Launch(replace(spec, echo=False, check=False, run_dir=where))
+            spec = replace(spec, echo=False, check=False, run_dir=where)
+            options = {f.name: getattr(spec, f.name) for f in fields(spec)}
+            launches[name] = start(options.pop("script"), *options.pop("args"), **options)
     except BaseException:
         for launch in launches.values():
             launch.kill()
