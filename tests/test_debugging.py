@@ -68,3 +68,53 @@ def test_key_lines_keeps_each_message_once_with_its_rank():
         "[rank0]:[Rank 0]: Rank 1 failed to pass monitoredBarrier in 5000 ms",
     ]
     assert key_lines("x" * 50 + " EADDRINUSE", width=20) == ["x" * 19 + "…"]
+
+
+def test_lab_shows_the_typed_command_and_finds_only_its_own_leftovers(tmp_path):
+    """``Lab.command`` is what a user types; ``left_behind`` matches run dirs word for word."""
+    import socket
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from ddp_tutorial.harness.launch import LaunchSpec
+    from ddp_tutorial.lessons.debugging import Lab
+
+    def fake(name: str, env: dict[str, str] | None = None) -> SimpleNamespace:
+        run_dir = tmp_path / name
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        logs = ["--log-dir", str(run_dir / "logs"), "--tee", "3"]
+        script = ["../scripts/demos/debug_lab.py", "--case", "unused", "--out", str(run_dir)]
+        command = [*torchrun, "--nproc-per-node", "2", *logs, *script]
+        return SimpleNamespace(spec=LaunchSpec("x.py", env=env), command=command,
+                               run_dir=run_dir, done=True)  # fmt: skip
+
+    holder = socket.create_server(("127.0.0.1", 0))
+    pool = ThreadPoolExecutor(1)
+    launches = {"a": fake("run", {"TORCH_DISTRIBUTED_DEBUG": "INFO"}), "b": fake("run-2")}
+    lab = Lab(launches, Future(), holder, "../scripts/demos", pool)
+    assert lab.command("a") == (
+        "$ TORCH_DISTRIBUTED_DEBUG=INFO torchrun --standalone --nproc-per-node 2 "
+        "scripts/demos/debug_lab.py --case unused"
+    )
+    # a process of launch b (its run dir "run-2" starts with a's "run") is still alive
+    code = "import time; time.sleep(60)"
+    sleeper = subprocess.Popen([sys.executable, "-c", code, "--out", str(tmp_path / "run-2")])
+    try:
+        assert lab.left_behind(["a"]) == []
+        assert lab.left_behind(["b"]) == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        lab.close()
+    assert holder.fileno() == -1  # close() freed the port
+
+
+def test_the_lab_imports_dynamo_early_for_exactly_the_cases_that_wrap_in_ddp():
+    """A DDP case imports ``torch._dynamo`` before the short timeout; the others need not."""
+    import inspect
+
+    from conftest import load_script
+
+    lab = load_script("demos/debug_lab.py")
+    wrapping = {name for name, fn in lab.CASES.items() if "wrap(" in inspect.getsource(fn)}
+    assert wrapping == lab.DDP_CASES

@@ -11,18 +11,38 @@ A debugger that waits for input is run with
 :func:`ddp_tutorial.harness.processes.run_command`: text on its stdin and a
 hard timeout that kills the whole process tree, so it can never hang a
 notebook or a test.
+
+:func:`start_lab` starts every launch of the lesson at once, in the
+background (the broken cases mostly *wait* for a timeout, so side by side
+they cost little more than the slowest one); each section of the lesson then
+reads its own case with :meth:`Lab.result` and shows the command a user
+would type with :meth:`Lab.command`.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ddp_tutorial.harness.launch import LaunchSpec, RunResult, run_together
+import psutil
+
+from ddp_tutorial.harness.launch import (
+    Launch,
+    LaunchSpec,
+    RunResult,
+    run_together,
+    shell_command,
+    start,
+)
+from ddp_tutorial.harness.processes import CommandResult, run_command
 
 KEY_PATTERNS = (
     r"Timed out waiting \d+ms",
@@ -111,3 +131,130 @@ def run_cases(
         for name, spec in cases.items()
     }  # fmt: skip
     return run_together(specs)
+
+
+PDB_KEYS = "continue\nup\np sorted(saved)\nquit\n"
+"""Section 3's pdb session: run to the crash (post-mortem), climb to our frame, print the keys."""
+PDB_BREAKPOINT = "up\np answer, info.rank, info.world_size\nc\n"
+"""What the "All fixed" launch types into ``torch.distributed.breakpoint()`` on rank 0."""
+
+
+def start_cases(
+    cases: Mapping[str, LaunchSpec], run_dir: str | os.PathLike[str] | None = None
+) -> dict[str, Launch]:
+    """Start every case at once in the background; ``{name: Launch}``, read with ``.wait()``.
+
+    Each keeps its own hard timeout (the spec's). Failures are results, not
+    exceptions. If one cannot start, the ones already started are killed.
+    """
+    base = Path(run_dir) if run_dir is not None else None
+    launches: dict[str, Launch] = {}
+    try:
+        for name, spec in cases.items():
+            where = base / name if base is not None else spec.run_dir
+            spec = replace(spec, echo=False, check=False, run_dir=where)
+            options = {f.name: getattr(spec, f.name) for f in fields(spec)}
+            launches[name] = start(options.pop("script"), *options.pop("args"), **options)
+    except BaseException:
+        for launch in launches.values():
+            launch.kill()
+        raise
+    return launches
+
+
+@dataclass
+class Lab:
+    """Every launch of lesson 09, running side by side; each section reads its own.
+
+    ``port_holder`` is "another job" that holds ``taken_port`` (section 2)
+    until :meth:`close`. ``pdb`` is section 3's debugger session, a plain
+    process, no torchrun.
+    """
+
+    launches: dict[str, Launch]
+    pdb: Future[CommandResult]
+    port_holder: socket.socket
+    demos: str
+    _pool: ThreadPoolExecutor = field(repr=False)
+
+    @property
+    def taken_port(self) -> int:
+        return int(self.port_holder.getsockname()[1])
+
+    def result(self, name: str) -> RunResult:
+        """Wait for case ``name`` (if it still runs) and return what it did."""
+        return self.launches[name].wait()
+
+    def command(self, name: str) -> str:
+        """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags)."""
+        spec = self.launches[name].spec
+        env = [f"{k}={shlex.quote(str(v))}" for k, v in (spec.env or {}).items()]
+        words = shell_command(self.launches[name].command).replace(self.demos, "scripts/demos")
+        return "$ " + " ".join([*env, words])
+
+    def left_behind(self, names: Iterable[str]) -> list[int]:
+        """pids still alive from the launches ``names``: torchrun or a rank.
+
+        Found by the run directory each has on its command line (``--out DIR``),
+        compared word for word: ``run-2`` is not ``run``.
+        """
+        dirs = {str(self.launches[n].run_dir) for n in names}
+        alive = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if dirs.intersection(proc.info["cmdline"] or ()):
+                alive.append(proc.pid)
+        return alive
+
+    def close(self) -> None:
+        """End whatever still runs (on every exit path) and free the port."""
+        for launch in self.launches.values():
+            if not launch.done:
+                launch.kill()
+        self.pdb.cancel()
+        self._pool.shutdown(wait=False)
+        self.port_holder.close()
+
+
+def start_lab(
+    hang_timeout_s: float,
+    launch_timeout_s: float,
+    demos: str = "../scripts/demos",
+    nproc: int = 2,
+) -> Lab:
+    """Start every launch of lesson 09 at once; each section of the lesson reads its own.
+
+    The broken cases (each ends by itself after ``hang_timeout_s``), ``hung``
+    (section 5's real hang, for ``py-spy``: its timeout is as long as the
+    launch's), ``all-fixed`` (every repaired case in one launch, with pdb on
+    rank 0), ``teardown`` (section 8: rank 0 without the fix, rank 1 with it),
+    and section 3's pdb session. ``launch_timeout_s`` is every launch's hard limit.
+    """
+    lab, hello, teardown = f"{demos}/debug_lab.py", f"{demos}/hello.py", f"{demos}/teardown.py"
+    port_holder = socket.create_server(("127.0.0.1", 0))  # "another job" got there first
+    taken = str(port_holder.getsockname()[1])
+    hang = ["--timeout", hang_timeout_s]
+
+    def launch(script: str, *args: object, **options: Any) -> LaunchSpec:
+        return LaunchSpec(script, args, nproc=nproc, timeout=launch_timeout_s, **options)
+
+    cases = {
+        "port": launch(hello, standalone=False,
+                       torchrun_args=["--master-addr", "127.0.0.1", "--master-port", taken]),
+        "unused": launch(lab, "--case", "unused", env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}),
+        "skip": launch(lab, "--case", "skip", "--monitored", *hang),
+        "hung": launch(lab, "--case", "skip", "--timeout", launch_timeout_s),
+        "shape": launch(lab, "--case", "shape", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+        "rank0-eval": launch(lab, "--case", "rank0-eval", *hang),
+        "uneven": launch(lab, "--case", "uneven", *hang),
+        "teardown": launch(teardown, "--init", "plain", "--import-first-rank", 1),
+        "all-fixed": launch(lab, "--case", "all", "--fix", "--breakpoint", stdin=PDB_BREAKPOINT),
+    }  # fmt: skip
+    try:
+        launches = start_cases(cases)
+    except BaseException:
+        port_holder.close()
+        raise
+    pool = ThreadPoolExecutor(1)
+    pdb = pool.submit(run_command, [sys.executable, "-m", "pdb", lab, "--case", "keys"],
+                      stdin=PDB_KEYS, timeout=launch_timeout_s)  # fmt: skip
+    return Lab(launches, pdb, port_holder, demos, pool)

@@ -27,6 +27,7 @@ started torchrun.
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from datetime import timedelta
 from typing import Any
@@ -202,6 +203,7 @@ CASES = {
     "breakpoint": case_breakpoint,
 }
 FIXABLE = ["unused", "skip", "shape", "rank0-eval", "uneven", "keys"]
+DDP_CASES = {"unused", "rank0-eval", "uneven", "keys"}  # the cases that wrap a model in DDP
 
 
 def parse_args() -> argparse.Namespace:
@@ -234,6 +236,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     names = FIXABLE if args.case == "all" else [args.case]
+    if DDP_CASES.intersection(names):
+        # DDP's constructor imports torch._dynamo: seconds on a busy machine, and not the
+        # same seconds on every rank. Imported now, before the short timeout applies, a
+        # slow import cannot pass for a hang (habit 1: shorten the timeout once the slow,
+        # uneven start-up is over).
+        importlib.import_module("torch._dynamo")
     # setup() joins with a generous timeout (a slow start-up is not a hang), then sets
     # --timeout: from there on a collective that waits longer fails instead of hanging.
     with process_group(backend=args.backend, timeout_s=args.timeout) as info:
