@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_tutorial.devices import logical_to_physical
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
 def visibility_map(values: Sequence[str | None], gpus: int) -> Any:
@@ -49,7 +50,7 @@ def visibility_map(values: Sequence[str | None], gpus: int) -> Any:
     ax.set_xlabel("physical card (nvidia-smi's number)")
     ax.set_yticks([len(values) - 0.5 - r for r in range(len(values))])
     ax.set_yticklabels(["unset" if v is None else repr(v) for v in values], fontsize=8)
-    ax.set_ylabel("CUDA_VISIBLE_DEVICES", fontsize=9)
+    ax.set_ylabel(VISIBLE_DEVICES_ENV, fontsize=9)
     ax.set_title("what each process calls each card", fontsize=10)
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
