@@ -147,6 +147,17 @@ def test_batch_plan_global_batch_is_per_rank_batch_times_world_size():
         batch_plan(10, 0, 2)
 
 
+def test_macro_f1_is_the_mean_of_per_class_f1_and_not_a_sum_over_shards():
+    from ddp_tutorial.lessons.sampling import macro_f1
+
+    pred, target = torch.tensor([0, 0, 1, 1, 1, 2]), torch.tensor([0, 1, 1, 1, 2, 2])
+    # class 0: TP 1, FP 1, FN 0 -> 2/3; class 1: TP 2, FP 1, FN 1 -> 2/3; class 2: 1, 0, 1 -> 2/3
+    assert macro_f1(pred, target, 3) == pytest.approx(2 / 3)
+    assert macro_f1(pred, target, 4) == pytest.approx(0.5)  # an empty class counts 0
+    halves = [macro_f1(pred[s], target[s], 3) for s in (slice(0, 3), slice(3, 6))]
+    assert sum(halves) / 2 != pytest.approx(macro_f1(pred, target, 3))  # why lesson 02 gathers
+
+
 def test_plots_return_figures_that_render_as_png():
     from ddp_tutorial.harness.plots import NotebookFigure, grouped_bars, sampler_index_map
 

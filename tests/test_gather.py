@@ -2,7 +2,9 @@
 
 Lesson 01 gathers 2 and 3 rows from 2 ranks and asserts the result equals
 ``all_gather_object``; here 3 real gloo ranks, one of them with no rows at
-all, 2-D rows, and an integer dtype.
+all, 2-D rows, and an integer dtype. And lesson 02's gather of predictions
+with their sample indices (``lessons.sampling.gather_predictions``) on a
+length that pads.
 """
 
 from __future__ import annotations
@@ -43,3 +45,30 @@ def test_uneven_gather_on_three_ranks(tmp_path, write_script):
         assert record["values"] == expected
         assert record["dtypes"] == ["torch.int64"]
         assert record["scalar"] == [[0.0], [1.0], [2.0]]  # a 0-d tensor counts as one row
+
+
+PREDICT = """
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from ddp_tutorial.distributed import process_group
+from ddp_tutorial.lessons.sampling import gather_predictions
+from ddp_tutorial.records import write_rank_record
+
+with process_group(backend="gloo") as info:
+    n = 10  # 3 ranks: 4 samples each, 2 of the 12 are padding
+    classes = torch.arange(n) * 7 % 3
+    data = TensorDataset(nn.functional.one_hot(classes, 3).float(), classes)
+    pred = gather_predictions(nn.Identity(), data, info.device, batch_size=3)
+    write_rank_record(sys.argv[-1], {"pred": pred.tolist()})
+"""
+
+
+@pytest.mark.torchrun
+def test_gathered_predictions_are_every_sample_once_in_order(tmp_path, write_script):
+    script = write_script("gather_predictions.py", PREDICT)
+    result = torchrun(script, nproc=3, run_dir=tmp_path / "run", timeout=120, echo=False)
+    expected = [i * 7 % 3 for i in range(10)]  # identity model: the prediction is the class
+    assert [r["pred"] for r in result.records] == [expected] * 3

@@ -36,6 +36,7 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     if not re.search(r"process_group\(|setup\(", text):
         return
     pinned = 'backend="gloo"' in text or 'default="gloo"' in text
+    pinned = pinned or '"nccl", device_id=device' in text  # a GPU-only demo: nccl, bound
     # The template joins by itself: its device follows the backend it chose.
     own = 'torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")' in text
     follows = 'cuda = backend == "nccl"' in text  # scripts/compare/loops.py's bare loop

@@ -63,3 +63,38 @@ def test_one_picture_differs_only_by_augmentation():
     assert len({tuple(x.flatten().tolist()) for x in items}) > 1, "crops and flips vary"
     torch.manual_seed(0)
     assert torch.equal(OnePicture()[5][0], items[0]), "a function of the generator, not the index"
+
+
+def test_a_stream_sized_from_its_readers_gives_every_rank_as_many():
+    world, workers = 8, 2  # 16 readers, as lesson 02 at 8 ranks
+
+    def counts(length: int) -> list[int]:
+        return [len(list(DataLoader(NumberStream(length, r, world), num_workers=workers)))
+                for r in range(world)]  # fmt: skip
+
+    assert counts(3 * world * workers) == [3 * workers] * world  # --stream-per-reader 3
+    assert counts(24) == [4, 4, 4, 4, 2, 2, 2, 2]  # the lesson's counter-example: 24 records
+
+
+def test_seeded_crops_differ_on_every_rank_and_worker_at_8_ranks():
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ddp_tutorial.seeding import seed_rank
+
+    world, workers, draws = 8, 2, 4  # lesson 02 at 8 ranks: --draws 4 items per worker
+    streams: dict[tuple[int, int], list[int]] = {}
+    for rank in range(world):
+        seed_rank(42, rank)
+        dataset = RandomCrops(draws * world * workers, seed=42)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False),
+            num_workers=workers,
+            generator=loader_generator(42, rank, epoch=0),
+            worker_init_fn=seed_worker,
+        )
+        for item in loader:
+            streams.setdefault((rank, item["worker"]), []).append(item["crop"])
+    assert len(streams) == world * workers and {len(s) for s in streams.values()} == {draws}
+    assert len({tuple(s) for s in streams.values()}) == world * workers, "every stream its own"

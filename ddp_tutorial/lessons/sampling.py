@@ -1,10 +1,12 @@
-"""Helpers of lesson 02 (data and sampling): a model trained in one process, quickly."""
+"""Helpers of lesson 02 (data and sampling): a model trained quickly, exact non-sum metrics."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
 
 def train_classifier(
@@ -56,3 +58,48 @@ def draw_streams(records: list[dict], setting: str, key: str) -> dict[tuple[int,
         for item in record["augment"][setting]:
             streams.setdefault((record["rank"], item["worker"]), []).append(item[key])
     return dict(sorted(streams.items()))
+
+
+def gather_predictions(
+    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
+) -> torch.Tensor:
+    """Every rank: ``model``'s prediction for every sample of ``dataset``, in dataset order.
+
+    For a metric that is not a sum over samples (F1, a median, AUC): each rank
+    predicts its shard, the ranks all_gather ``(index, prediction)`` pairs, the
+    padding's repeats are dropped, and the metric is computed on the whole set —
+    the number one process would report. Torch only: copy it. Pass the plain
+    model (``ddp_model.module``): a forward through the DDP wrapper can itself be
+    a collective (it broadcasts buffers). Every rank must call it (it ends in one).
+    """
+    sampler = DistributedSampler(dataset, shuffle=False)  # padded: the same count on every rank
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    index = torch.tensor(list(sampler), device=device)  # this rank's samples, in loader order
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(x.to(device)).argmax(dim=1) for x, _ in loader])
+    mine = torch.stack([index, pred])  # [2, samples per rank]: one shape on every rank
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    index, pred = torch.cat(parts, dim=1)
+    order = torch.argsort(index, stable=True)
+    index, pred = index[order], pred[order]
+    first = torch.ones_like(index, dtype=torch.bool)
+    first[1:] = index[1:] != index[:-1]  # padding repeats a sample: keep each index once
+    if not torch.equal(index[first], torch.arange(len(sampler.dataset), device=device)):
+        raise RuntimeError("the gathered shards do not cover the dataset exactly once")
+    return pred[first]
+
+
+def macro_f1(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> float:
+    """Macro F1: the mean over classes of ``2·TP / (2·TP + FP + FN)`` (0 for an empty class).
+
+    Not a sum over samples: the F1 of each rank's shard, averaged over ranks,
+    is not the F1 of the whole set (lesson 02 shows by how much).
+    """
+    scores = []
+    for c in range(num_classes):
+        tp = int(((pred == c) & (target == c)).sum())
+        wrong = int(((pred == c) != (target == c)).sum())  # FP + FN
+        scores.append(2 * tp / (2 * tp + wrong) if tp + wrong else 0.0)
+    return sum(scores) / num_classes

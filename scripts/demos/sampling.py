@@ -11,17 +11,23 @@ ways: with ``sampler.set_epoch(epoch)`` (correct), without it (seed 001),
 and with ``drop_last=True``.
 
 Part 2, evaluation (with ``--model PATH``). Every rank loads the same
-trained MLP and evaluates it on a validation set of ``--val-length``
-samples twice: the naive way (padded DistributedSampler, sums all-reduced)
-and the exact way (``ddp_tutorial.data.distributed_evaluate``).
+trained MLP and evaluates it (in a training script: the plain model inside
+DDP, ``ddp_model.module``) on a validation set of ``--val-length`` samples:
+accuracy the naive way (padded DistributedSampler, sums all-reduced) and the
+exact way (``ddp_tutorial.data.distributed_evaluate``), and macro F1, a
+metric that is not a sum, from every rank's predictions gathered with their
+sample indices (``lessons.sampling.gather_predictions``), next to the mean
+of the ranks' own F1s.
 
 Part 3, pipelines (with ``--pipelines``). Every rank reads
-``ddp_tutorial.pipelines.RandomCrops`` through a DataLoader with 2 workers,
+``ddp_tutorial.pipelines.RandomCrops`` through a DataLoader with ``--workers``
+workers (``--draws`` items per worker, whatever the world size),
 seeded as most scripts do (``torch.manual_seed(42)`` everywhere) and as
 ``ddp_tutorial.seeding`` does (a seed per rank, a loader ``generator``,
 ``worker_init_fn=seed_worker``), and records every random crop and flip;
-then reads ``NumberStream``, an IterableDataset, unsharded and sharded by
-rank and worker, and records every number it got.
+then reads ``NumberStream``, an IterableDataset of ``--stream-per-reader``
+records per reader (world size x workers readers, so every rank gets as many),
+unsharded and sharded by rank and worker, and records every number it got.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_tutorial.data import GaussianBlobs, IndexDataset, distributed_evaluate
 from ddp_tutorial.distributed import process_group
+from ddp_tutorial.lessons.sampling import gather_predictions, macro_f1
 from ddp_tutorial.models import MLP
 from ddp_tutorial.pipelines import NumberStream, RandomCrops
 from ddp_tutorial.records import write_rank_record
@@ -50,8 +58,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="state_dict of the MLP to evaluate")
     parser.add_argument("--val-length", type=int, default=301)
     parser.add_argument("--val-seed", type=int, default=1)
+    parser.add_argument("--val-batch-size", type=int, default=64, help="per rank, in evaluation")
     parser.add_argument("--pipelines", action="store_true", help="part 3: augmentation, streams")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers in part 3")
+    parser.add_argument("--draws", type=int, default=4, help="augmented items per worker")
+    parser.add_argument("--stream-per-reader", type=int, default=3, help="stream records")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     return parser.parse_args()
 
@@ -70,7 +81,7 @@ def epoch_indices(length: int, args: argparse.Namespace, *, set_epoch: bool, dro
     return epochs
 
 
-def augmentations(rank: int, per_rank_seed: bool, workers: int, length: int = 16) -> list[dict]:
+def augmentations(rank: int, per_rank_seed: bool, workers: int, length: int) -> list[dict]:
     """Every random draw this rank's loader made over its shard of ``RandomCrops``."""
     if per_rank_seed:  # ddp_tutorial.seeding: after the model is built, before the loaders
         seed_rank(42, rank)
@@ -84,11 +95,41 @@ def augmentations(rank: int, per_rank_seed: bool, workers: int, length: int = 16
     return list(loader)
 
 
-def stream(rank: int, world_size: int, sharded: bool, workers: int, length: int = 24) -> list[int]:
+def stream(rank: int, world_size: int, sharded: bool, workers: int, length: int) -> list[int]:
     """The records this rank's loader read from ``NumberStream`` (no sampler can split it)."""
     dataset = NumberStream(length, rank, world_size, sharded=sharded)
     loader = DataLoader(dataset, batch_size=4, num_workers=workers)
     return [int(i) for batch in loader for i in batch]
+
+
+def evaluate(args: argparse.Namespace, device: torch.device) -> dict:
+    """Part 2: accuracy naive and exact, macro F1 gathered and averaged over ranks."""
+    val = GaussianBlobs(args.val_length, seed=args.val_seed)
+    model = MLP(val.num_features, val.num_classes)
+    model.load_state_dict(torch.load(args.model, weights_only=True))
+    model.to(device)  # the plain model: after training with DDP, pass ddp_model.module
+    out = {}
+    for name, exact in (("naive", False), ("exact", True)):
+        result = distributed_evaluate(
+            model, val, batch_size=args.val_batch_size, device=device, exact=exact
+        )
+        out[name] = result.__dict__
+        print(
+            f"rank {dist.get_rank()}: {name:5s} evaluation counted {result.count} samples "
+            f"({result.local_count} here), accuracy {result.accuracy:.4f}",
+            flush=True,
+        )
+    pred = gather_predictions(model, val, device)  # every sample once, in order
+    mine = list(DistributedSampler(val, shuffle=False))  # this rank's shard, padding included
+    shard_f1 = macro_f1(pred[mine].cpu(), val.targets[mine], val.num_classes)
+    shard_f1 = torch.tensor(shard_f1, dtype=torch.float64, device=device)
+    dist.all_reduce(shard_f1)  # the tempting shortcut: the mean of every rank's own F1
+    out["f1"] = {
+        "gathered": macro_f1(pred.cpu(), val.targets, val.num_classes),
+        "mean_of_ranks": shard_f1.item() / dist.get_world_size(),
+        "predictions": pred.tolist(),
+    }
+    return out
 
 
 @record
@@ -102,27 +143,17 @@ def main() -> None:
             "drop_last": epoch_indices(args.length, args, set_epoch=True, drop_last=True),
         }
         if args.model:
-            val = GaussianBlobs(args.val_length, seed=args.val_seed)
-            model = MLP(val.num_features, val.num_classes)
-            model.load_state_dict(torch.load(args.model, weights_only=True))
-            model.to(info.device)
-            for name, exact in (("naive", False), ("exact", True)):
-                result = distributed_evaluate(
-                    model, val, batch_size=64, device=info.device, exact=exact
-                )
-                record_[name] = result.__dict__
-                print(
-                    f"rank {info.rank}: {name:5s} evaluation counted {result.count} samples "
-                    f"({result.local_count} here), accuracy {result.accuracy:.4f}",
-                    flush=True,
-                )
+            record_.update(evaluate(args, info.device))
         if args.pipelines:
+            readers = info.world_size * max(1, args.workers)  # every worker of every rank
+            crops = args.draws * readers  # so that each worker draws --draws items
             record_["augment"] = {
-                name: augmentations(info.rank, per_rank, args.workers)
+                name: augmentations(info.rank, per_rank, args.workers, crops)
                 for name, per_rank in (("same seed", False), ("seeded per rank", True))
             }
+            record_["stream_length"] = length = args.stream_per_reader * readers
             record_["stream"] = {
-                name: stream(info.rank, info.world_size, sharded, args.workers)
+                name: stream(info.rank, info.world_size, sharded, args.workers, length)
                 for name, sharded in (("unsharded", False), ("sharded", True))
             }
         first = record_["with_set_epoch"][0]
