@@ -32,3 +32,18 @@ def test_auto_falls_back_to_gloo_with_more_ranks_than_gpus(tmp_path):
     n = gpu_count() + 1
     result = torchrun(DEMOS / "hello.py", nproc=n, run_dir=tmp_path, echo=False)
     assert {r["backend"] for r in result.records} == {"gloo"}
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="binding to cuda:1 needs two GPUs")
+@pytest.mark.parametrize("set_device", [False, True])
+def test_device_id_binds_the_group_but_only_set_device_moves_the_current_device(set_device):
+    """Lesson 03's claim on real GPUs: init_process_group(device_id=...) calls no set_device."""
+    import json
+
+    flag = ["--set-device"] if set_device else []
+    done = subprocess.run([sys.executable, str(DEMOS / "device_binding.py"), *flag],
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = (1, 1, "cuda:1") if set_device else (0, 0, "cuda:0")
+    assert (seen["before"], seen["after"], seen["tensor"]) == expected, seen
