@@ -385,3 +385,42 @@ def test_a_launch_collected_after_its_deadline_did_not_time_out(tmp_path, monkey
     monkeypatch.setattr(launch_module.time, "monotonic", lambda: late)
     result = launch.wait()
     assert not result.timed_out and result.ok and "done" in result.output
+
+
+STAMPS = """
+import json, os, sys, time
+start = time.time()
+time.sleep(1.5)
+with open(os.path.join(sys.argv[-1], "rank0.json"), "w") as f:
+    json.dump({"rank": 0, "start": start, "end": time.time()}, f)
+"""
+
+
+@pytest.mark.torchrun
+def test_launches_run_one_after_another_on_exclusive_process_gpus(tmp_path, write_script,
+                                                                    monkeypatch):  # fmt: skip
+    """Side by side they would both create a context on cuda:0, which such a GPU refuses."""
+    from ddp_tutorial.harness import launch as launch_module
+
+    script = write_script("stamps.py", STAMPS)
+    specs = {n: LaunchSpec(script, nproc=1, run_dir=tmp_path / n, echo=False) for n in "ab"}
+
+    def spans(results):
+        (a,), (b,) = results["a"].records, results["b"].records
+        return a, b
+
+    monkeypatch.setattr(launch_module, "exclusive_gpus", lambda env=None: True)
+    a, b = spans(run_together(specs))
+    assert a["end"] <= b["start"] or b["end"] <= a["start"], "one after another"
+
+
+def test_exclusive_gpus_is_read_from_nvml_and_ignored_for_gloo(nvml):
+    from conftest import fake_gpu
+    from ddp_tutorial.harness.launch import exclusive_gpus
+
+    nvml([fake_gpu(0, exclusive=True), fake_gpu(1)])
+    assert exclusive_gpus({})
+    assert not exclusive_gpus({"DDP_TUTORIAL_BACKEND": "gloo"})
+    assert not exclusive_gpus({"CUDA_VISIBLE_DEVICES": "1"})
+    nvml([fake_gpu(0), fake_gpu(1)])
+    assert not exclusive_gpus({})

@@ -350,8 +350,26 @@ def torchrun(script: str | os.PathLike[str], *args: object, **options: Any) -> R
     return start(script, *args, **options).wait()
 
 
+def exclusive_gpus(env: Mapping[str, str] | None = None) -> bool:
+    """Whether launches with ``env`` would use GPUs that take one process at a time.
+
+    A GPU in compute mode EXCLUSIVE_PROCESS (common on shared clusters) refuses
+    a second CUDA context: two launches side by side on the same GPUs fail there.
+    Launches pinned to gloo (``DDP_TUTORIAL_BACKEND=gloo``) never touch the GPUs.
+    """
+    from ddp_tutorial.devices import DeviceError, visible_gpus
+
+    merged = {**os.environ, **(env or {})}
+    if settings.backend(merged) == "gloo":
+        return False
+    try:
+        return any(gpu.exclusive for gpu in visible_gpus(merged))
+    except DeviceError:
+        return False
+
+
 def run_together(
-    specs: Mapping[str, LaunchSpec], stop_on_failure: bool = False
+    specs: Mapping[str, LaunchSpec], stop_on_failure: bool = False, share_gpus: bool = True
 ) -> dict[str, RunResult]:
     """Start every launch at once, wait for all; ``{name: RunResult}``.
 
@@ -362,7 +380,13 @@ def run_together(
     launch fails or times out, kill the others (nodes that would wait for a
     dead peer until the rendezvous timeout). Results are returned, not raised:
     each spec's ``check`` is ignored here; see :func:`raise_for_failure`.
+    ``share_gpus``: the launches would share this machine's GPUs; where those
+    take one process at a time (:func:`exclusive_gpus`) they run one after another.
     """
+    if share_gpus and any(exclusive_gpus(spec.env) for spec in specs.values()):
+        # One process per GPU at a time (EXCLUSIVE_PROCESS): one launch after another.
+        # (Nodes of one job, ``share_gpus=False``, each have GPUs of their own.)
+        return {name: Launch(replace(spec, check=False)).wait() for name, spec in specs.items()}
     launches: dict[str, Launch] = {}
     try:
         for name, spec in specs.items():
