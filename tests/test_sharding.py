@@ -144,7 +144,7 @@ def test_step_traffic_counts_the_broadcasts_a_rank_does_not_own():
 def test_comm_log_sees_ddps_all_reduce_from_cpp(world_of_one):
     model = DDP(deep_mlp(0, width=16, depth=1))
     x, y = global_batch(0, 8)
-    with sharding.CommLog() as log:
+    with sharding.comm_log() as log:
         F.cross_entropy(model(x), y).backward()
     psi = sum(p.numel() for p in model.parameters())
     assert log.calls == [("all_reduce", 4 * psi)]  # one bucket, the whole gradient

@@ -5,13 +5,14 @@ Most of it is pure arithmetic over shapes and sizes — the memory formula of th
 ZeRO paper, how ``fully_shard`` and ``ZeroRedundancyOptimizer`` split tensors,
 the ring model's bytes per collective — so that the lesson's claims are
 computed in one place and tested on fixed inputs. Two pieces touch a real run:
-:func:`state_bytes` measures what a rank holds, and :class:`CommLog` notes the
+:func:`state_bytes` measures what a rank holds, and :func:`comm_log` notes the
 collectives of a step. The two pictures are drawn here too (matplotlib is
 imported inside them: ranks import this module).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections import Counter
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 # Bytes per parameter of each kind of state, with Adam. "mixed": bf16/fp16 weights and
 # gradients for compute, and an fp32 master copy + exp_avg + exp_avg_sq in the optimizer
@@ -174,40 +174,58 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class CommLog(CommDebugMode):
-    """``CommDebugMode`` that also notes each collective's kind and payload.
+def comm_log() -> Any:
+    """A fresh :class:`CommLog` context: ``with comm_log() as log:`` ... ``log.calls``."""
+    return _comm_log_class()()
 
-    ``CommDebugMode`` (``torch.distributed.tensor.debug``) sees every c10d
-    collective of the block — DDP's all_reduce from C++ included — and counts
-    them (``get_comm_counts()``). This subclass also keeps, per call, the
-    kind and the bytes of its largest tensor: the full-size buffer (the
-    all_reduce'd gradients, the gathered output, the reduce-scatter's input).
+
+@functools.cache
+def _comm_log_class() -> type:
+    """``CommLog``, defined on first use.
+
+    Importing ``CommDebugMode`` pulls in ``torch._dynamo`` and ``torch._inductor``
+    (seconds of CPU per process): the ranks that only load a checkpoint, and
+    the notebook kernel, never pay for it.
     """
+    from torch.distributed.tensor.debug import CommDebugMode
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-        self._quiet = warnings.catch_warnings()
+    class CommLog(CommDebugMode):
+        """``CommDebugMode`` that also notes each collective's kind and payload.
 
-    def __enter__(self) -> CommLog:
-        # The mode's module tracker hands FSDP2 a view of each output, and FSDP2 warns
-        # about views (in-place ops on them would skip a hook): noise here, not a bug.
-        self._quiet.__enter__()
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-        return super().__enter__()
+        ``CommDebugMode`` (``torch.distributed.tensor.debug``) sees every c10d
+        collective of the block — DDP's all_reduce from C++ included — and
+        counts them (``get_comm_counts()``). This subclass also keeps, per
+        call, the kind and the bytes of its largest tensor: the full-size
+        buffer (the all_reduce'd gradients, the gathered output, the
+        reduce-scatter's input).
+        """
 
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._quiet.__exit__(*exc)
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+            self._quiet = warnings.catch_warnings()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        packet = func._overloadpacket
-        namespace, _, name = str(packet).rpartition(".")
-        if namespace.endswith("c10d") and name in COLLECTIVE_KINDS:
-            tensors = _tensors(list(args) + list((kwargs or {}).values()))
-            size = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self.calls.append((COLLECTIVE_KINDS[name], size))
-        return super().__torch_dispatch__(func, types, args, kwargs or {})
+        def __enter__(self) -> Any:
+            # The mode's module tracker hands FSDP2 a view of each output, and FSDP2 warns
+            # about views (in-place ops on them would skip a hook): noise here, not a bug.
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            super().__exit__(*exc)
+            self._quiet.__exit__(*exc)
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:  # fmt: skip
+            namespace, _, name = str(func._overloadpacket).rpartition(".")
+            if namespace.endswith("c10d") and name in COLLECTIVE_KINDS:
+                tensors = _tensors(list(args) + list((kwargs or {}).values()))
+                size = max((t.numel() * t.element_size() for t in tensors), default=0)
+                self.calls.append((COLLECTIVE_KINDS[name], size))
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+
+    return CommLog
 
 
 def count_calls(calls: Iterable[Sequence[Any]]) -> dict[str, int]:

@@ -45,7 +45,7 @@ from ddp_tutorial.checkpoint import atomic_save
 from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import deep_mlp, global_batch, run_sections, shard
 from ddp_tutorial.lessons.perf import clock
-from ddp_tutorial.lessons.sharding import METHODS, CommLog, state_bytes
+from ddp_tutorial.lessons.sharding import METHODS, comm_log, state_bytes
 
 SECTIONS = ("train", "save", "load", "gpu_memory")
 
@@ -144,7 +144,7 @@ def run_method(
     weights = flat_full(params)
     local_opt = opt.optim if method == "zero1" else opt  # ZeRO-1: this rank's own Adam
     out = {"bytes": state_bytes(model, local_opt)}
-    with CommLog() as log:
+    with comm_log() as log:
         train_step(model, opt, *batch(args.steps, args, info))
     out["calls"] = log.calls
     out["comm_counts"] = {str(k): v for k, v in log.get_comm_counts().items()}
