@@ -7,12 +7,13 @@ matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
 2. ``scripts/demos/hello.py`` with nccl across *every* visible GPU — with two or
    more, that is real communication between GPUs;
 3. the GPU branches of lessons 03, 04, 05, 06, 08 (``--deterministic``), 09,
-   10 (``NCCL_DEBUG`` lines) and 11 (cuda autocast, inductor, the CUDA
-   profiler), their code cells run by
+   10 (``NCCL_DEBUG`` lines), 11 (cuda autocast, inductor, the CUDA
+   profiler) and 12 (peak memory per rank: DDP, FSDP2, FSDP2 with bf16),
+   their code cells run by
    :mod:`ddp_tutorial.harness.plain_notebook` (no Jupyter needed);
 
 then prints one row per step and exits non-zero if any failed. Every step
-has a limit; together at most 14 minutes, about 6 expected (the lessons
+has a limit; together at most 16 minutes, about 7 expected (the lessons
 take 10-60 s each on a 2-core CPU). :func:`plan` is what it would do on a machine,
 a pure function of the GPU count, so that this machine (no GPU) can check it.
 """
@@ -30,7 +31,7 @@ from ddp_tutorial.harness.processes import run_command
 REPO = Path(__file__).resolve().parents[2]
 LESSONS = ("03_device_mapping", "04_ddp_wrapping", "05_checkpointing",
            "06_training_and_utilization", "08_fault_tolerance", "09_debugging",
-           "10_multinode", "11_speed_tools")  # fmt: skip
+           "10_multinode", "11_speed_tools", "12_beyond_ddp")  # fmt: skip
 
 
 @dataclass(frozen=True)
