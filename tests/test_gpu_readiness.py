@@ -145,10 +145,35 @@ def test_gpu_check_plan_covers_every_gpu_and_the_gpu_lessons():
         f"notebooks/{lesson}.ipynb" for lesson in LESSONS
     ]
     assert all((REPO / f"notebooks/{lesson}.ipynb").is_file() for lesson in LESSONS)
-    assert sum(s.timeout_s for s in steps) <= 16 * 60  # bounded; about 7 minutes expected
     assert "no communication between GPUs" in plan(1, python="py")[1].note
     with pytest.raises(SystemExit, match="no GPU visible"):
         plan(0)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_gpu_check_limits_grow_with_gpus_and_launches_and_stay_bounded(gpus):
+    from ddp_tutorial.harness.gpu_check import LESSONS, plan
+
+    steps = {s.name.split(",")[0]: s.timeout_s for s in plan(gpus, python="py")}
+    fewer = {s.name.split(",")[0]: s.timeout_s for s in plan(max(1, gpus // 2), python="py")}
+    assert all(steps[name] >= fewer[name] for name in steps), "more GPUs: never less time"
+    lessons = {name: t for name, t in steps.items() if name.startswith("lesson")}
+    assert min(lessons.values()) >= 75, "at least what a lesson needs on this 2-core CPU"
+    busiest = max(LESSONS, key=LESSONS.get)
+    assert lessons[f"lesson {busiest[:2]}"] == max(lessons.values()), "limits follow launches"
+    assert sum(steps.values()) <= {1: 30, 2: 32, 8: 45}[gpus] * 60  # bounded at any size
+
+
+def test_the_launch_counts_bound_what_each_gpu_lesson_starts():
+    """A lesson that starts more launches than gpu-check allows for would time out there."""
+    from ddp_tutorial.harness.gpu_check import LESSONS
+
+    calls = re.compile(r"\b(torchrun|start|subprocess\.run|run_command)\(|\bmultinode\(")
+    for lesson, allowed in LESSONS.items():
+        cells = json.loads((REPO / f"notebooks/{lesson}.ipynb").read_text())["cells"]
+        code = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        found = sum(2 if m.group(0).startswith("multinode") else 1 for m in calls.finditer(code))
+        assert found <= allowed, f"{lesson}: {found} launch calls, gpu-check allows {allowed}"
 
 
 def _notebook(path, *sources, tags=None):
