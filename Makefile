@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lab lint format strip gpu-check clean
+.PHONY: run test test-fast rehearse lab lint format strip gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
@@ -38,6 +38,9 @@ test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -m "not torchrun and not notebook" $(PYTEST_ARGS)
+
+rehearse: $(STAMP)  ## the lessons at GPU world sizes (3 and 8 gloo ranks) on this CPU, a table
+	$(BIN)/python -m ddp_tutorial.harness.rehearse --ranks 3 8
 
 lab: $(STAMP)  ## JupyterLab on notebooks/ (token auth stays on; as root, as in most GPU containers)
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -246,3 +246,33 @@ def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     assert gpu_check.main() == 2
     assert "the module pynvml is missing: pip install nvidia-ml-py" in capsys.readouterr().err
+
+
+# -- make rehearse: GPU world sizes on the CPU ---------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [3, 8])
+def test_the_rehearsal_sets_each_lessons_world_size_parameter(ranks):
+    from ddp_tutorial.harness.rehearse import plan
+
+    for lesson, parameters in plan(ranks):
+        cells = json.loads((REPO / f"notebooks/{lesson}.ipynb").read_text())["cells"]
+        tagged = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        names = re.findall(r"^(\w+)\s*=", "".join(tagged["source"]), re.M)
+        assert set(parameters) <= set(names), f"{lesson}: {sorted(parameters)} not in {names}"
+        ranks_in_all = parameters.get("NPROC") or 2 * next(iter(parameters.values()))
+        assert ranks_in_all >= ranks, f"{lesson} would run fewer ranks than rehearsed"
+
+
+def test_every_gpu_lesson_is_rehearsed_or_says_why_not():
+    from ddp_tutorial.harness.gpu_check import LESSONS
+    from ddp_tutorial.harness.rehearse import FIXED, WORLD_PARAMETERS
+
+    assert set(LESSONS) <= set(WORLD_PARAMETERS) | set(FIXED)
+    assert {"01_process_groups", "02_data_sampling"} <= set(WORLD_PARAMETERS)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        __import__("ddp_tutorial.harness.rehearse", fromlist=["plan"]).plan(1)
+
+
+def test_make_rehearse_runs_three_and_eight_ranks():
+    assert "ddp_tutorial.harness.rehearse --ranks 3 8" in _make_n("rehearse")
