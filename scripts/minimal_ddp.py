@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init: destroy_process_group can free the group
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
