@@ -158,6 +158,23 @@ def test_macro_f1_is_the_mean_of_per_class_f1_and_not_a_sum_over_shards():
     assert sum(halves) / 2 != pytest.approx(macro_f1(pred, target, 3))  # why lesson 02 gathers
 
 
+def test_reseeded_with_reports_the_seed_a_worker_init_fn_hands_the_dataset():
+    from ddp_tutorial.lessons.sampling import reseeded_with
+    from ddp_tutorial.seeding import seed_worker
+
+    assert reseeded_with(seed_worker) == 1234
+    assert reseeded_with(seed_worker, worker_seed=7) == 7
+    assert reseeded_with(lambda worker_id: None) is None  # never called reseed
+
+
+def test_stream_counts_are_the_sharded_stream_per_rank():
+    from ddp_tutorial.lessons.sampling import stream_counts
+
+    assert stream_counts(24, 8, 2) == [4] * 4 + [2] * 4  # lesson 02: readers 0-7 get two
+    assert stream_counts(12, 2, 0) == [6, 6]  # no workers: the rank itself is one reader
+    assert sum(stream_counts(101, 3, 4)) == 101  # every record exactly once
+
+
 def test_plots_return_figures_that_render_as_png():
     from ddp_tutorial.harness.plots import NotebookFigure, grouped_bars, sampler_index_map
 

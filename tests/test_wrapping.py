@@ -10,6 +10,7 @@ launcher's multi-node failure handling and the pure pieces.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -120,6 +121,18 @@ def test_multinode_failure_names_node_and_kills_the_rest(tmp_path, write_script)
     assert str(info.value).startswith("node ")
     time.sleep(0.5)
     assert processes_running(str(script)) == []
+
+
+@pytest.mark.parametrize("value", ["0, 1, 2", "0,-1,1", "0,0", "1gpu", "GPU-ab,0", ""])
+def test_torch_reading_is_torchs_parser_and_restores_the_environment(value, monkeypatch):
+    from ddp_tutorial.lessons.device_mapping import torch_reading
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    reading = torch_reading(value)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"  # set for the one call only
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    assert reading == [str(x) for x in torch.cuda._parse_visible_devices()]
+    assert not torch.cuda.is_initialized()
 
 
 def test_multinode_bad_input():

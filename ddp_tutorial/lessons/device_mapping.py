@@ -1,6 +1,6 @@
 """Helpers of lesson 03 (device mapping): the physical → logical picture, setup()'s call order.
 
-Nothing here initialises CUDA: the notebook kernel calls both functions.
+Nothing here initialises CUDA: the notebook kernel calls these functions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,19 @@ import torch.distributed as dist
 
 from ddp_tutorial.devices import logical_to_physical
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+
+
+def torch_reading(value: str) -> list[str]:
+    """What torch reads from ``CUDA_VISIBLE_DEVICES=value``: the reference for the package.
+
+    ``torch.cuda._parse_visible_devices`` is torch's own (private) copy of the
+    driver's rule, which it uses to count GPUs without initialising CUDA; it
+    reads the variable from the environment, so the variable is set for the
+    call only and restored after it. Entries come back as strings, as
+    :func:`ddp_tutorial.devices.cuda_reading` gives them.
+    """
+    with mock.patch.dict(os.environ, {VISIBLE_DEVICES_ENV: value}):
+        return [str(entry) for entry in torch.cuda._parse_visible_devices()]
 
 
 def visibility_map(values: Sequence[str | None], gpus: int) -> Any:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,6 +62,50 @@ def draw_streams(records: list[dict], setting: str, key: str) -> dict[tuple[int,
         for item in record["augment"][setting]:
             streams.setdefault((record["rank"], item["worker"]), []).append(item[key])
     return dict(sorted(streams.items()))
+
+
+def reseeded_with(worker_init_fn: Callable[[int], None], worker_seed: int = 1234) -> int | None:
+    """The seed ``worker_init_fn`` hands to the ``reseed`` of a dataset, inside a stand-in worker.
+
+    Lets the notebook check a ``worker_init_fn`` written in a cell against
+    :func:`ddp_tutorial.seeding.seed_worker` without starting a worker process
+    (the kernel never forks): ``get_worker_info()`` answers for worker 0 of
+    one, whose torch seed is ``worker_seed``. ``None``: ``reseed`` was not called.
+    """
+
+    class Owned:  # a dataset that owns a generator, as RandomCrops does
+        seed: int | None = None
+
+        def reseed(self, seed: int) -> None:
+            self.seed = seed
+
+    info = SimpleNamespace(id=0, num_workers=1, seed=worker_seed, dataset=Owned())
+    with (
+        mock.patch("torch.utils.data.get_worker_info", return_value=info),
+        mock.patch("ddp_tutorial.seeding.get_worker_info", return_value=info),
+    ):
+        worker_init_fn(0)
+    return info.dataset.seed
+
+
+def stream_counts(length: int, world_size: int, workers: int) -> list[int]:
+    """Records each rank reads from a sharded ``NumberStream``, its ``workers`` workers together.
+
+    The real :class:`ddp_tutorial.pipelines.NumberStream`, iterated once per
+    (rank, worker) in this process with ``get_worker_info()`` answering for
+    that worker: the counts a launch of ``world_size`` ranks would see, without one.
+    """
+    from ddp_tutorial import pipelines
+
+    counts = []
+    for rank in range(world_size):
+        total = 0
+        for worker in range(max(1, workers)):
+            info = SimpleNamespace(id=worker, num_workers=max(1, workers))
+            with mock.patch.object(pipelines, "get_worker_info", return_value=info):
+                total += sum(1 for _ in pipelines.NumberStream(length, rank, world_size))
+        counts.append(total)
+    return counts
 
 
 def gather_predictions(

@@ -80,30 +80,31 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
     before = flat_params(model)
     # The lines lesson 04 shows (the DDP line of scripts/minimal_ddp.py), plus a small bucket cap:
     model = model.to(info.device)  # 1. this rank's device first
+    plain = model  # kept only to check below that the wrapper holds this very object
     device_ids = [info.local_rank] if info.device.type == "cuda" else None  # a CPU module: none
-    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)  # 2. broadcast now
-    after_wrap = flat_params(ddp)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    model = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)  # 2. broadcast
+    after_wrap = flat_params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     # Step 0 in slow motion: this rank's own gradient vs what DDP hands the optimizer.
     x, y = local_batch(0, args, info)
-    plain = copy.deepcopy(ddp.module)  # same weights, no DDP: a purely local gradient
-    F.cross_entropy(plain(x), y).backward()
+    local = copy.deepcopy(model.module)  # same weights, no DDP: a purely local gradient
+    F.cross_entropy(local(x), y).backward()
     timeline = StepTimeline()  # counts the bucket all_reduces and notes when things happen
-    timeline.watch(ddp.module)
-    ddp.register_comm_hook(timeline, timed_allreduce_hook)
+    timeline.watch(model.module)
+    model.register_comm_hook(timeline, timed_allreduce_hook)
     calls_per_step, numels_per_step, losses, timelines = [], [], [], {}
     for step in range(args.steps):
         x, y = local_batch(step, args, info)
         timeline.reset()
         opt.zero_grad(set_to_none=True)
         timeline.mark("forward")
-        loss = F.cross_entropy(ddp(x), y)  # 3. forward through the wrapper
+        loss = F.cross_entropy(model(x), y)  # 3. forward through the wrapper
         timeline.mark("backward")
         loss.backward()  # 4. all_reduce per bucket, launched while backward still runs
         timeline.mark("optimizer.step")
         if step == 0:
-            ddp_grad = flat_grads(ddp)
+            ddp_grad = flat_grads(model)
         opt.step()
         timeline.mark("done")
         losses.append(loss.item())
@@ -120,9 +121,9 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
     return {
         "params_before_wrap": before,
         "params_after_wrap": after_wrap,
-        "local_grad_step0": flat_grads(plain),
+        "local_grad_step0": flat_grads(local),
         "ddp_grad_step0": ddp_grad,
-        "params_after_steps": flat_params(ddp),
+        "params_after_steps": flat_params(model),
         "num_params": before.numel(),
         "losses": losses,
         "allreduce_calls_per_step": calls_per_step,
@@ -130,14 +131,14 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
         "bucket_numels_last_step": list(timeline.numels),
         "timelines": timelines,
         "allreduce_calls_default_buckets": big_counter.calls,
-        "module_is_wrapped_model": ddp.module is model,
+        "module_is_wrapped_model": model.module is plain,
     }
 
 
 def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
     """Two micro-batches under ``no_sync`` == one batch twice the size, fewer all_reduces.
 
-    Also what happens when the forward bypasses the wrapper (``ddp.module(x)``).
+    Also what happens when the forward bypasses the wrapper (``model.module(x)``).
     """
     x, y = local_batch(0, args, info)
     half = x.shape[0] // 2
@@ -157,14 +158,14 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
         elif name == "accumulate_naive":  # without no_sync: every micro-batch is all-reduced
             for mx, my in micro:
                 F.cross_entropy(ddp(mx), my).div(2).backward()
-        else:  # a forward that bypasses the wrapper: ddp.module(x) instead of ddp(x)
+        else:  # a forward that bypasses the wrapper: model.module(x) instead of model(x)
             F.cross_entropy(ddp.module(x), y).backward()
         results[name] = {"grad": flat_grads(ddp), "allreduce_calls": counter.calls}
     return results
 
 
 def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
-    """A parameter that never gets a gradient: the error, the two fixes, the cost."""
+    """A parameter that never gets a gradient: the error, the two fixes, the cost, the overlap."""
     x, y = local_batch(0, args, info)
     out: dict = {}
     ddp = wrap(UnusedBranch(), info.device)
@@ -203,6 +204,23 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     out["same_result_with_and_without"] = torch.equal(
         flat_params(models[False]), flat_params(models[True])
     )
+
+    # The flag does not turn off the overlap: with small buckets, a bucket still leaves
+    # while backward is running (the second of two steps is recorded).
+    model = wrap(tiny_model(args.seed), info.device, find_unused_parameters=True,
+                 bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    timeline = StepTimeline()
+    timeline.watch(model.module)
+    model.register_comm_hook(timeline, timed_allreduce_hook)
+    for _step in range(2):
+        timeline.reset()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        timeline.mark("optimizer.step")
+        opt.step()
+    out["find_unused_timeline"] = timeline.record()
     return out
 
 
@@ -253,7 +271,7 @@ def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
         "default": {},
         "broadcast_buffers=False": {"broadcast_buffers": False},
         "forward_sync_buffers=False": {"forward_sync_buffers": False},
-        "DDP(...); ddp.broadcast_buffers = False": {},  # the template's way
+        "model = DDP(model); model.broadcast_buffers = False": {},  # the template's way
     }
     x, _ = local_batch(0, args, info)
     out: dict = {}
@@ -267,7 +285,7 @@ def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ddp = wrap(model, info.device, **options)
-        if name.startswith("DDP(...)"):
+        if name.startswith("model = DDP(model)"):
             ddp.broadcast_buffers = False  # a property: sets forward_sync_buffers on torch 2.13+
         after_init = buffer[0].item()
         buffer.fill_(info.rank + 1.0)
