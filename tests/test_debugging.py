@@ -3,9 +3,8 @@
 Every broken case with its real message, every fix in one launch, pdb on a
 world of one and ``torch.distributed.breakpoint`` are asserted by
 notebooks/09_debugging.ipynb on real launches of scripts/demos/debug_lab.py. Here:
-the lab's input checks, a breakpoint that gets no input, the fixed cases in
-one plain process, and the pure helpers. Nothing may hang: every launch has
-a hard timeout.
+the lab's input checks, a breakpoint that gets no input, and the pure
+helpers. Nothing may hang: every launch has a hard timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import DEMOS, processes_running
+from conftest import DEMOS, load_script, processes_running
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.processes import run_command
 from ddp_tutorial.lessons.debugging import key_lines
@@ -31,15 +30,22 @@ def test_breakpoint_without_input_does_not_hang(tmp_path):
     run = torchrun(LAB, "--case", "breakpoint", nproc=2, run_dir=tmp_path, echo=False,
                    timeout=HARD_TIMEOUT, check=False, stdin="")  # fmt: skip
     assert not run.ok and not run.timed_out
+    first = run.failures[0]
+    assert (first.rank, first.exitcode) == (0, 1), "rank 0 is the one in pdb"
+    assert "(Pdb)" in run.rank_log(0) and "bdb.BdbQuit" in first.traceback, "pdb read EOF"
+    assert "dist.breakpoint(rank=0)" in first.traceback
 
 
-@pytest.mark.torchrun
-def test_lab_refuses_bad_input():
-    done = subprocess.run([sys.executable, str(LAB), "--case", "all"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 2 and "--case all runs the fixed versions only" in done.stderr
+def test_lab_refuses_bad_input(monkeypatch, capsys):
+    lab = load_script("demos/debug_lab.py")
+    monkeypatch.setattr(sys, "argv", ["debug_lab.py", "--case", "all"])
+    with pytest.raises(SystemExit) as info:
+        lab.parse_args()
+    assert info.value.code == 2
+    assert "--case all runs the fixed versions only" in capsys.readouterr().err
 
 
+@pytest.mark.torchrun  # a Python process that waits forever
 def test_run_command_kills_what_waits_forever():
     marker = "ddp-tutorial-test-sleeper"
     t0 = time.monotonic()
@@ -70,6 +76,7 @@ def test_key_lines_keeps_each_message_once_with_its_rank():
     assert key_lines("x" * 50 + " EADDRINUSE", width=20) == ["x" * 19 + "…"]
 
 
+@pytest.mark.torchrun  # a Python process left behind on purpose
 def test_lab_shows_the_typed_command_and_finds_only_its_own_leftovers(tmp_path):
     """``Lab.command`` is what a user types; ``left_behind`` matches run dirs word for word."""
     import socket

@@ -253,7 +253,7 @@ def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
 
 @pytest.mark.parametrize("ranks", [3, 8])
 def test_the_rehearsal_sets_each_lessons_world_size_parameter(ranks):
-    from ddp_tutorial.harness.rehearse import plan
+    from ddp_tutorial.harness.rehearse import rehearsal_plan as plan
 
     for lesson, parameters in plan(ranks):
         cells = json.loads((REPO / f"notebooks/{lesson}.ipynb").read_text())["cells"]
@@ -266,12 +266,12 @@ def test_the_rehearsal_sets_each_lessons_world_size_parameter(ranks):
 
 def test_every_gpu_lesson_is_rehearsed_or_says_why_not():
     from ddp_tutorial.harness.gpu_check import LESSONS
-    from ddp_tutorial.harness.rehearse import FIXED, WORLD_PARAMETERS
+    from ddp_tutorial.harness.rehearse import FIXED, WORLD_PARAMETERS, rehearsal_plan
 
     assert set(LESSONS) <= set(WORLD_PARAMETERS) | set(FIXED)
     assert {"01_process_groups", "02_data_sampling"} <= set(WORLD_PARAMETERS)
     with pytest.raises(ValueError, match="at least 2 ranks"):
-        __import__("ddp_tutorial.harness.rehearse", fromlist=["plan"]).plan(1)
+        rehearsal_plan(1)
 
 
 def test_make_rehearse_runs_three_and_eight_ranks():

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ddp_tutorial.harness.stacks import PTRACE_DENIED, dump_stack, explain, py_spy, stuck_in
 
 DUMP = """Process 4242: python -u scripts/demos/debug_lab.py --case skip
@@ -38,6 +40,7 @@ def test_a_refused_attach_is_explained():
     assert "SYS_PTRACE" in PTRACE_DENIED
 
 
+@pytest.mark.torchrun  # a real Python process to attach to
 def test_py_spy_dumps_a_real_process():
     assert py_spy() is not None, "py-spy is a dependency: pip install -e ."
     code = "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()\n"

@@ -12,8 +12,7 @@ runtime dependencies it lists, then the package itself without dependencies.
 from __future__ import annotations
 
 from pathlib import Path
-
-import nbformat
+from typing import Any
 
 RUNTIME_DEPENDENCIES = ("numpy", "matplotlib", "nvidia-ml-py", "psutil", "tqdm", "py-spy")
 """pyproject's dependencies minus torch/torchvision (kept) and the notebook stack (the host's)."""
@@ -50,7 +49,7 @@ if importlib.util.find_spec("ddp_tutorial") is None:
     print(f"installed the course from {repo}, keeping {keep or 'no torch'}")'''
 
 
-def setup_cell_index(nb: nbformat.NotebookNode) -> int | None:
+def setup_cell_index(nb: Any) -> int | None:
     """Index of the lesson's setup cell (tagged ``setup``), if it has one."""
     return next(
         (i for i, c in enumerate(nb.cells) if SETUP_TAG in c.get("metadata", {}).get("tags", [])),
@@ -63,6 +62,8 @@ def add_setup_cell(path: str | Path) -> bool:
 
     Replaces an older copy; returns True when the file changed.
     """
+    import nbformat  # not at import time: a GPU box for gpu-check has no Jupyter
+
     nb = nbformat.read(path, as_version=4)
     index = setup_cell_index(nb)
     if index is not None:

@@ -47,7 +47,7 @@ FIXED = {  # in gpu-check's plan, but their launches do not follow the GPU count
 CELL_TIMEOUT_S = 600.0  # 8 gloo ranks on 2 cores: a launch can take minutes
 
 
-def plan(ranks: int) -> list[tuple[str, dict[str, Any]]]:
+def rehearsal_plan(ranks: int) -> list[tuple[str, dict[str, Any]]]:
     """``[(notebook stem, parameters)]`` for a rehearsal at ``ranks`` ranks."""
     if ranks < 2:
         raise ValueError(f"a rehearsal needs at least 2 ranks, got {ranks}")
@@ -55,11 +55,11 @@ def plan(ranks: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def rehearse(ranks: int, output_dir: Path, echo: bool = True) -> list[dict[str, Any]]:
-    """Run every lesson of :func:`plan` at ``ranks`` ranks; one table row each."""
+    """Run every lesson of :func:`rehearsal_plan` at ``ranks`` ranks; one table row each."""
     from ddp_tutorial.harness.course import run_notebook
 
     rows = []
-    for lesson, parameters in plan(ranks):
+    for lesson, parameters in rehearsal_plan(ranks):
         if echo:
             print(f"rehearse: {lesson} at {ranks} ranks {parameters} ...", flush=True)
         began = time.monotonic()
