@@ -174,33 +174,38 @@ def group_active() -> bool:
 def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Path:
     """Save ``state`` to ``path`` from global rank 0, atomically; a collective in a job.
 
-    Call it on **every** rank: rank 0 writes with :func:`atomic_save`, the
-    others block until the file is in place (rank 0 broadcasts its outcome,
-    which doubles as the barrier), so a rank that loads right after never
-    sees an old or half-written file. Not
-    ``local_rank == 0``: that is one writer per node, and nodes sharing a
-    disk would still write the same file at once. If rank 0 fails to write,
-    every rank raises :class:`CheckpointError` instead of waiting forever.
-    Other ranks may pass ``state=None`` (it is ignored there).
-    Without a process group (one process) it is just :func:`atomic_save`.
+    Call it on **every** rank: rank 0 writes with :func:`atomic_save`, then
+    :func:`share_outcome` (the barrier: nobody loads a half-written file, and a
+    failure is raised on every rank). Not ``local_rank == 0``: one writer per
+    node, and nodes sharing a disk would write the same file at once. Other
+    ranks may pass ``state=None``. Without a process group: :func:`atomic_save`.
     """
-    path = Path(path)
+    path, failure = Path(path), None
     if not group_active():
         return atomic_save(state, path, check_plain)
-    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             atomic_save(state, path, check_plain)
-        except Exception as exc:  # reported to every rank below, then re-raised here
+        except Exception as exc:  # reported to every rank below
             failure = exc
-    # The broadcast is the barrier: ranks != 0 block until rank 0 has renamed the file.
-    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    dist.broadcast_object_list(message, src=0)
-    if failure is not None:
-        raise failure
+    share_outcome(failure, path)
+    return path
+
+
+def share_outcome(failure: BaseException | str | None, path: PathLike) -> None:
+    """Rank 0's save outcome to every rank (a broadcast, after the save; call it on every rank).
+
+    Ranks != 0 block until rank 0 has renamed the file. If rank 0 failed (disk
+    full, quota, a file-size limit), *every* rank raises :class:`CheckpointError`
+    with rank 0's error at once; a rank left in ``barrier()`` would wait out the
+    timeout on nccl (on gloo die with "Connection closed by peer", hiding the cause).
+    """
+    text = failure if isinstance(failure, str | None) else f"{type(failure).__name__}: {failure}"
+    message = [text]
+    if group_active() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise CheckpointError(f"rank 0 failed to save {path}: {message[0]}")
-    return path
 
 
 def is_save_epoch(epoch: int, epochs: int, every: int) -> bool:
@@ -439,9 +444,5 @@ def load_model_state(
 
 def stale_temp_files(directory: PathLike) -> list[Path]:
     """Temp files left by a writer that died mid-save (safe to delete when no save runs)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(
-        p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)
-    )
+    found = Path(directory).iterdir() if Path(directory).is_dir() else ()
+    return sorted(p for p in found if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX))
