@@ -104,6 +104,7 @@ class Recorder:
         self._span: list[Any] | None = None  # the open one: [start, steps]
         self.intervals: list[tuple[Any, Any]] = []  # --record-steps: every step's
         self._previous: Any = None
+        self._first: Any = None
         self._step_log: Any = None
         if self.out is not None:
             self._write_attempt_record()
@@ -144,6 +145,8 @@ class Recorder:
         of the first step after each evaluation) and counts the steps after it.
         """
         self.steps += 1
+        if self.steps == 1:  # for a run too short to time after warm-up
+            self._first = self._now()
         if self._span is not None:
             self._span[1] += 1
         elif self.steps >= WARMUP_STEPS:
@@ -190,6 +193,8 @@ class Recorder:
         self, steps: int, history: list[dict[str, Any]], global_batch: int, extra: dict[str, Any]
     ) -> dict[str, Any]:
         """Throughput of the slowest rank, and the records; a collective (call on every rank)."""
+        if not self.spans and self._span is None and self.steps > 1:  # too short: every step
+            self._span = [self._first, self.steps - 1]
         self.pause()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
