@@ -615,6 +615,17 @@ def test_workers_take_each_epochs_seed_so_an_epoch_boundary_resume_is_exact(temp
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
+def test_the_evaluation_loader_takes_workers_and_pinned_memory():
+    """Point 11: exact evaluation with DataLoader workers (and pin_memory on GPUs)."""
+    from ddp_tutorial.data import GaussianBlobs, distributed_evaluate
+
+    torch.manual_seed(0)
+    model, data = torch.nn.Linear(16, 4), GaussianBlobs(50)
+    plain = distributed_evaluate(model, data, batch_size=8)
+    workers = distributed_evaluate(model, data, batch_size=8, num_workers=1, pin_memory=False)
+    assert (workers.correct, workers.count) == (plain.correct, plain.count) and plain.count == 50
+
+
 def test_without_out_the_recorder_keeps_nothing_per_step():
     """Point 18: no per-step clock readings, no sample indices, unless asked."""
     from types import SimpleNamespace
