@@ -21,6 +21,7 @@ import os
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device,
           data: tuple[Any, Any, int], why: str, attempt: int) -> None:  # fmt: skip
     train_set, val_set, num_classes = data
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = partial(print, flush=True) if rank == 0 else (lambda *a: None)  # flushed: SLURM buffers
     global_batch = args.batch_size * world_size * args.grad_accum
     peak_lr = args.lr * global_batch / REFERENCE_BATCH
     say(f"{world_size} ranks ({why}); global batch {global_batch} = {args.batch_size} per rank x "
@@ -195,7 +196,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             save(state, snapshots.snapshot_path(".", step).name)
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
-            say(f"{verdict.signal}: saved step {step}, exit {PREEMPTED_EXIT}: requeue", flush=True)
+            say(f"{verdict.signal}: saved step {step}, exit {PREEMPTED_EXIT}: requeue")
             sys.exit(PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
@@ -209,8 +210,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append({"epoch": epoch, "step": step, "train_loss": train_loss,
                         "val_accuracy": accuracy})  # fmt: skip
-        say(f"epoch {epoch}: step {step}, loss {train_loss:.4f}, val accuracy {accuracy:.1%}",
-            flush=True)  # fmt: skip
+        say(f"epoch {epoch}: step {step}, loss {train_loss:.4f}, val accuracy {accuracy:.1%}")
         log.scalars(step, "val", accuracy=accuracy)
         if accuracy > best and args.checkpoint_dir:  # the same on every rank: a collective save
             best = accuracy

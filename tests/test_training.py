@@ -428,24 +428,31 @@ def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
     assert [r["moved"] for r in records] == [1.0, 1.0, 2.0], "the largest change on each rank"
 
 
-def world_of_one(monkeypatch):
-    """torchrun's environment for one rank: the template's main() runs in this process."""
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torchrun's environment for one rank: the template's main() runs in this process.
+
+    Its stop checks install SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards.
+    """
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **CPU}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 TINY = ["--model", "mlp", "--image-size", "8", "--num-val", "8", "--no-progress"]
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under pytest
-def test_pretrain_with_module_prefix(template, tmp_path, monkeypatch):
+def test_pretrain_with_module_prefix(template, tmp_path, one_rank):
     """The template's own main(), as a real world of one in this process (no launch)."""
     torch.manual_seed(3)
     model = build_model("cnn", 10, 16)
     torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "pre.pt")
-    world_of_one(monkeypatch)
     pretrain = ["--pretrain", str(tmp_path / "pre.pt"), "--checkpoint-dir", str(tmp_path)]
     template.main([*SMALL, "--epochs", "1", "--max-steps", "1", "--lr", "0", *pretrain])
     assert not torch.distributed.is_initialized(), "main() left the group"
@@ -456,7 +463,7 @@ def test_pretrain_with_module_prefix(template, tmp_path, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatch):
+def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatch, one_rank):
     """Point 3: 9 samples on 2 ranks, batch 5: the epoch's one step deals out 10 (padding).
 
     A snapshot of that step (--save-every 1) holds consumed=10; a crash during the
@@ -464,7 +471,6 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatc
     """
     from ddp_tutorial.snapshots import latest_snapshot
 
-    world_of_one(monkeypatch)
     nine = [*TINY, "--num-samples", "9", "--batch-size", "5", "--epochs", "2",
             "--checkpoint-dir", str(tmp_path)]  # fmt: skip
     template.main([*nine, "--max-steps", "1"])
@@ -482,14 +488,13 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatc
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys):
+def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, one_rank):
     """Points 11, 12, 13, 14, 17: cudnn.benchmark, the log line, --eval-every and best.pt,
     the schedule warning on resume, the short collective timeout after the first step."""
     from ddp_tutorial import distributed
 
     calls = []
     monkeypatch.setattr(distributed, "set_collective_timeout", lambda s: calls.append(s))
-    world_of_one(monkeypatch)
     before = torch.backends.cudnn.benchmark
     argv = [*TINY, "--num-samples", "256", "--batch-size", "16", "--epochs", "1",
             "--max-steps", "8", "--log-every", "4", "--eval-every", "4",
@@ -519,9 +524,8 @@ def read_history(checkpoint_dir):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_tensorboard_scalars_from_rank_0(template, tmp_path, monkeypatch):
+def test_tensorboard_scalars_from_rank_0(template, tmp_path, one_rank):
     pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
-    world_of_one(monkeypatch)
     template.main([*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1",
                    "--log-every", "2", "--tensorboard", str(tmp_path / "tb")])  # fmt: skip
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "an event file"
