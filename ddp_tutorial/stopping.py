@@ -13,7 +13,10 @@ not at every step):
   before the time limit (``scripts/slurm/train.sbatch`` forwards it). The
   handler only sets a flag: the rank finishes its step, the ranks agree,
   save a snapshot of that step and exit with :data:`PREEMPTED_EXIT`, so the
-  scheduler can requeue the job and the rerun resumes from it.
+  scheduler can requeue the job and the rerun resumes from it. (torchrun also
+  sends SIGTERM to stop a node's ranks for a restart; a rank blocked in a
+  collective with a dead peer never reaches a step boundary — gloo fails that
+  collective at once, nccl waits, and torchrun SIGKILLs it after the grace.)
 * **divergence.** A loss that became inf or nan is remembered on the device
   (the first such step, no sync), and before a save the weights themselves are
   checked (an update can make them inf while the loss that led to it was finite);
