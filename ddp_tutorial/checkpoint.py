@@ -16,11 +16,9 @@ Three things go wrong when every rank of a DDP job calls ``torch.save``:
 
 This module is what every script in the course uses:
 
-* :func:`save_checkpoint` — call it on **every** rank; only global rank 0
-  writes, atomically (temp file in the same directory, flush + fsync,
-  ``os.replace``, fsync of the directory), then all ranks wait for rank 0, so
-  no rank reads early and the last good checkpoint is never replaced by a
-  partial one. A failure on rank 0 is raised on every rank, not left as a hang.
+* :func:`save_checkpoint` — call it on **every** rank; only global rank 0 writes,
+  atomically (temp file, fsync, ``os.replace``), then all ranks learn its outcome:
+  nobody reads early, and a failure on rank 0 is raised on every rank, not a hang.
 * :func:`load_checkpoint` — ``weights_only=True`` and ``map_location``;
   every problem becomes a :class:`CheckpointError` that names the file and says
   what is wrong (missing, truncated/corrupt, an object ``weights_only`` refuses).
@@ -29,13 +27,13 @@ This module is what every script in the course uses:
   ``consume_prefix_in_state_dict_if_present`` and checks keys strictly,
   listing missing/unexpected keys and shape mismatches.
 
-What goes *into* a resumable checkpoint (optimizer, position in the epoch, RNG
-states) and how snapshot folders are kept is :mod:`ddp_tutorial.snapshots`;
-this module only makes files safe.
+What goes *into* a resumable checkpoint (optimizer, position, RNG states) and how
+snapshot folders are kept is :mod:`ddp_tutorial.snapshots`; this module makes files safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -104,24 +102,31 @@ def find_unsafe(obj: Any, where: str = "state") -> list[str]:
 
 def _fsync_dir(directory: Path) -> None:
     """Make a rename durable: the directory entry itself must reach the disk."""
-    try:
+    with contextlib.suppress(OSError):  # some platforms/filesystems cannot open directories
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms/filesystems cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _Sink:
+    """A file keeping its OSError (disk full...): torch's zip writer says "unexpected pos"."""
+
+    def __init__(self, file: Any):
+        self.file, self.error, self.flush = file, None, file.flush
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
 
 def temp_path_for(path: PathLike) -> Path:
-    """A unique temporary name next to ``path`` (same directory: ``os.replace`` stays atomic).
-
-    Hidden (leading dot) and ending in ``.tmp`` so that :func:`latest_snapshot`
-    never picks it up; the pid in the name tells whose it was.
-    """
+    """A unique temporary name next to ``path`` (same directory: ``os.replace`` stays atomic):
+    hidden, ending in ``.tmp`` (never a snapshot), with the writer's pid in it."""
     path = Path(path)
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
 
@@ -129,12 +134,11 @@ def temp_path_for(path: PathLike) -> Path:
 def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
     """Write ``obj`` to ``path`` so that ``path`` is always the old or the new file, never half.
 
-    The bytes go to a temp file in the same directory; after ``flush`` +
-    ``fsync`` it is renamed over ``path`` with ``os.replace`` (atomic on POSIX
-    and Windows within one filesystem) and the directory is fsynced so the
-    rename survives a power cut. A process killed at any point leaves the
-    previous ``path`` untouched (and at worst a stale temp file).
-    This is the single-process primitive; in a job use :func:`save_checkpoint`.
+    The bytes go to a temp file in the same directory; after ``flush`` + ``fsync`` it
+    is renamed over ``path`` (``os.replace``: atomic on POSIX and Windows within one
+    filesystem), then the directory is fsynced so the rename survives a power cut. A
+    process killed at any point leaves the previous ``path`` untouched (and at worst a
+    stale temp file). The single-process primitive; in a job: :func:`save_checkpoint`.
     """
     path = Path(path)
     if check_plain:
@@ -153,15 +157,16 @@ def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            sink = _Sink(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError as exc:  # the OS's own error names the cause
+                raise sink.error or exc from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
     return path
@@ -174,33 +179,35 @@ def group_active() -> bool:
 def save_checkpoint(path: PathLike, state: Any, check_plain: bool = True) -> Path:
     """Save ``state`` to ``path`` from global rank 0, atomically; a collective in a job.
 
-    Call it on **every** rank: rank 0 writes with :func:`atomic_save`, the
-    others block until the file is in place (rank 0 broadcasts its outcome,
-    which doubles as the barrier), so a rank that loads right after never
-    sees an old or half-written file. Not
-    ``local_rank == 0``: that is one writer per node, and nodes sharing a
-    disk would still write the same file at once. If rank 0 fails to write,
-    every rank raises :class:`CheckpointError` instead of waiting forever.
-    Other ranks may pass ``state=None`` (it is ignored there).
-    Without a process group (one process) it is just :func:`atomic_save`.
+    Call it on **every** rank: rank 0 writes with :func:`atomic_save`, then
+    :func:`share_outcome`. Not ``local_rank == 0``: one writer per node, and nodes
+    sharing a disk write one file at once. Other ranks may pass ``state=None``.
     """
-    path = Path(path)
+    path, failure = Path(path), None
     if not group_active():
         return atomic_save(state, path, check_plain)
-    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             atomic_save(state, path, check_plain)
-        except Exception as exc:  # reported to every rank below, then re-raised here
+        except Exception as exc:  # reported to every rank below
             failure = exc
-    # The broadcast is the barrier: ranks != 0 block until rank 0 has renamed the file.
-    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    dist.broadcast_object_list(message, src=0)
-    if failure is not None:
-        raise failure
+    share_outcome(failure, path)
+    return path
+
+
+def share_outcome(failure: BaseException | str | None, path: PathLike) -> None:
+    """Rank 0's save outcome to every rank (a broadcast, after the save; call it on every rank).
+
+    It is the barrier (nobody reads a half-written file) and, if rank 0 failed (disk
+    full, a file-size limit), raises :class:`CheckpointError` with rank 0's error on
+    every rank at once: a rank left in ``barrier()`` would wait out the timeout on nccl.
+    """
+    text = failure if isinstance(failure, str | None) else f"{type(failure).__name__}: {failure}"
+    message = [text]
+    if group_active() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise CheckpointError(f"rank 0 failed to save {path}: {message[0]}")
-    return path
 
 
 def is_save_epoch(epoch: int, epochs: int, every: int) -> bool:
@@ -439,9 +446,5 @@ def load_model_state(
 
 def stale_temp_files(directory: PathLike) -> list[Path]:
     """Temp files left by a writer that died mid-save (safe to delete when no save runs)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(
-        p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)
-    )
+    found = Path(directory).iterdir() if Path(directory).is_dir() else ()
+    return sorted(p for p in found if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX))

@@ -203,6 +203,7 @@ def distributed_evaluate(
     *,
     exact: bool = True,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks of the default group.
 
@@ -212,7 +213,8 @@ def distributed_evaluate(
     the naive version (seed 000's "do the same for val/test"): a padded
     :class:`DistributedSampler`, whose repeated samples are counted twice.
     Without a process group it evaluates the whole dataset in this process.
-    Every rank must call it (it ends in a collective).
+    Every rank must call it (it ends in a collective). ``num_workers`` and
+    ``pin_memory`` (GPUs) go to its DataLoader, as for training.
     """
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -221,7 +223,8 @@ def distributed_evaluate(
         sampler: Sampler[int] = UnpaddedDistributedSampler(dataset, world, rank)
     else:
         sampler = DistributedSampler(dataset, world, rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        pin_memory=pin_memory)  # fmt: skip
     sums = local_sums(model, loader, device)
     local_count = int(sums[1])
     if dist.is_initialized():

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_tutorial import settings
 from ddp_tutorial.settings import env_int
+from ddp_tutorial.stores import exchange, job_store
 
 
 class BackendError(RuntimeError):
@@ -126,7 +127,10 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     timeout_s = settings.timeout_s() if timeout_s is None else timeout_s
     init_timeout_s = max(settings.init_timeout_s(), timeout_s)
-    name, reason = job_backend(backend, rank, world_size, local_world_size, init_timeout_s)
+    store = None
+    if not dist.is_initialized():
+        store, _ = job_store(rank, world_size, init_timeout_s)
+    name, reason = job_backend(backend, rank, world_size, local_world_size, init_timeout_s, store)
     device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         # Bind first: otherwise every rank's first CUDA call lands on cuda:0.
@@ -137,7 +141,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
             **init_options(name, device, init_timeout_s),
             rank=rank,
             world_size=world_size,
-            store=restart_safe_store(world_size, init_timeout_s),
+            store=store,  # this attempt's own keys (see ddp_tutorial.stores)
         )
         set_collective_timeout(timeout_s)
     return DistInfo(rank, local_rank, world_size, local_world_size, name, device, reason)
@@ -149,19 +153,25 @@ def job_backend(
     world_size: int,
     local_world_size: int,
     timeout_s: float | None = None,
+    store: dist.Store | None = None,
 ) -> tuple[str, str]:
     """``(backend, reason)`` for this job: :func:`choose_backend`, agreed across nodes.
 
     ``requested`` None means ``$DDP_TUTORIAL_BACKEND`` or "auto". Every node
     of an "auto" multi-node job must end up with the same backend (else
-    ``init_process_group`` hangs), and a machine whose GPUs go unused says so
-    loudly, once per node.
+    ``init_process_group`` hangs): the ranks exchange their choices through
+    ``store`` (this attempt's, :func:`ddp_tutorial.stores.job_store`; made
+    here when None). A machine whose GPUs go unused says so loudly, once per node.
     """
     requested = requested or settings.backend()
     name, reason = choose_backend(requested, local_world_size)
     if requested == "auto" and world_size > local_world_size:
         timeout_s = settings.init_timeout_s() if timeout_s is None else timeout_s
-        name, reason = agree_across_nodes(name, reason, rank, world_size, timeout_s)
+        store = store if store is not None else job_store(rank, world_size, timeout_s)[0]
+        agreed, why = agree_backends(exchange(store, rank, world_size, name))
+        if agreed != name and rank == 0:
+            print(f"WARNING: {why}", file=sys.stderr, flush=True)
+        name, reason = agreed, reason if agreed == name else why
     warning = fallback_warning(requested, name, reason)
     if warning and rank % max(local_world_size, 1) == 0:
         print(warning, file=sys.stderr, flush=True)
@@ -223,30 +233,6 @@ def agree_backends(choices: list[str]) -> tuple[str, str]:
     )
 
 
-def exchange(store: dist.Store, rank: int, world_size: int, value: str) -> list[str]:
-    """Every rank's ``value``, in rank order, through a key-value store (before init)."""
-    store.set(f"ddp_tutorial/backend/{rank}", value)
-    return [store.get(f"ddp_tutorial/backend/{r}").decode() for r in range(world_size)]
-
-
-def agree_across_nodes(
-    name: str, reason: str, rank: int, world_size: int, timeout_s: float
-) -> tuple[str, str]:
-    """Make every node of a multi-node "auto" job use the same backend (torchrun's store)."""
-    store = _agent_store(world_size, timeout_s)
-    if store is None:
-        raise BackendError(
-            f"a multi-node job with backend 'auto' needs torchrun's store to agree on one "
-            f"backend across nodes, and it is off here (TORCHELASTIC_USE_AGENT_STORE is not "
-            f"True, e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): set {settings.BACKEND_ENV}=nccl "
-            f"(GPU nodes) or gloo on every node instead."
-        )
-    agreed, why = agree_backends(exchange(store, rank, world_size, name))
-    if agreed != name and rank == 0:
-        print(f"WARNING: {why}", file=sys.stderr, flush=True)
-    return agreed, reason if agreed == name else why
-
-
 def _import_before_init() -> None:
     """Import ``torch.distributed.nn`` while no process group exists yet.
 
@@ -279,41 +265,6 @@ def group_held_by_defaults() -> bool:
     if functional is None:
         return False
     return any(isinstance(d, dist.ProcessGroup) for d in functional.all_reduce.__defaults__ or ())
-
-
-def _agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
-    """torchrun's own TCPStore (MASTER_ADDR:MASTER_PORT), per restart attempt; else None.
-
-    Since torch 2.5 torchrun's workers share the elastic agent's TCPStore, and
-    that store outlives a restart: a new worker can read the *previous*
-    attempt's keys (a dead rank's address) and fail with "Connection refused"
-    (pytorch/pytorch#135712; the other workaround is
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment).
-    Prefixing every key with the restart count keeps attempts apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    return dist.PrefixStore(f"ddp_tutorial/attempt_{attempt}", store)
-
-
-def restart_safe_store(world_size: int, timeout_s: float | None = None) -> dist.Store | None:
-    """The store for ``init_process_group`` when restarts are enabled (else None: torch's own).
-
-    With ``torchrun --max-restarts``, a restarted worker must not read the
-    previous attempt's keys (see :func:`_agent_store`).
-    """
-    timeout_s = settings.init_timeout_s() if timeout_s is None else timeout_s
-    if env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
-        return None  # one attempt: nothing stale to read
-    return _agent_store(world_size, timeout_s)
 
 
 def cleanup(barrier: bool = False) -> None:
@@ -385,30 +336,53 @@ def wrap(model: nn.Module, device: torch.device, **options: Any) -> DistributedD
     return DistributedDataParallel(model, **options)
 
 
+NORM_STATISTICS = ("running_mean", "running_var")
+
+
 def average_buffers(module: nn.Module) -> float:
-    """Make every rank's buffers equal: floating ones averaged, counters taken from rank 0.
+    """Every rank's buffers made equal, in one collective: norm statistics averaged, rest rank 0's.
 
     BatchNorm's running statistics are updated by each rank's own forward
-    passes. DDP's ``broadcast_buffers=True`` copies rank 0's at the *start*
-    of every forward, so after the last step they differ again; with
-    ``broadcast_buffers=False`` they follow each rank's shard throughout.
-    Either way, evaluation and checkpoints must see one model: call this on
-    every rank (it is a collective) before evaluating or saving. The average
-    is the better estimate — it has seen every rank's data, not rank 0's.
-    Returns how far this rank's buffers moved (the largest absolute change):
-    0.0 means they already agreed.
+    passes, so with ``broadcast_buffers=False`` they follow each rank's shard
+    (with ``True``, DDP copies rank 0's at the *start* of every forward, and
+    after the last step they differ again). Evaluation and checkpoints must
+    see one model: call this on every rank before evaluating or saving. Only
+    ``running_mean``/``running_var`` of normalisation layers (``_NormBase``:
+    BatchNorm, SyncBatchNorm, InstanceNorm with running stats) are averaged —
+    the average has seen every rank's data. Every other buffer is taken from
+    rank 0 exactly: averaging a constant (a rotary ``inv_freq``) changes it by
+    a rounding step at 3 or 7 ranks, a counter must stay an integer, an
+    observer's min/max is not a mean. Buffers named in DDP's
+    ``_ddp_params_and_buffers_to_ignore`` are meant to differ per rank and are
+    left alone. One flat float64 all_reduce carries everything (a copy from rank
+    0 is the sum of its value and the others' zeros), and one ``.item()``
+    returns how far this rank's buffers moved (0.0: they already agreed).
     """
-    world, moved = dist.get_world_size(), 0.0
-    for buffer in module.buffers():
-        before = buffer.clone()
-        if buffer.is_floating_point():
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # SUM, then divide: any backend/torch
-            buffer.div_(world)
-        else:
-            dist.broadcast(buffer, src=0)
-        if buffer.numel():
-            moved = max(moved, (buffer.double() - before.double()).abs().max().item())
-    return moved
+    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    ignored = set(getattr(inner, "_ddp_params_and_buffers_to_ignore", ()))
+    buffers, averaged = [], []
+    for prefix, sub in inner.named_modules():
+        norm = isinstance(sub, nn.modules.batchnorm._NormBase)
+        for name, buffer in sub.named_buffers(prefix=prefix, recurse=False):
+            if buffer is not None and name not in ignored and not buffer.is_complex():
+                buffers.append(buffer)
+                averaged.append(norm and name.rsplit(".", 1)[-1] in NORM_STATISTICS)
+    world = dist.get_world_size()
+    if not buffers or world == 1:
+        return 0.0
+    first = dist.get_rank() == 0
+    flat = torch.cat([b.detach().reshape(-1).double() if avg or first
+                      else torch.zeros(b.numel(), dtype=torch.float64, device=b.device)
+                      for b, avg in zip(buffers, averaged, strict=True)])  # fmt: skip
+    dist.all_reduce(flat)  # SUM, then divide: any backend, any torch
+    moved, offset = [], 0
+    for buffer, avg in zip(buffers, averaged, strict=True):
+        new = flat[offset : offset + buffer.numel()].view_as(buffer)
+        new = new / world if avg else new
+        offset += buffer.numel()
+        moved.append((new - buffer.double()).abs().max() if buffer.numel() else flat.new_zeros(()))
+        buffer.copy_(new)
+    return torch.stack(moved).max().item()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -13,6 +13,7 @@ every rank. (Bad data — a missing folder, a corrupt image — is
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -44,4 +45,11 @@ def check_run(args: Any, world_size: int, train_size: int) -> str | None:
             return f"{name} {path}: not writable by this user; give another directory"
     if args.pretrain and not Path(args.pretrain).is_file():
         return f"--pretrain {args.pretrain}: no such file"
+    if args.download and world_size > 1:  # every rank would download into the same files
+        return (f"--download with {world_size} ranks: each would download into the same files "
+                f"at once. Download once, with one process: torchrun --nproc-per-node 1 "
+                f"scripts/train.py --data {args.data} --data-dir {args.data_dir} --download "
+                f"--max-steps 1; then start this job without --download")  # fmt: skip
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return "--tensorboard needs the tensorboard package: pip install tensorboard"
     return None

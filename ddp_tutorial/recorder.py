@@ -1,30 +1,35 @@
 """What the lessons read from a template run, kept out of the template's loop.
 
-``scripts/train.py`` makes a :class:`Recorder` after resuming (it writes the
-attempt record) and calls it at three named points: :meth:`~Recorder.step`
-after each optimizer step, :meth:`~Recorder.epoch_end` at each evaluation and
-:meth:`~Recorder.finish` at the end. Without ``--out`` it only measures
-throughput. With ``--out`` it writes:
+``scripts/train.py`` adds the flags of :meth:`Recorder.add_arguments`, makes a
+:class:`Recorder` after resuming and calls it at named points: :meth:`~Recorder.step`
+after each optimizer step, :meth:`~Recorder.evaluated` at each evaluation,
+:meth:`~Recorder.epoch_done` at each epoch's end and :meth:`~Recorder.finish` at
+the end. **Without** ``--out`` it costs nothing that grows: two clock readings per
+timed stretch of steps (a CUDA event on GPUs, no sync) for the samples/s of the
+final line, and one small all_reduce at the end. With ``--out`` it writes:
 
 * ``attempt{a}-rank{r}.json`` at start-up: who this process is after a
-  (re)start (lessons 08 and 10);
-* ``rank{r}.json`` and, on rank 0, ``metrics.json`` at the end: the history,
-  throughput, each evaluation's state digest (lesson 06: every rank evaluates
-  one model), the sample indices each rank was handed (lesson 10: a resume on
-  another world size sees each sample once);
+  (re)start (lessons 08 and 10); ``a`` is the job's attempt, agreed by every node
+  (:func:`ddp_tutorial.stores.job_store`);
+* ``rank{r}.json`` and, on rank 0, ``metrics.json`` at the end (gathered to rank 0
+  only): the history, throughput, each evaluation's state digest (lesson 06:
+  every rank evaluates one model);
+* with ``--record-indices``: the sample indices each rank was handed, per epoch
+  (lesson 10: a resume on another world size sees each sample once) — every index
+  of every epoch, so only when a lesson asks;
 * with ``--record-steps``: every step's time and, on rank 0, ``steps.jsonl``
   (the loss of every step, across attempts; lesson 08). **Cost:** a per-step
   loss is a ``.item()``, a host sync that stalls the GPU queue every step; the
   template's default path syncs only every ``--log-every`` steps.
 
-Step times never sync: a ``perf_counter`` per step on CPU, a CUDA event on GPU,
-read at the end. Evaluation pauses the clock. Fault injection for lesson 08
-lives here too: rank ``fail_rank`` SIGKILLs itself after ``fail_at_step``
-optimizer steps, on the first attempt only.
+Evaluation pauses the clock. Fault injection for lesson 08 lives here too: rank
+``fail_rank`` SIGKILLs itself after ``fail_at_step`` optimizer steps, on the
+job's first attempt only.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -63,6 +68,16 @@ def state_digest(state: dict[str, torch.Tensor] | nn.Module) -> str:
 class Recorder:
     """Records of one rank of one template run (``out=None``: throughput only)."""
 
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The lessons' flags, in a group of their own (the template's --help lists them last)."""
+        add = parser.add_argument_group("recording, for the lessons").add_argument
+        add("--out", help="run directory: metrics.json, rank and attempt records")
+        add("--record-steps", action="store_true", help="per-step loss/time (a sync per step)")
+        add("--record-indices", action="store_true", help="every sample index each rank read")
+        add("--fail-at-step", type=int, help="fault injection (lesson 08): die after this step")
+        add("--fail-rank", type=int, default=1, help="the rank that dies")
+
     def __init__(
         self,
         args: Any,
@@ -70,21 +85,26 @@ class Recorder:
         world_size: int,
         device: torch.device,
         resumed_from: dict[str, int] | None = None,
+        attempt: int = 0,
     ):
-        """``args``: the template's flags (``out``, ``record_steps``, ``fail_at_step``,
-        ``fail_rank``). Call it after resuming, before the first step: it writes the
-        attempt record and opens the step log."""
+        """``args``: the template's flags (those of :meth:`add_arguments`). ``attempt``:
+        the job's, agreed by every node. Call it after resuming, before the first step:
+        it writes the attempt record and opens the step log."""
         self.out = Path(args.out) if args.out else None
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.per_step = args.record_steps
+        self.per_step, self.keep_indices = args.record_steps, args.record_indices
         self.fail_at_step, self.fail_rank = args.fail_at_step, args.fail_rank
-        self.attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        self.resumed_from = resumed_from
+        self.accum = getattr(args, "grad_accum", 1)  # the loss passed to step() is divided by it
+        self.attempt, self.resumed_from = attempt, resumed_from
         self.evaluations: list[dict[str, Any]] = []
         self.indices: dict[int, list[int]] = {}
         self.t_start = self.t_end = time.time()
-        self.intervals: list[tuple[Any, Any]] = []  # (end of the step before, end of this one)
-        self._previous: Any = self._now()
+        self.steps = 0  # optimizer steps in this process
+        self.spans: list[tuple[Any, Any, int]] = []  # timed stretches: (start, end, steps)
+        self._span: list[Any] | None = None  # the open one: [start, steps]
+        self.intervals: list[tuple[Any, Any]] = []  # --record-steps: every step's
+        self._previous: Any = None
+        self._first: Any = None
         self._step_log: Any = None
         if self.out is not None:
             self._write_attempt_record()
@@ -95,6 +115,9 @@ class Recorder:
             event.record()
             return event
         return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000 if self.device.type == "cuda" else b - a
 
     def _write_attempt_record(self) -> None:
         """Who this process is in this attempt (after a restart, who is who may change)."""
@@ -115,69 +138,73 @@ class Recorder:
             self._step_log = (self.out / "steps.jsonl").open("a", buffering=1)
 
     def step(self, step: int, loss: torch.Tensor) -> None:
-        """After optimizer step ``step`` (1-based, global); ``loss`` stays on the device.
+        """After optimizer step ``step`` (1-based, global); ``loss`` (of the last micro-batch,
+        divided by ``--grad-accum``) stays on the device.
 
-        The step's time runs from the end of the step before (its data loading
-        included): a perf_counter on CPU, a CUDA event on GPU (no host sync).
+        A timed stretch starts at the end of the :data:`WARMUP_STEPS`-th step (and
+        of the first step after each evaluation) and counts the steps after it.
         """
-        now = self._now()
-        if self._previous is not None:
-            self.intervals.append((self._previous, now))
-        self._previous = now
+        self.steps += 1
+        if self.steps == 1:  # for a run too short to time after warm-up
+            self._first = self._now()
+        if self._span is not None:
+            self._span[1] += 1
+        elif self.steps >= WARMUP_STEPS:
+            self._span = [self._now(), 0]
+        if self.per_step:  # a clock reading per step: only when asked
+            now = self._now()
+            if self._previous is not None:
+                self.intervals.append((self._previous, now))
+            self._previous = now
         if self._step_log is not None:  # .item(): a host sync, the stated cost
-            row = {"attempt": self.attempt, "step": step, "loss": loss.item()}
+            row = {"attempt": self.attempt, "step": step, "loss": loss.item() * self.accum}
             self._step_log.write(json.dumps(row) + "\n")
         if step == self.fail_at_step and self.rank == self.fail_rank and self.attempt == 0:
             print(f"[fault injection] rank {self.rank} dies after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # abrupt: no cleanup, like a real crash
 
-    def epoch_end(
-        self, epoch: int, step: int, model: nn.Module, indices: list[int], moved: float
-    ) -> None:
-        """At an evaluation: the digest of exactly what this rank evaluates (and saves),
-        how far averaging moved its buffers (``moved``), and the sample indices its
-        loader was handed in ``epoch`` (in this process). The clock pauses until the
-        next step ends: evaluating is not training."""
-        digest = state_digest(model)
-        self.evaluations.append({"epoch": epoch, "step": step, "digest": digest, "moved": moved})
-        self.indices.setdefault(epoch, []).extend(indices)
-        self._previous = None
+    def pause(self) -> None:
+        """Evaluating or saving is not training: close the timed stretch, restart it later."""
+        if self._span is not None and self._span[1] > 0:
+            self.spans.append((self._span[0], self._now(), self._span[1]))
+        self._span, self._previous = None, None  # the next step's end starts a new stretch
+
+    def evaluated(self, epoch: int, step: int, model: nn.Module, moved: float) -> None:
+        """At an evaluation: the digest of exactly what this rank evaluates (and saves)
+        and how far averaging moved its buffers (``moved``); only with ``--out``."""
+        self.pause()
+        if self.out is not None:
+            digest = state_digest(model)
+            self.evaluations.append({"epoch": epoch, "step": step, "digest": digest,
+                                     "moved": moved})  # fmt: skip
+
+    def epoch_done(self, epoch: int, sampler: Any, count: int) -> None:
+        """With ``--record-indices``: the first ``count`` indices ``sampler`` handed this rank."""
+        if self.keep_indices:
+            self.indices.setdefault(epoch, []).extend(list(sampler)[:count])
 
     def step_times(self) -> list[float]:
-        """Seconds per timed step (data + compute + communication)."""
+        """Seconds per step, data loading included (``--record-steps`` only)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return [a.elapsed_time(b) / 1000 for a, b in self.intervals]
-        return [b - a for a, b in self.intervals]
+        return [self._seconds(a, b) for a, b in self.intervals]
 
     def finish(
         self, steps: int, history: list[dict[str, Any]], global_batch: int, extra: dict[str, Any]
     ) -> dict[str, Any]:
         """Throughput of the slowest rank, and the records; a collective (call on every rank)."""
+        if not self.spans and self._span is None and self.steps > 1:  # too short: every step
+            self._span = [self._first, self.steps - 1]
+        self.pause()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.t_end = time.time()
         if self._step_log is not None:
             self._step_log.close()
-        times = self.step_times()
-        counted = times[WARMUP_STEPS:] or times  # a run shorter than warm-up: every step
-        mine = {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "train_start": self.t_start,
-            "train_end": self.t_end,
-            "restart_count": self.attempt,
-            "resumed_from": self.resumed_from,
-            "timed": [sum(counted), len(counted)],
-            "step_times": times if self.per_step else [],
-            "evaluations": self.evaluations,
-            "indices": self.indices,
-        }
-        ranks: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
-        # Every step waits for every rank: the slowest one sets the pace.
-        seconds = max(r["timed"][0] for r in ranks)
-        timed_steps = min(r["timed"][1] for r in ranks)
+        mine = [sum(self._seconds(a, b) for a, b, _ in self.spans), sum(n for *_, n in self.spans)]
+        slowest = torch.tensor([mine[0], -mine[1]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every step waits for the slowest rank
+        seconds, timed_steps = slowest[0].item(), -slowest[1].item()
         metrics = {
             "world_size": self.world_size,
             "backend": dist.get_backend(),
@@ -190,14 +217,34 @@ class Recorder:
             "resumed": self.resumed_from is not None,
             **extra,
             "samples_per_sec": timed_steps * global_batch / seconds if seconds > 0 else math.nan,
-            "step_times": {str(r["rank"]): r["step_times"] for r in ranks},
-            "ranks": [{k: r[k] for k in mine if k not in ("step_times", "indices")} for r in ranks],
         }
         if self.out is not None:
-            write_rank_record(self.out, mine)
-            if self.rank == 0:
-                write_json(self.out / "metrics.json", metrics)
+            self._write_records(mine, metrics)
         return metrics
+
+    def _write_records(self, timed: list[float], metrics: dict[str, Any]) -> None:
+        """``rank{r}.json`` on every rank; every rank's gathered to rank 0 for ``metrics.json``."""
+        assert self.out is not None
+        mine = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "train_start": self.t_start,
+            "train_end": self.t_end,
+            "restart_count": self.attempt,
+            "resumed_from": self.resumed_from,
+            "timed": timed,
+            "step_times": self.step_times() if self.per_step else [],
+            "evaluations": self.evaluations,
+            "indices": self.indices,
+        }
+        write_rank_record(self.out, mine)
+        small = {k: v for k, v in mine.items() if k != "indices"}
+        ranks: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(small, ranks, dst=0)
+        if ranks is not None:
+            metrics["step_times"] = {str(r["rank"]): r["step_times"] for r in ranks}
+            metrics["ranks"] = [{k: v for k, v in r.items() if k != "step_times"} for r in ranks]
+            write_json(self.out / "metrics.json", metrics)
 
 
 def read_step_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -225,10 +225,15 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
-        """Start ``epoch`` after its first ``consumed`` samples (counted over all ranks)."""
-        if not 0 <= consumed <= self.length:
-            raise ValueError(f"consumed must be in [0, {self.length}], got {consumed}")
-        self.epoch, self.consumed = epoch, consumed
+        """Start ``epoch`` after its first ``consumed`` samples (counted over all ranks).
+
+        ``consumed`` counts the padding too: a snapshot of an epoch's last step can
+        hold more than the dataset (9 samples on 2 ranks are dealt out as 10), and
+        then nothing of the epoch is left, on any number of ranks.
+        """
+        if consumed < 0:
+            raise ValueError(f"consumed must be >= 0, got {consumed}")
+        self.epoch, self.consumed = epoch, min(consumed, self.length)
 
     def _rest(self) -> list[int]:
         if self.shuffle:

@@ -8,7 +8,8 @@ folder of them is kept:
   AMP scaler, epoch, step, position in the epoch, the sampler's epoch and
   every rank's RNG states;
 * :func:`snapshot_path`, :func:`latest_snapshot`, :func:`prune_snapshots`,
-  :func:`stale_temp_files` — ``snapshot-<step>.pt`` files in one folder.
+  :func:`resume_point` — ``snapshot-<step>.pt`` files in one folder;
+* :func:`schedule_changes` — the flags of a resumed run that change its schedule.
 
 A training-state checkpoint is a plain dict (format :data:`FORMAT_VERSION`)::
 
@@ -38,6 +39,7 @@ from ddp_tutorial.checkpoint import (
     group_active,
     load_model_state,
     model_state,
+    stale_temp_files,
 )
 
 FORMAT_VERSION = 1
@@ -265,3 +267,33 @@ def agreed_latest_snapshot(directory: PathLike | None) -> Path | None:
             f"must see the same checkpoint directory (a shared filesystem, not a per-node copy)"
         )
     return path
+
+
+def resume_point(directory: PathLike | None) -> Path | None:
+    """:func:`agreed_latest_snapshot`, after rank 0 removed what killed saves left (a collective).
+
+    A rank killed mid-save leaves a hidden temp file (``checkpoint.temp_path_for``)
+    that nothing ever reads; at start-up no save can be running, so rank 0
+    deletes them before anyone looks for the newest snapshot.
+    """
+    if directory is not None and (not group_active() or dist.get_rank() == 0):
+        for stale in stale_temp_files(directory):
+            stale.unlink(missing_ok=True)
+    return agreed_latest_snapshot(directory)
+
+
+SCHEDULE_FLAGS = ("epochs", "batch_size", "grad_accum", "lr", "warmup", "optimizer")
+"""Flags whose change moves the LR schedule or the steps of an epoch under a resumed run."""
+
+
+def schedule_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``["--epochs 3 -> 5", ...]``: what a resume changes of the saved run's schedule.
+
+    Resuming with other values is allowed (extending a run is common) but the
+    LR schedule then jumps: the step that resumes sits at another point of it.
+    """
+    return [
+        f"--{k.replace('_', '-')} {saved[k]} -> {now.get(k)}"
+        for k in SCHEDULE_FLAGS
+        if k in saved and saved[k] != now.get(k)
+    ]

@@ -7,7 +7,10 @@
 Every DDP step is written out below, numbered, in the order it happens on every rank; the
 package holds what you should not rewrite (atomic save, safe load, the resumable sampler, exact
 evaluation, the backend choice) and the recorder the lessons turn on with --out. Rerun with the
-same --checkpoint-dir to resume from the newest snapshot, on any number of ranks.
+same --checkpoint-dir to resume from the newest snapshot, on any number of ranks. For a week on
+a cluster: a crash restarts from the newest snapshot (torchrun --max-restarts, any node count),
+SIGTERM or SIGUSR1 (preemption) saves the current step and exits 75 to be requeued, and a failed
+save or a loss gone inf/nan stops every rank at once, naming the cause.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,91 +34,38 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ddp_tutorial import checkpoint, distributed, settings, snapshots
-from ddp_tutorial.comm_hooks import COMM_HOOKS, comm_hook
+from ddp_tutorial import checkpoint, distributed, loop, settings, snapshots, stores
+from ddp_tutorial.comm_hooks import comm_hook
 from ddp_tutorial.data import distributed_evaluate
-from ddp_tutorial.models import MODEL_NAMES, build_model
+from ddp_tutorial.loop import REFERENCE_BATCH, lr_at, set_lr
+from ddp_tutorial.models import build_model
 from ddp_tutorial.numerics import amp_dtype, make_deterministic
 from ddp_tutorial.preflight import check_run
-from ddp_tutorial.real_data import DATA_KINDS, DataError, build_datasets
+from ddp_tutorial.real_data import DataError, build_datasets
 from ddp_tutorial.recorder import Recorder
 from ddp_tutorial.samplers import ResumableSampler
 from ddp_tutorial.seeding import loader_generator, rank_seed, seed_everything, seed_worker
-
-REFERENCE_BATCH = 256  # --lr is the learning rate of a global batch of this size
-
-
-def positive(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return int(text)
+from ddp_tutorial.stopping import PREEMPTED_EXIT, StopCheck
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="DDP training template (run it with torchrun).")
-    add = p.add_argument
-    add("--model", choices=MODEL_NAMES, default="cnn")
-    add("--data", choices=DATA_KINDS, help="default: folder with --data-dir, else synthetic")
-    add("--data-dir", help="folder: DIR/train/<class>/*.png|jpg + DIR/val/...; cifar10: root")
-    add("--download", action="store_true", help="--data cifar10: download it (internet)")
-    add("--image-size", type=positive, default=32, help="height = width, pixels")
-    add("--num-classes", type=positive, default=10, help="synthetic data: classes")
-    add("--num-samples", type=positive, default=8192, help="synthetic data: training samples")
-    add("--num-val", type=positive, default=1000, help="synthetic data: validation samples")
-    add("--epochs", type=positive, default=3)
-    add("--batch-size", type=positive, default=32, help="PER RANK: global = this x ranks x accum")
-    add("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=float, default=0.2, help="peak LR for a global batch of 256, scaled linearly")
-    add("--warmup", type=float, default=0.05, help="fraction of training warming up, then cosine")
-    add("--num-workers", type=int, default=0, help="DataLoader workers per rank")
-    add("--seed", type=int, default=0)
-    add("--checkpoint-dir", help="snapshot-<step>.pt + final.pt; a rerun resumes from it")
-    add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
-    add("--max-steps", type=positive, help="stop early (the LR schedule still spans --epochs)")
-    add("--log-every", type=positive, default=50, help="steps between loss prints (a host sync)")
-    add("--amp", nargs="?", const="bf16", choices=["bf16", "fp16"], help="autocast: bf16 (a bare"
-        " --amp), or fp16 with a GradScaler (GPUs without bf16: V100, T4)")  # fmt: skip
-    add("--compile", nargs="?", const="inductor", help="torch.compile the DDP model (backend)")
-    add("--comm-hook", choices=COMM_HOOKS, default="none", help="compress gradients on the wire")
-    add("--sync-bn", action="store_true", help="SyncBatchNorm (GPUs with nccl only)")
-    add("--pretrain", help="initial weights: a state_dict file (any device, any prefix)")
-    add("--backend", help="auto (default), gloo or nccl")
-    add("--deterministic", action="store_true", help="bitwise-reproducible kernels (slower)")
-    add("--timeout", type=float, default=settings.timeout_s(default=600), help="seconds a "
-        "collective may wait, a long rank-0 save included")  # fmt: skip
-    add("--no-progress", action="store_true", help="no progress bar")
-    lesson = p.add_argument_group("recording, for the lessons").add_argument
-    lesson("--out", help="run directory: metrics.json, rank and attempt records")
-    lesson("--record-steps", action="store_true", help="per-step loss/time (a sync per step)")
-    lesson("--fail-at-step", type=int, help="fault injection (lesson 08): die after this step")
-    lesson("--fail-rank", type=int, default=1, help="the rank that dies")
-    args = p.parse_args(argv)
-    if args.num_workers < 0 or args.save_every < 0 or args.timeout <= 0 or args.lr < 0:
-        p.error("--num-workers, --save-every and --lr must be >= 0, --timeout > 0")
-    if not 0 <= args.warmup < 1:
-        p.error("--warmup is a fraction of training: 0 <= warmup < 1")
-    return args
+    """The flags: ddp_tutorial.loop.template_parser (add yours there), defaults filled in."""
+    return loop.parse_template_args(argv)
 
 
 def data_loader(args: argparse.Namespace, train_set: Any, rank: int, world_size: int,
                 cuda: bool) -> tuple[ResumableSampler, DataLoader]:  # fmt: skip
-    """6. Each rank reads its own shard (padded: every rank takes the same steps), with its
+    """Each rank reads its own shard (padded: every rank takes the same steps), with its
     own random streams: the same seed everywhere would augment every shard in lock-step."""
     seed_everything(rank_seed(args.seed, rank))  # after building the model: dropout too
     sampler = ResumableSampler(train_set, world_size, rank, seed=args.seed)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers,
-                        pin_memory=cuda, persistent_workers=args.num_workers > 0,
-                        drop_last=True,  # no short last batch (the sampler equalised the shards)
-                        worker_init_fn=seed_worker,  # and a generator: worker seeds differ per rank
+                        pin_memory=cuda, drop_last=True,  # the sampler equalised the shards
+                        # Not persistent: workers then take each epoch's seed (loop below), so a
+                        # resume at an epoch's start is exact; mid-epoch their draws are not saved.
+                        persistent_workers=False, worker_init_fn=seed_worker,
                         generator=loader_generator(args.seed, rank))  # fmt: skip
     return sampler, loader
-
-
-def lr_at(progress: float, peak: float, warmup: float) -> float:
-    """Linear warm-up over the first ``warmup`` of training, then cosine decay to 0."""
-    if progress < warmup:
-        return peak * progress / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
 @record  # a crash's traceback reaches torchrun's summary
@@ -140,31 +91,33 @@ def main(argv: list[str] | None = None) -> None:
         fail(problem)
     if args.deterministic:
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
+    torch.backends.cudnn.benchmark = not args.deterministic  # GPUs: time conv algorithms once
 
     # 3. The device, then the process group. Bind the GPU first: without set_device
     #    every rank's first CUDA call lands on cuda:0 (seed 000's bug).
-    backend, why = distributed.job_backend(args.backend, rank, world_size, local_world)
+    store, attempt = stores.job_store(rank, world_size)  # this restart's keys, agreed by all nodes
+    backend, why = distributed.job_backend(args.backend, rank, world_size, local_world, store=store)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if cuda := device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     if args.sync_bn and backend != "nccl":
         fail(f"--sync-bn needs GPUs with nccl (this run: {backend} on {device}); drop it on CPU")
     dist.init_process_group(  # device_id: nccl makes this GPU's communicator now
         backend, rank=rank, world_size=world_size, device_id=device if cuda else None,
         timeout=timedelta(seconds=max(args.timeout, settings.init_timeout_s())),  # slow starts
-        store=distributed.restart_safe_store(world_size))  # attempts kept apart  # fmt: skip
-    distributed.set_collective_timeout(args.timeout)  # joined: a missing rank now fails fast
+        store=store)  # fmt: skip
     try:
-        train(args, rank, world_size, device, data, why)
+        train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
     finally:
         dist.destroy_process_group()  # on every exit path (seed 001 never calls it)
 
 
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device,
-          data: tuple[Any, Any, int], why: str) -> None:  # fmt: skip
+          data: tuple[Any, Any, int], why: str, attempt: int) -> None:  # fmt: skip
     train_set, val_set, num_classes = data
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = partial(print, flush=True) if rank == 0 else (lambda *a: None)  # flushed: SLURM buffers
     global_batch = args.batch_size * world_size * args.grad_accum
     peak_lr = args.lr * global_batch / REFERENCE_BATCH
     say(f"{world_size} ranks ({why}); global batch {global_batch} = {args.batch_size} per rank x "
@@ -186,15 +139,18 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if args.comm_hook != "none":  # replaces the bucket all_reduce (lesson 11)
         ddp.register_comm_hook(*comm_hook(args.comm_hook))
     model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=peak_lr, momentum=0.9)
+    # AdamW, no weight decay on biases and norm weights; fused: fp16 steps need no host sync
+    optimizer = loop.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     amp = amp_dtype(device, args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16: scale losses
+    # 6. The data: a shard per rank, a random stream per rank (data_loader above).
     sampler, loader = data_loader(args, train_set, rank, world_size, cuda)
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
     epoch, step, consumed, samples_seen, totals, history, resumed = 0, 0, 0, 0, [0.0, 0.0], [], None
-    path = snapshots.agreed_latest_snapshot(args.checkpoint_dir)
+    best = -1.0  # the best validation accuracy so far (best.pt)
+    path = snapshots.resume_point(args.checkpoint_dir)  # rank 0 first clears killed saves' temps
     if path is not None:
         state = checkpoint.load_checkpoint(path, map_location=device)
         same_world = state["world_size"] == world_size
@@ -204,37 +160,72 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
         consumed, samples_seen, history = extra["consumed"], extra["samples_seen"], extra["history"]
         totals = extra["loss_totals"] if rank == 0 else [0.0, 0.0]  # counted once, on rank 0
-        resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}
+        best, resumed = extra["best"], {"epoch": epoch, "step": step, "consumed": consumed,
+                                        "world": state["world_size"]}  # fmt: skip
         say(f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
             f"(written by {state['world_size']} ranks, now {world_size})")  # fmt: skip
+        if changed := snapshots.schedule_changes(extra["config"], vars(args)):
+            say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
+    checks = StopCheck(device, save_minutes=args.save_minutes)  # signals, inf/nan, timed saves
+    log = loop.TrainLog(rank, args.log_every, global_batch, args.grad_accum, args.tensorboard)
+
+    def save(obj: Any, name: str) -> None:  # every rank calls it: one writer, one outcome
+        error, target = None, Path(args.checkpoint_dir) / name
+        if rank == 0:  # global rank 0 only (local_rank == 0 is one writer per NODE)
+            try:  # atomically: temp file, fsync, rename; a killed save never leaves half a file
+                checkpoint.atomic_save(obj, target)
+                snapshots.prune_snapshots(args.checkpoint_dir, keep=2)
+            except Exception as exc:  # disk full, quota: raised on every rank below, not a hang
+                error = f"{type(exc).__name__}: {exc}"
+        checkpoint.share_outcome(error, target)  # a broadcast: rank 0's error on every rank
 
     def save_snapshot() -> None:  # a collective: buffers averaged, RNG states gathered
-        if args.checkpoint_dir is None:
-            return
-        distributed.average_buffers(ddp)
-        global_totals = loss_sum.clone()
-        dist.all_reduce(global_totals)
-        extra = {"consumed": consumed, "samples_seen": samples_seen, "history": history,
-                 "loss_totals": global_totals.tolist(), "config": vars(args)}  # fmt: skip
-        state = snapshots.training_state(
-            ddp, optimizer, epoch=epoch, step=step, scaler=scaler, extra=extra
-        )
-        if rank == 0:  # global rank 0 only (local_rank 0 is one writer per node), atomically
-            checkpoint.atomic_save(state, snapshots.snapshot_path(args.checkpoint_dir, step))
-            snapshots.prune_snapshots(args.checkpoint_dir, keep=2)
-        dist.barrier()  # the file is complete before anyone goes on (or resumes from it)
+        rec.pause()  # saving is not training
+        verdict = checks.check(step, True, ddp.parameters())  # inf/nan: raises on every rank
+        if args.checkpoint_dir is not None:
+            distributed.average_buffers(ddp)
+            global_totals = loss_sum.clone()
+            dist.all_reduce(global_totals)
+            extra = {"consumed": consumed, "samples_seen": samples_seen, "best": best,
+                     "history": history, "loss_totals": global_totals.tolist(),
+                     "config": vars(args)}  # fmt: skip
+            state = snapshots.training_state(
+                ddp, optimizer, epoch=epoch, step=step, scaler=scaler, extra=extra
+            )
+            save(state, snapshots.snapshot_path(".", step).name)
+            checks.saved()
+        if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
+            say(f"{verdict.signal}: saved step {step}, exit {PREEMPTED_EXIT}: requeue")
+            sys.exit(PREEMPTED_EXIT)
 
-    rec = Recorder(args, rank, world_size, device, resumed)  # records only with --out
+    def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
+        nonlocal best
+        mean = loss_sum.clone()
+        dist.all_reduce(mean)  # every rank's batches: all_reduce, so every rank has the mean
+        moved = distributed.average_buffers(ddp)  # BatchNorm statistics differ per rank
+        rec.evaluated(epoch, step, ddp.module, moved)
+        accuracy = distributed_evaluate(ddp, val_set, device=device, num_workers=args.num_workers,
+                                        pin_memory=cuda).accuracy  # fmt: skip
+        train_loss = (mean[0] / mean[1].clamp(min=1)).item()
+        history.append({"epoch": epoch, "step": step, "train_loss": train_loss,
+                        "val_accuracy": accuracy})  # fmt: skip
+        say(f"epoch {epoch}: step {step}, loss {train_loss:.4f}, val accuracy {accuracy:.1%}")
+        log.scalars(step, "val", accuracy=accuracy)
+        if accuracy > best and args.checkpoint_dir:  # the same on every rank: a collective save
+            best = accuracy
+            save(ddp.module.state_dict(), "best.pt")
+
+    rec = Recorder(args, rank, world_size, device, resumed, attempt)  # records only with --out
     total_samples = args.epochs * len(train_set)
     planned = len(sampler) // args.batch_size // args.grad_accum * args.epochs
     bar = tqdm(total=min(planned, args.max_steps or planned), initial=step, unit="step",
                disable=rank != 0 or args.no_progress, mininterval=5)  # fmt: skip
-    stop = False
+    stop, no_norm = False, torch.tensor(math.nan)
     while epoch < args.epochs and not stop:
         # 8. The loop. set_epoch: a new shuffle every epoch, the same on every rank.
         sampler.set_epoch(epoch, consumed)
-        loader.generator.manual_seed(rank_seed(args.seed, rank, epoch, 1))
+        loader.generator.manual_seed(rank_seed(args.seed, rank, epoch, 1))  # workers' seeds
         micro_batches = len(loader) // args.grad_accum * args.grad_accum
         model.train()
         done = 0
@@ -250,32 +241,34 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             if not last:
                 continue
             lr = lr_at((samples_seen + global_batch) / total_samples, peak_lr, args.warmup)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr, peak_lr)
+            norm = no_norm
+            if args.clip_grad:  # after all_reduce, so every rank clips the same gradients
+                scaler.unscale_(optimizer)  # fp16: clip the true gradients, not scaled ones
+                norm = nn.utils.clip_grad_norm_(ddp.parameters(), args.clip_grad)
             scaler.step(optimizer)  # fp16: skipped on every rank if any gradient is inf/nan
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step, samples_seen = step + 1, samples_seen + global_batch
             loss_sum[1] += 1
-            rec.step(step, loss.detach() * args.grad_accum)
+            checks.observe(step, loss)  # on the device: the first step whose loss is inf/nan
+            rec.step(step, loss.detach())  # (records only with --out)
             bar.update()
-            if step % args.log_every == 0:  # .item() waits for the GPU: only every N steps
-                say(f"step {step}: loss {loss.item() * args.grad_accum:.4f}, lr {lr:.4g}")
-            if args.save_every and step % args.save_every == 0:
+            if rec.steps == 1:  # compiled and warmed up: from now on a missing rank fails fast
+                distributed.set_collective_timeout(args.timeout)
+            log.step(step, loss.detach(), lr, norm)  # the log line: .item() every N steps only
+            verdict = checks.check(step)  # every 10 steps: one tiny all_reduce (signals, nan)
+            if args.eval_every and step % args.eval_every == 0:
+                evaluate()
+            if verdict.stop or verdict.save or args.save_every and step % args.save_every == 0:
                 save_snapshot()
             if stop := args.max_steps is not None and step >= args.max_steps:
                 break
         # 9. Metrics over every rank's batches (all_reduce: every rank has them), then
         #    one model: BatchNorm statistics differ per rank until they are averaged.
-        mean = loss_sum.clone()
-        dist.all_reduce(mean)
-        moved = distributed.average_buffers(ddp)
-        rec.epoch_end(epoch, step, ddp.module, list(sampler)[: done * args.batch_size], moved)
-        accuracy = distributed_evaluate(ddp, val_set, device=device).accuracy  # each sample once
-        train_loss = (mean[0] / mean[1].clamp(min=1)).item()
-        history.append({"epoch": epoch, "step": step, "train_loss": train_loss,
-                        "val_accuracy": accuracy})  # fmt: skip
-        say(f"epoch {epoch}: loss {train_loss:.4f}, val accuracy {accuracy:.1%}")
+        rec.epoch_done(epoch, sampler, done * args.batch_size)  # --record-indices only
+        if not history or history[-1]["step"] != step:  # not just evaluated (--eval-every)
+            evaluate()
         if done == micro_batches:  # the epoch is complete (also when --max-steps ends on it)
             epoch, consumed = epoch + 1, 0
             loss_sum.zero_()
@@ -283,11 +276,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     bar.close()
 
     # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
-    if args.checkpoint_dir and rank == 0:
-        checkpoint.atomic_save(ddp.module.state_dict(), Path(args.checkpoint_dir) / "final.pt")
+    if args.checkpoint_dir:
+        save(ddp.module.state_dict(), "final.pt")
     metrics = rec.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
     say(f"done: {step} steps, train loss {metrics['train_loss']:.4f}, val accuracy "
         f"{metrics['val_accuracy']:.1%}, {metrics['samples_per_sec']:.0f} samples/s")  # fmt: skip
+    log.close()
 
 
 if __name__ == "__main__":

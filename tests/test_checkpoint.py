@@ -377,6 +377,35 @@ def test_snapshots_latest_prune_and_stale_temp_files(tmp_path):
         snapshot_path(tmp_path, -1)
 
 
+def test_a_resume_first_clears_what_killed_saves_left(tmp_path):
+    """At start-up no save can be running: rank 0 deletes stale temp files (issue 22, 2)."""
+    from ddp_tutorial.snapshots import resume_point
+
+    atomic_save({"step": 7}, snapshot_path(tmp_path, 7))
+    stale = temp_path_for(snapshot_path(tmp_path, 9))
+    stale.write_bytes(b"half a file")
+    assert resume_point(tmp_path) == snapshot_path(tmp_path, 7)
+    assert not stale.exists() and stale_temp_files(tmp_path) == []
+    assert resume_point(None) is None
+
+
+def test_a_resume_names_the_flags_that_move_its_schedule():
+    from ddp_tutorial.snapshots import schedule_changes
+
+    saved = {"epochs": 3, "batch_size": 32, "lr": 0.003, "seed": 0, "log_every": 50}
+    now = {**saved, "epochs": 5, "seed": 1, "log_every": 10}
+    assert schedule_changes(saved, now) == ["--epochs 3 -> 5"], "seed, logging: no schedule"
+    assert schedule_changes(saved, saved) == []
+
+
+def test_a_failed_save_outcome_raises_with_rank_0s_error():
+    from ddp_tutorial.checkpoint import share_outcome
+
+    share_outcome(None, "x.pt")  # success: nothing happens
+    with pytest.raises(CheckpointError, match=r"rank 0 failed to save x.pt: OSError: \[Errno 27\]"):
+        share_outcome(OSError(27, "File too large"), "x.pt")
+
+
 # --------------------------------------------------------------------------- SIGKILL mid-save
 
 

@@ -1,19 +1,58 @@
-"""Lesson 10's SLURM job script: parsed by bash, rendered under a fake SLURM environment.
+"""Multi-node: a restart of a two-"node" job, and lesson 10's SLURM job script.
 
 The launches of lesson 10 (the template across two torchrun "nodes", who
 writes checkpoints on a shared disk, an elastic job and a missing node) are
 asserted by notebooks/10_multinode.ipynb itself; the launcher's multi-node
-failure handling by tests/test_wrapping.py.
+failure handling by tests/test_wrapping.py. Here: a rank killed on one node of
+a two-node job with ``--max-restarts 1`` (issue 22, point 1), and the job script
+parsed by bash and rendered under a fake SLURM environment.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 
 from conftest import SCRIPTS
 from ddp_tutorial.lessons.cluster import render_sbatch
+
+# resnet18: rank 0 is still computing its next step (no collective yet) when its peer
+# dies, so its torchrun restarts it for the other node, without counting a retry
+RESTART_ARGS = ["--model", "resnet18", "--image-size", "8", "--num-samples", "64",
+                "--num-val", "16", "--batch-size", "8", "--epochs", "1", "--save-every", "2",
+                "--fail-at-step", "3", "--fail-rank", "1", "--no-progress"]  # fmt: skip
+
+
+@pytest.mark.torchrun
+def test_a_rank_killed_on_one_node_restarts_the_job_on_both_nodes(tmp_path):
+    """Each node's torchrun counts its own restarts: after one failure they can disagree.
+
+    A node restarted only because another node failed does not count it ("membership
+    changes do not count as retries", torch's elastic agent), so a store prefix made of
+    TORCHELASTIC_RESTART_COUNT put the nodes' ranks under different keys and init waited
+    out its timeout (pytorch#135712). ddp_tutorial.stores.job_store agrees on one.
+    """
+    from ddp_tutorial.harness.multinode import multinode
+
+    nodes = multinode(SCRIPTS / "train.py", *RESTART_ARGS, "--checkpoint-dir", tmp_path / "ckpt",
+                      nnodes=2, nproc_per_node=1, run_dir=tmp_path, echo=False, check=False,
+                      timeout=120, torchrun_args=["--max-restarts", "1"],
+                      env={"GLOO_SOCKET_IFNAME": "lo", "DDP_TUTORIAL_BACKEND": "gloo",
+                           "DDP_TUTORIAL_INIT_TIMEOUT": "60"})  # fmt: skip
+    for node in nodes:
+        assert node.ok, node.output[-3000:]
+    found = [(i, json.loads(p.read_text())) for i, node in enumerate(nodes)
+             for p in node.run_dir.glob("attempt*-rank*.json")]  # fmt: skip
+    records = {(i, r["attempt"]): r for i, r in found}
+    assert sorted(records) == [(0, 0), (0, 1), (1, 0), (1, 1)], "two attempts on each node"
+    killed = next(i for (i, a), r in records.items() if a == 0 and r["rank"] == 1)
+    assert "[fault injection] rank 1 dies after step 3" in nodes[killed].output
+    resumed = [r["resumed_from"] for (_, a), r in records.items() if a == 1]
+    assert resumed[0] == resumed[1] and resumed[0]["step"] == 2, "one snapshot, on both nodes"
+    assert sum("done: 4 steps" in node.output for node in nodes) == 1, "rank 0 finished"
+
 
 SBATCH = SCRIPTS / "slurm" / "train.sbatch"
 
@@ -23,12 +62,57 @@ def test_sbatch_parses():
     assert done.returncode == 0, done.stderr
 
 
+def test_sbatch_saves_and_requeues_before_the_time_limit():
+    """Point 4: USR1 120 s before the limit, requeue allowed, a trap that passes it on."""
+    text = SBATCH.read_text()
+    assert "#SBATCH --signal=B:USR1@120" in text and "#SBATCH --requeue" in text
+    assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+
+
+FAKE_SRUN = """#!/bin/bash
+# fake srun: a "training" that saves and exits 75 on USR1, as torchrun's ranks do
+trap 'echo "$(date +%s.%N) USR1" >> "$LOG"; exit 75' USR1
+echo "started $*" >> "$LOG"
+while true; do sleep 0.05; done
+"""
+
+
+def test_sbatch_passes_usr1_on_and_requeues_after_the_save(tmp_path):
+    """The job script's trap, run by bash with a fake srun and scontrol (no cluster)."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "log"
+    (tmp_path / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {log}\n'
+                                       f'[ "$1" = show ] && echo n1 || true\n')  # fmt: skip
+    for name in ("srun", "scontrol"):
+        (tmp_path / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "LOG": str(log),
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1"}  # fmt: skip
+    job = subprocess.Popen(["bash", str(SBATCH), "--epochs", "3"], env=env, cwd=tmp_path,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while "started" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the fake srun never started"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends
+        _, err = job.communicate(timeout=20)
+    finally:
+        job.kill()
+    lines = log.read_text().splitlines()
+    assert job.returncode == 0 and "saving a snapshot, then requeueing job 77" in err
+    assert lines[-2].endswith("USR1") and lines[-1] == "scontrol requeue 77", lines
+
+
 def test_sbatch_renders_the_torchrun_command():
     words = render_sbatch(SBATCH, ["--epochs", "3"], nodes=["n1", "n2", "n3"],
                           slurm_env={"SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_ID": "77"})  # fmt: skip
     assert words[:3] == ["OMP_NUM_THREADS=16", "srun", "--kill-on-bad-exit=1"]  # 64 CPUs / 4
     i = words.index("torchrun")
-    flags = dict(zip(words[i + 1 : i + 15 : 2], words[i + 2 : i + 15 : 2], strict=True))
+    flags = dict(zip(words[i + 1 : i + 19 : 2], words[i + 2 : i + 19 : 2], strict=True))
     assert flags == {
         "--nnodes": "3",
         "--nproc-per-node": "4",
@@ -36,6 +120,8 @@ def test_sbatch_renders_the_torchrun_command():
         "--rdzv-endpoint": "n1:29500",  # the allocation's first host
         "--rdzv-id": "77",
         "--max-restarts": "2",
+        "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # USR1 reaches the ranks
+        "--shutdown-timeout": "100",  # time for their snapshot, inside --signal's 120 s
         "scripts/train.py": "--checkpoint-dir",
     }
     assert words[-3:] == ["checkpoints/77", "--epochs", "3"]

@@ -52,11 +52,26 @@ def test_a_resume_on_the_same_world_continues_each_shard():
     assert list(resumed) == list(full)[8:]
 
 
-def test_consumed_beyond_the_dataset_is_refused():
-    with pytest.raises(ValueError, match="consumed must be in"):
-        ResumableSampler(range(10), 2, 0).set_epoch(0, consumed=11)
+def test_bad_positions_are_refused():
+    with pytest.raises(ValueError, match="consumed must be >= 0"):
+        ResumableSampler(range(10), 2, 0).set_epoch(0, consumed=-1)
     with pytest.raises(ValueError, match="rank 2 is not in"):
         ResumableSampler(range(10), 2, 2)
+
+
+@pytest.mark.parametrize("after", [1, 2, 3])
+def test_a_snapshot_of_a_padded_last_step_leaves_nothing_of_the_epoch(after):
+    """9 samples, 2 ranks, batch 5: one step deals out 10 (index 0 twice), consumed=10.
+
+    A resume from a snapshot of that step (a crash while evaluating) failed on every
+    restart with "consumed must be in [0, 9], got 10"; the epoch is simply done.
+    """
+    handed = [i for r in range(2) for i in ResumableSampler(range(9), 2, r, seed=4)]
+    assert len(handed) == 10 and set(handed) == set(range(9)), "one step, padded"
+    for rank in range(after):
+        sampler = ResumableSampler(range(9), after, rank, seed=4)
+        sampler.set_epoch(0, consumed=10)
+        assert len(sampler) == 0 and list(sampler) == []
 
 
 def test_rank_seeds_are_distinct_and_stable():

@@ -8,23 +8,30 @@ sample of the interrupted epoch exactly once.
 
 Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
-real 2-rank launch shows it on every rank).
+real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
+that fails, a loss that diverges, a SIGTERM mid-epoch — is proven on real launches,
+all started side by side in one module fixture (issue 22).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import shutil
+import signal
 import time
 
 import pytest
 import torch
 
 from conftest import SCRIPTS, load_script
+from ddp_tutorial.distributed import free_port
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
 from ddp_tutorial.real_data import write_example_folder
 from ddp_tutorial.recorder import state_digest
+from ddp_tutorial.seeding import rank_seed
 
 SMALL = [
     "--num-samples",
@@ -52,6 +59,8 @@ def run_main(template, monkeypatch, capsys, *argv):
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(SystemExit) as stopped:
         template.main([str(a) for a in argv])
     assert not torch.distributed.is_initialized(), "stopped before init_process_group"
@@ -175,14 +184,68 @@ def test_speed_flags_parse_and_pick_their_tools(template):
 
 # -- real launches: every template run of this file at once, side by side ------------------
 # Most of a launch is start-up (import torch, join the group): together they cost
-# little more than the slowest. Each test below reads its own run.
+# little more than the slowest. Each test below reads its own run. Phase 1 starts
+# them all (one under a file-size limit, one is sent SIGTERM mid-epoch); phase 2
+# runs what needs phase 1's checkpoints: the preempted run's rerun, and a rerun of
+# the same snapshot with a learning rate that diverges.
 
 MLP_RUN = ["--model", "mlp", "--image-size", "8", "--num-val", "64", "--no-progress"]
+# 256 steps in one epoch (4096 / (8 x 2)), deterministic: long enough to be interrupted
+PREEMPT = [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
+           "--log-every", "10", "--deterministic"]  # fmt: skip
+SIGTERM_AFTER = "step 10:"  # the log line after which the test sends SIGTERM to torchrun
+FILE_SIZE_LIMIT = 100_000  # bytes: a snapshot of the MLP (~230 KB) cannot be written, logs can
+
+BUFFERS = """
+import sys, torch
+from torch import nn
+from ddp_tutorial.distributed import average_buffers, process_group
+from ddp_tutorial.records import write_rank_record
+
+class Rotary(nn.Module):  # a constant buffer, one meant to differ per rank, a BatchNorm
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))
+        self.register_buffer("mine", torch.zeros(2))
+        self.norm = nn.BatchNorm1d(4)
+
+with process_group(backend="gloo") as info:
+    model = Rotary()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["mine"])
+    constant = model.inv_freq.clone()
+    model.mine.fill_(info.rank)
+    model.norm.running_mean.fill_(info.rank)
+    model.norm.num_batches_tracked.fill_(10 + info.rank)
+    moved = average_buffers(model)
+    write_rank_record(sys.argv[-1], {
+        "constant_kept": torch.equal(model.inv_freq, constant), "mine": model.mine.tolist(),
+        "running_mean": model.norm.running_mean.tolist(),
+        "count": int(model.norm.num_batches_tracked), "moved": moved})
+"""
+
+
+def file_size_limited(spec, limit):
+    """Start ``spec`` with RLIMIT_FSIZE = ``limit`` bytes (inherited by torchrun and its ranks).
+
+    A real failed write: as root, permissions do not stop one; a file-size limit does
+    (the write fails with EFBIG, "File too large").
+    """
+    from ddp_tutorial.harness.launch import Launch
+
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        return Launch(spec)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from ddp_tutorial.harness.launch import LaunchSpec, run_together
+    from dataclasses import replace
+
+    from ddp_tutorial.harness.launch import Launch, LaunchSpec, run_together
+    from ddp_tutorial.snapshots import list_snapshots
 
     tmp = tmp_path_factory.mktemp("template")
     images = write_example_folder(tmp / "images", train=16, val=4, size=20)
@@ -191,21 +254,68 @@ def runs(tmp_path_factory):
         "impossible": ["--num-samples", "10", "--batch-size", "32"],
         "folder": ["--data-dir", images, "--image-size", "16", "--batch-size", "4",
                    "--epochs", "3", "--no-progress"],
-        "big batch": [*accum, "--batch-size", "16"],
-        "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2"],
+        "big batch": [*accum, "--batch-size", "16", "--optimizer", "sgd"],
+        "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2", "--optimizer", "sgd"],
         "speed flags": [*MLP_RUN, "--num-samples", "192", "--batch-size", "16", "--epochs", "2",
                         "--amp", "fp16", "--comm-hook", "fp16", "--compile", "aot_eager",
                         "--grad-accum", "2"],
+        "failed save": [*MLP_RUN, "--num-samples", "512", "--batch-size", "16",
+                        "--save-every", "2"],
+        "uninterrupted": PREEMPT,
+        "preempted": PREEMPT,
     }  # fmt: skip
     specs = {
         name: LaunchSpec(SCRIPTS / "train.py", [*args, "--checkpoint-dir", tmp / name / "ckpt"],
                          nproc=2, run_dir=tmp / name, echo=False, timeout=300, env=CPU)
         for name, args in argv.items()
     }  # fmt: skip
-    results = run_together(specs)
+    (tmp / "buffers.py").write_text(BUFFERS)
+    specs["buffers"] = LaunchSpec(tmp / "buffers.py", nproc=3, run_dir=tmp / "buffers",
+                                  echo=False, timeout=300)  # fmt: skip
+    launches, ended, sigterm_at = {}, {}, None
+    try:
+        for name, spec in specs.items():
+            if name == "failed save":
+                launches[name] = file_size_limited(replace(spec, check=False), FILE_SIZE_LIMIT)
+            else:
+                launches[name] = Launch(replace(spec, check=False))
+        preempted = launches["preempted"]
+        while not all(la.done for la in launches.values()):
+            for name, launch in launches.items():
+                launch.poll(block_s=0.05)
+                if launch.done and name not in ended:
+                    ended[name] = time.time()
+            if sigterm_at is None and any(SIGTERM_AFTER in line for line in preempted.lines):
+                os.kill(preempted.proc.pid, signal.SIGTERM)  # torchrun forwards it to the ranks
+                sigterm_at = time.time()
+    except BaseException:
+        for launch in launches.values():
+            launch.kill()
+        raise
+    results = {name: launch.wait() for name, launch in launches.items()}
     for name, result in results.items():
-        assert name == "impossible" or result.ok, f"{name}:\n{result.output[-3000:]}"
+        if name not in ("impossible", "failed save", "preempted"):
+            assert result.ok, f"{name}:\n{result.output[-3000:]}"
+    results["ended"], results["sigterm_at"] = ended, sigterm_at
+    results["preempted snapshots"] = [s for s, _ in list_snapshots(tmp / "preempted" / "ckpt")]
+    # Phase 2: the rerun of the preempted job; and the same snapshot resumed with an LR of 1e12.
+    shutil.copytree(tmp / "preempted" / "ckpt", tmp / "diverged" / "ckpt")
+    phase2 = {
+        "resumed": replace(specs["preempted"], run_dir=tmp / "resumed"),
+        "diverged": replace(specs["preempted"], run_dir=tmp / "diverged", args=[
+            *PREEMPT, "--lr", "1e12", "--warmup", "0", "--save-every", "2",
+            "--checkpoint-dir", tmp / "diverged" / "ckpt"]),
+    }  # fmt: skip
+    started = time.time()
+    results.update(run_together(phase2))
+    results["ended"].update({name: started + results[name].seconds for name in phase2})
+    assert results["resumed"].ok, results["resumed"].output[-3000:]
     return results
+
+
+def attempt_started(run) -> float:
+    """When the ranks began training: their attempt records are written right before."""
+    return min(p.stat().st_mtime for p in run.run_dir.glob("attempt*-rank*.json"))
 
 
 @pytest.mark.torchrun
@@ -254,18 +364,95 @@ def test_speed_flags_train_and_resume_state(runs):
     build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under pytest
-def test_pretrain_with_module_prefix(template, tmp_path, monkeypatch):
-    """The template's own main(), as a real world of one in this process (no launch)."""
-    from ddp_tutorial.distributed import free_port
+@pytest.mark.torchrun
+def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
+    """Point 2: rank 0's write really fails (a file-size limit); nobody waits in a barrier."""
+    run = runs["failed save"]
+    seconds = runs["ended"]["failed save"] - attempt_started(run)
+    assert run.returncode != 0 and seconds < 30, seconds
+    assert {f.rank for f in run.failures} == {0, 1}, "both ranks stopped"
+    for rank in (0, 1):
+        err = run.rank_log(rank, "stderr")
+        assert "rank 0 failed to save" in err and "File too large" in err, (rank, err[-2000:])
+    assert not list((run.run_dir / "ckpt").glob("snapshot-*.pt")), "no partial snapshot left"
 
-    torch.manual_seed(3)
-    model = build_model("cnn", 10, 16)
-    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "pre.pt")
+
+@pytest.mark.torchrun
+def test_sigterm_mid_epoch_saves_that_step_and_the_rerun_ends_bitwise_equal(runs):
+    """Point 4: preemption. torchrun forwards SIGTERM; the ranks agree, save, exit 75."""
+    from ddp_tutorial.stopping import PREEMPTED_EXIT
+
+    assert runs["sigterm_at"] is not None, "the preempted run ended before the signal"
+    stopped, rerun = runs["preempted"], runs["resumed"]
+    assert stopped.returncode != 0 and "got signal: 15" in stopped.output  # torchrun's own
+    assert runs["ended"]["preempted"] - runs["sigterm_at"] < 30, "within torchrun's grace"
+    [step] = runs["preempted snapshots"]  # the only snapshot: the one SIGTERM asked for
+    assert 10 <= step < 256, f"a snapshot of the step it stopped at, mid-epoch: {step}"
+    assert f"SIGTERM: saved step {step}, exit {PREEMPTED_EXIT}" in stopped.output
+    assert f"resumed from snapshot-{step:09d}.pt" in rerun.output
+    # the rerun wrote its final.pt into the preempted run's --checkpoint-dir
+    a, b = (torch.load(r.run_dir / "ckpt" / "final.pt", weights_only=True)
+            for r in (runs["uninterrupted"], stopped))  # fmt: skip
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "bitwise"
+
+
+@pytest.mark.torchrun
+def test_divergence_stops_every_rank_before_saving_and_keeps_the_good_snapshot(runs):
+    """Point 5: --lr 1e12 from the preempted run's snapshot: inf/nan, every rank stops."""
+    from ddp_tutorial.snapshots import list_snapshots
+
+    run = runs["diverged"]
+    seconds = runs["ended"]["diverged"] - attempt_started(run)
+    assert run.returncode != 0 and seconds < 30, seconds
+    [good] = runs["preempted snapshots"]
+    assert "WARNING: resumed with --lr 0.003 -> 1000000000000.0, --warmup 0.05 -> 0.0" in run.output
+    for rank in (0, 1):
+        err = run.rank_log(rank, "stderr")
+        assert "DivergedError: the loss or the weights stopped being finite at step" in err, err
+    kept = list_snapshots(run.run_dir / "ckpt")
+    assert kept[0][0] == good, "the good snapshot survives (keep=2 pruning never reached it)"
+    for _, path in kept:
+        state = torch.load(path, weights_only=True)["model"]
+        assert all(v.isfinite().all() for v in state.values()), f"{path.name} is finite"
+
+
+@pytest.mark.torchrun
+def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
+    """Point 7: a constant buffer stays bit-exact, an ignored one per rank, a counter rank 0's."""
+    records = runs["buffers"].records
+    assert [r["rank"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["constant_kept"], "an average of 3 equal float32 copies is not always the copy"
+        assert r["mine"] == [float(r["rank"])] * 2, "_ddp_params_and_buffers_to_ignore: left alone"
+        assert r["running_mean"] == [1.0] * 4 and r["count"] == 10, r
+    assert [r["moved"] for r in records] == [1.0, 1.0, 2.0], "the largest change on each rank"
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torchrun's environment for one rank: the template's main() runs in this process.
+
+    Its stop checks install SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards.
+    """
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **CPU}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+TINY = ["--model", "mlp", "--image-size", "8", "--num-val", "8", "--no-progress"]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under pytest
+def test_pretrain_with_module_prefix(template, tmp_path, one_rank):
+    """The template's own main(), as a real world of one in this process (no launch)."""
+    torch.manual_seed(3)
+    model = build_model("cnn", 10, 16)
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "pre.pt")
     pretrain = ["--pretrain", str(tmp_path / "pre.pt"), "--checkpoint-dir", str(tmp_path)]
     template.main([*SMALL, "--epochs", "1", "--max-steps", "1", "--lr", "0", *pretrain])
     assert not torch.distributed.is_initialized(), "main() left the group"
@@ -273,6 +460,194 @@ def test_pretrain_with_module_prefix(template, tmp_path, monkeypatch):
     # lr 0: the parameters are still the pretrained ones (BatchNorm's running
     # statistics, buffers, do move with the forward pass)
     assert all(torch.equal(final[k], v) for k, v in model.named_parameters())
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatch, one_rank):
+    """Point 3: 9 samples on 2 ranks, batch 5: the epoch's one step deals out 10 (padding).
+
+    A snapshot of that step (--save-every 1) holds consumed=10; a crash during the
+    evaluation that follows made every resume fail with "consumed must be in [0, 9]".
+    """
+    from ddp_tutorial.snapshots import latest_snapshot
+
+    nine = [*TINY, "--num-samples", "9", "--batch-size", "5", "--epochs", "2",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*nine, "--max-steps", "1"])
+    path = latest_snapshot(tmp_path)
+    state = torch.load(path, weights_only=True)
+    # what the 2-rank job saved at its step 1, before evaluating epoch 0
+    state.update(epoch=0, world_size=2, rng=state["rng"] * 2)
+    state["extra"].update(consumed=10, history=[], loss_totals=[2.3, 1.0])
+    torch.save(state, path)
+    (tmp_path / "final.pt").unlink()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    template.main(nine)  # resumes: nothing left of epoch 0, evaluates it, trains epoch 1
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert build_model("mlp", 10, 8).load_state_dict(final)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, one_rank):
+    """Points 11, 12, 13, 14, 17: cudnn.benchmark, the log line, --eval-every and best.pt,
+    the schedule warning on resume, the short collective timeout after the first step."""
+    from ddp_tutorial import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "set_collective_timeout", lambda s: calls.append(s))
+    before = torch.backends.cudnn.benchmark
+    argv = [*TINY, "--num-samples", "256", "--batch-size", "16", "--epochs", "1",
+            "--max-steps", "8", "--log-every", "4", "--eval-every", "4",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    try:
+        template.main([*argv, "--timeout", "30"])
+        assert torch.backends.cudnn.benchmark, "no --deterministic: cuDNN may time its kernels"
+    finally:
+        torch.backends.cudnn.benchmark = before
+    out = capsys.readouterr().out
+    assert calls == [30.0], "the short timeout once, after the first step (not at init)"
+    line = next(ln for ln in out.splitlines() if ln.startswith("step 4: "))
+    assert all(word in line for word in ("loss", "lr", "grad norm", "samples/s")), line
+    steps = [h["step"] for h in read_history(tmp_path)]
+    assert steps == [4, 8], "--eval-every 4 evaluates at steps 4 and 8 (the epoch stops at 8)"
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best.keys() == torch.load(tmp_path / "final.pt", weights_only=True).keys()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    template.main([*argv, "--epochs", "2", "--lr", "0.01"])
+    assert "WARNING: resumed with --epochs 1 -> 2, --lr 0.003 -> 0.01" in capsys.readouterr().out
+
+
+def read_history(checkpoint_dir):
+    from ddp_tutorial.snapshots import latest_snapshot
+
+    return torch.load(latest_snapshot(checkpoint_dir), weights_only=True)["extra"]["history"]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_tensorboard_scalars_from_rank_0(template, tmp_path, one_rank):
+    pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
+    template.main([*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1",
+                   "--log-every", "2", "--tensorboard", str(tmp_path / "tb")])  # fmt: skip
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "an event file"
+
+
+def test_tensorboard_without_the_package_is_refused_before_training(monkeypatch):
+    import importlib.util
+
+    from ddp_tutorial.loop import parse_template_args
+    from ddp_tutorial.preflight import check_run
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    args = parse_template_args(["--tensorboard", "tb"])
+    assert "pip install tensorboard" in check_run(args, 2, 8192)
+
+
+def test_download_is_refused_on_several_ranks():
+    """Point 6: every rank would download into the same files before init."""
+    from ddp_tutorial.loop import parse_template_args
+    from ddp_tutorial.preflight import check_run
+
+    args = parse_template_args(["--data", "cifar10", "--data-dir", "d", "--download"])
+    problem = check_run(args, 2, 50000)
+    assert "--download with 2 ranks" in problem and "--nproc-per-node 1" in problem
+    assert check_run(args, 1, 50000) is None, "one process may download"
+
+
+def test_each_group_keeps_its_multiple_of_the_schedule(template):
+    """Point 9: per-group LRs were overwritten with one value each step."""
+    head, body = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    peak = 0.1
+    opt = torch.optim.SGD([{"params": body.parameters()},
+                           {"params": head.parameters(), "lr": 10 * peak}], lr=peak)  # fmt: skip
+    for lr in (0.05, 0.02):
+        template.set_lr(opt, lr, peak)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([lr, 10 * lr])
+    restored = torch.optim.SGD([{"params": body.parameters()}, {"params": head.parameters()}])
+    restored.load_state_dict(opt.state_dict())  # a resume, here on twice the ranks: peak x 2
+    template.set_lr(restored, 0.04, 2 * peak)
+    assert [g["lr"] for g in restored.param_groups] == pytest.approx([0.04, 0.4])
+
+
+def test_adamw_without_decay_on_biases_and_norms_and_sgd_selectable(template):
+    """Point 10 (and 16: fused, so GradScaler.step needs no host sync)."""
+    from ddp_tutorial.loop import build_optimizer
+
+    model = build_model("cnn", 10, 16)
+    opt = build_optimizer("adamw", model, 1e-3, 0.05)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.999)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(no_decay["params"]) == 2 * 2 + 1, "2 BatchNorms (weight, bias), the head's bias"
+    assert opt._step_supports_amp_scaling, "fused: the scaler skips inf/nan on the device"
+    assert isinstance(build_optimizer("sgd", model, 0.1, 0), torch.optim.SGD)
+    args = template.parse_args([])
+    assert (args.optimizer, args.clip_grad, args.lr) == ("adamw", 1.0, 3e-3)
+    assert template.parse_args(["--optimizer", "sgd"]).lr == 0.2
+
+
+def test_help_says_what_a_resume_loses_with_powersgd(template, capsys):
+    """Point 15: PowerSGD's error feedback is not in the snapshot; --help says so."""
+    with pytest.raises(SystemExit):
+        template.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "powersgd: a resume restarts its error feedback" in help_text
+
+
+def test_workers_take_each_epochs_seed_so_an_epoch_boundary_resume_is_exact(template):
+    """Point 8: persistent workers draw their seeds once; the per-epoch reseed was a no-op."""
+    from ddp_tutorial.data import SyntheticImages
+
+    class Noisy(SyntheticImages):  # augmentation drawn in the worker, like a random crop
+        def __getitem__(self, index):
+            x, y = super().__getitem__(index)
+            return x + torch.rand(()), y
+
+    data = Noisy(64, 8, 4)
+    args = template.parse_args(["--batch-size", "4", "--num-workers", "2"])
+
+    def epoch_batches(sampler, loader, epoch):
+        sampler.set_epoch(epoch)
+        loader.generator.manual_seed(rank_seed(args.seed, 0, epoch, 1))  # as the template's loop
+        return [x for x, _ in loader]
+
+    sampler, loader = template.data_loader(args, data, 0, 2, cuda=False)
+    epoch_batches(sampler, loader, 0)
+    straight = epoch_batches(sampler, loader, 1)
+    sampler, loader = template.data_loader(args, data, 0, 2, cuda=False)  # a resume at epoch 1
+    resumed = epoch_batches(sampler, loader, 1)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_the_evaluation_loader_takes_workers_and_pinned_memory():
+    """Point 11: exact evaluation with DataLoader workers (and pin_memory on GPUs)."""
+    from ddp_tutorial.data import GaussianBlobs, distributed_evaluate
+
+    torch.manual_seed(0)
+    model, data = torch.nn.Linear(16, 4), GaussianBlobs(50)
+    plain = distributed_evaluate(model, data, batch_size=8)
+    workers = distributed_evaluate(model, data, batch_size=8, num_workers=1, pin_memory=False)
+    assert (workers.correct, workers.count) == (plain.correct, plain.count) and plain.count == 50
+
+
+def test_without_out_the_recorder_keeps_nothing_per_step():
+    """Point 18: no per-step clock readings, no sample indices, unless asked."""
+    from types import SimpleNamespace
+
+    from ddp_tutorial.recorder import Recorder
+
+    flags = {"out": None, "record_steps": False, "record_indices": False, "fail_at_step": None,
+             "fail_rank": 1}  # fmt: skip
+    rec = Recorder(SimpleNamespace(**flags), 0, 1, torch.device("cpu"))
+    loss = torch.zeros(())
+    for step in range(1, 1001):
+        rec.step(step, loss)
+        if step % 250 == 0:
+            rec.evaluated(0, step, torch.nn.Linear(1, 1), 0.0)
+            rec.epoch_done(0, range(10**6), 10**6)
+    assert rec.intervals == [] and rec.indices == {} and rec.evaluations == []
+    # timed: steps 6-250 (after 5 warm-up steps), then 252-500, ... (each pause's next step not)
+    assert [n for *_, n in rec.spans] == [245, 249, 249, 249]
 
 
 @pytest.mark.gpu

@@ -6,8 +6,9 @@
 For each workload — the course's CNN (32 px, batch 32 per rank) and seed 001's
 (resnet18, 64 px, batch 32 per rank) — every round launches, in a rotating order,
 
-* the template ``scripts/train.py`` with ``--out`` and the utilization monitor on
-  (what the lessons run), without checkpoints;
+* the template ``scripts/train.py`` with ``--out`` (what the lessons run), without
+  checkpoints, with the loops' optimizer (``--optimizer sgd``: SGD, momentum 0.9) and
+  everything else at its defaults — gradient clipping, the stop checks, the log line;
 * ``scripts/compare/loops.py --framework bare``: the shortest correct DDP loop;
 * ``scripts/compare/loops.py --framework fabric`` when ``FABRIC_PKGS`` names a folder
   holding Lightning (never a dependency of the project: see loops.py).
@@ -15,7 +16,10 @@ For each workload — the course's CNN (32 px, batch 32 per rank) and seed 001's
 All three time the same way (warm-up steps excluded, the slowest rank's seconds).
 This VM's speed moves by tens of percent between minutes, so no absolute number
 is compared: each round gives the ratio template / other from launches seconds
-apart, and the report is the median ratio over rounds with its range.
+apart, and the report is the median ratio over rounds with its range, and the
+load average before each round (a shared machine: compare only quiet rounds).
+``--monitor`` samples utilization during every launch (not only the template's:
+the sampler takes CPU from the ranks on a small machine).
 """
 
 from __future__ import annotations
@@ -44,14 +48,14 @@ def _flags(work: dict[str, Any]) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in work.items()]
 
 
-def launch(kind: str, work: dict[str, Any], nproc: int, run_dir: Path) -> float:
+def launch(kind: str, work: dict[str, Any], nproc: int, run_dir: Path, monitor: bool) -> float:
     """One launch of ``kind``; its samples/s as it measured them."""
     env = {}
     if kind == "template":
-        script, monitor = SCRIPTS / "train.py", True
-        extra = ["--epochs=1", "--num-val=64", "--no-progress"]
+        script = SCRIPTS / "train.py"
+        extra = ["--epochs=1", "--num-val=64", "--no-progress", "--optimizer=sgd"]
     else:
-        script, extra, monitor = HERE / "loops.py", [f"--framework={kind}"], False
+        script, extra = HERE / "loops.py", [f"--framework={kind}"]
         if kind == "fabric":
             env["PYTHONPATH"] = os.environ["FABRIC_PKGS"]
     torchrun(script, *_flags(work), *extra, nproc=nproc, run_dir=run_dir, monitor=monitor,
@@ -59,16 +63,19 @@ def launch(kind: str, work: dict[str, Any], nproc: int, run_dir: Path) -> float:
     return json.loads((run_dir / "metrics.json").read_text())["samples_per_sec"]
 
 
-def compare(rounds: int, nproc: int, kinds: list[str], tmp: Path) -> dict[str, Any]:
+def compare(rounds: int, nproc: int, kinds: list[str], tmp: Path, monitor: bool) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, work in WORKLOADS.items():
         rates: dict[str, list[float]] = {k: [] for k in kinds}
+        loads = []
         for r in range(rounds):
             order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # rotate who goes first
+            loads.append(os.getloadavg()[0])
             for kind in order:
-                rate = launch(kind, work, nproc, tmp / f"{name}-{kind}-{r}")
+                rate = launch(kind, work, nproc, tmp / f"{name}-{kind}-{r}", monitor)
                 rates[kind].append(rate)
-                print(f"{name} round {r}: {kind} {rate:.0f} samples/s", flush=True)
+                print(f"{name} round {r} (load {loads[-1]:.1f}): {kind} {rate:.0f} samples/s",
+                      flush=True)  # fmt: skip
         ratios = {
             other: [t / o for t, o in zip(rates["template"], rates[other], strict=True)]
             for other in kinds
@@ -79,6 +86,7 @@ def compare(rounds: int, nproc: int, kinds: list[str], tmp: Path) -> dict[str, A
             "samples_per_sec": rates,
             "ratios": ratios,
             "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
+            "load_before_rounds": loads,
             "range": {k: [min(v), max(v)] for k, v in ratios.items()},
         }
     return results
@@ -90,12 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
     p.add_argument("--workloads", default="cnn,resnet18", help=f"of {sorted(WORKLOADS)}")
     p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument("--monitor", action="store_true", help="sample utilization in every launch")
     args = p.parse_args(argv)
     for name in set(WORKLOADS) - set(args.workloads.split(",")):
         del WORKLOADS[name]
     kinds = ["template", "bare"] + (["fabric"] if os.environ.get("FABRIC_PKGS") else [])
     with tempfile.TemporaryDirectory() as tmp:
-        results = compare(args.rounds, args.nproc, kinds, Path(tmp))
+        results = compare(args.rounds, args.nproc, kinds, Path(tmp), args.monitor)
     rows = [
         {"workload": name, "template vs": other, "median ratio": r["median_ratio"][other],
          "min": r["range"][other][0], "max": r["range"][other][1], "rounds": args.rounds}
