@@ -199,7 +199,7 @@ def test_the_template_has_every_numbered_section_in_order():
     by_number = {s.number: s for s in sections}
     assert "init_process_group" in by_number[3].code
     assert "destroy_process_group" in by_number[3].code, "main()'s finally: belongs to section 3"
-    assert "DDP(" in by_number[5].code and "def data_loader" in by_number[6].code
+    assert "DDP(" in by_number[5].code and "data_loader(" in by_number[6].code
 
 
 SOURCE = '''

@@ -691,7 +691,9 @@ def test_template_offers_deterministic_and_timeout(template, capsys):
 def test_make_deterministic_sets_every_switch(monkeypatch):
     from ddp_tutorial.numerics import make_deterministic
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # set, then removed: monkeypatch now removes what make_deterministic sets, at teardown
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     try:
         done = make_deterministic()

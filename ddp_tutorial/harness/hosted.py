@@ -19,7 +19,7 @@ RUNTIME_DEPENDENCIES = ("numpy", "matplotlib", "nvidia-ml-py", "psutil", "tqdm",
 
 SETUP_TAG = "setup"
 
-SETUP_CELL = '''# Setup, for hosted notebooks (Kaggle, Colab): where the course is installed
+SETUP_CELL = """# Setup, for hosted notebooks (Kaggle, Colab): where the course is installed
 # (make lab, make run) this does nothing. Opened from a clone of the repository elsewhere,
 # it installs the course beside the torch already there, for this kernel and its ranks.
 import importlib.metadata
@@ -46,7 +46,7 @@ if importlib.util.find_spec("ddp_tutorial") is None:
     subprocess.check_call([*pip, *runtime])
     subprocess.check_call([*pip, "--no-deps", "-e", str(repo)])
     sys.path.insert(0, str(repo))  # this kernel; new processes see the editable install
-    print(f"installed the course from {repo}, keeping {keep or 'no torch'}")'''
+    print(f"installed the course from {repo}, keeping {keep or 'no torch'}")"""
 
 
 def setup_cell_index(nb: Any) -> int | None:
