@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before init: see lesson 04 (torch <= 2.14)
+import torch.distributed.nn  # noqa: F401  imported before init: see lesson 09 (torch <= 2.14)
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -654,14 +654,21 @@ def test_without_out_the_recorder_keeps_nothing_per_step():
 def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
     from conftest import gpu_count
 
+    from ddp_tutorial.devices import visible_gpus
+    from ddp_tutorial.numerics import amp_for_capability
+
     n = gpu_count()
     run = tmp_path / "gpu"
+    # bf16 where the GPUs compute it (A100, H100), fp16 on a T4 or V100: the same rule as
+    # the doctor's advice; a bare --amp (bf16) is rightly refused below capability 8.0.
+    amp = amp_for_capability(min(g.capability or (0, 0) for g in visible_gpus()))
     result = torchrun(
         SCRIPTS / "train.py",
         *SMALL,
         "--epochs",
         "2",
         "--amp",
+        amp,
         "--sync-bn",
         "--checkpoint-dir",
         run / "ckpt",

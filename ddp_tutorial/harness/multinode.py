@@ -156,7 +156,7 @@ def multinode(
             env={**env, **(node_env[node] if node_env else {})}, standalone=False,
             torchrun_args=[*rdzv, *extra], prefix=f"[node {node}]", **options,
         )  # fmt: skip
-    results = run_together(specs, stop_on_failure=True)
+    results = run_together(specs, stop_on_failure=True, share_gpus=False)  # GPUs of its own
     if check:
         # A timed-out node first, then one that says why it failed, then any failed node.
         order = sorted(results, key=lambda n: (not results[n].timed_out, not results[n].failures))
