@@ -653,7 +653,6 @@ def test_without_out_the_recorder_keeps_nothing_per_step():
 @pytest.mark.gpu
 def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
     from conftest import gpu_count
-
     from ddp_tutorial.devices import visible_gpus
     from ddp_tutorial.numerics import amp_for_capability
 
