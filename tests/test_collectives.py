@@ -136,3 +136,90 @@ def test_collectives_figure_draws_every_number_of_every_rank(world):
     # before: 2 numbers per rank; after: 2, except all_gather (2 per rank, on every rank)
     assert boxes == [4 * world, 4 * world, 2 * world + 2 * world * world, 4 * world]
     assert all(sum(isinstance(p, FancyArrow) for p in ax.patches) == world for ax in fig.axes)
+
+
+# -- "From inside a notebook": notebook_launch ------------------------------------------------
+
+REFUSED = "Cannot re-initialize CUDA in forked subprocess"
+
+
+def test_stderr_to_catches_descriptor_2_and_puts_it_back(tmp_path):
+    """What a spawned child writes to its stderr lands in the file; afterwards fd 2 is as before."""
+    import os
+
+    from ddp_tutorial.lessons.notebook_launch import stderr_to
+
+    before = os.fstat(2)
+    with stderr_to(tmp_path / "children.stderr") as path:
+        os.write(2, b"written to descriptor 2\n")
+    assert path.read_text() == "written to descriptor 2\n"
+    with pytest.raises(RuntimeError), stderr_to(tmp_path / "again.stderr"):
+        raise RuntimeError("a failing spawn")
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino), "fd 2 restored"
+
+
+@pytest.mark.torchrun
+def test_the_module_worker_all_reduces_in_forked_ranks(tmp_path):
+    """The function lesson 01 defines in a cell, from its module, as two forked ranks.
+
+    (The notebook runs it with ``mp.spawn`` too. Not here: a spawn starts
+    multiprocessing's resource tracker, which lives as long as this process.)
+    """
+    import os
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from ddp_tutorial.distributed import free_port
+    from ddp_tutorial.lessons.notebook_launch import all_reduce_worker
+    from ddp_tutorial.records import read_rank_records
+
+    args = (2, free_port(), str(tmp_path))
+    mp.start_processes(all_reduce_worker, args=args, nprocs=2, start_method="fork")
+    records = read_rank_records(tmp_path)
+    assert [r["sum"] for r in records] == [3.0, 3.0]
+    assert all(r["parent"] == os.getpid() for r in records)
+    assert all(r["kernel"] == ("ipykernel" in sys.modules) for r in records), "copies of this one"
+
+
+@pytest.mark.torchrun
+def test_fork_after_cuda_tells_a_poisoned_fork_from_a_missing_gpu():
+    """No GPU here: every forked worker fails, but only a poisoned fork is *refused*.
+
+    With a CUDA build of torch (as here) ``is_available()`` asks the CUDA runtime
+    even without a GPU, and torch marks later forks, while ``is_initialized()``
+    stays False: the trap lesson 01's GPU branch shows. A CPU-only build asks nothing.
+    """
+    if gpu_count():
+        pytest.skip("GPUs here: test_fork_after_cuda_on_gpus checks the real thing")
+    import torch
+
+    from ddp_tutorial.lessons.notebook_launch import fork_after_cuda
+
+    cases = (("nothing", False), ("is_available", False))
+    nothing, available = fork_after_cuda(1, 120, demos=str(DEMOS), cases=cases)
+    assert (nothing["touch"], available["touch"]) == ("nothing", "is_available")
+    assert not nothing["initialized"] and not available["initialized"]
+    assert nothing["error"] and REFUSED not in nothing["error"], "no GPU, but not refused"
+    assert available["error"]
+    if torch.version.cuda:  # a CUDA build asked the CUDA runtime: the fork is poisoned
+        assert REFUSED in available["error"], available["error"]
+    else:
+        assert REFUSED not in available["error"]
+
+
+@pytest.mark.gpu
+def test_fork_after_cuda_on_gpus():
+    """Lesson 01's GPU branch: which ways of touching CUDA in the parent break a fork launcher."""
+    from ddp_tutorial.lessons.notebook_launch import CUDA_CASES, fork_after_cuda
+
+    reports = fork_after_cuda(gpu_count(), 180, demos=str(DEMOS))
+    case = {(c["touch"], c["nvml_check"]): c for c in reports}
+    assert list(case) == list(CUDA_CASES)
+    assert case["nothing", False]["error"] is None and not case["nothing", False]["initialized"]
+    assert case["tensor", False]["initialized"] and REFUSED in case["tensor", False]["error"]
+    assert not case["is_available", False]["initialized"]
+    assert REFUSED in case["is_available", False]["error"]
+    assert case["is_available", True]["error"] is None
+    assert case["device_count", False]["error"] is None

@@ -1,0 +1,68 @@
+"""A fork launcher after the parent touched CUDA: what a notebook kernel does to its GPU workers.
+
+Lesson 01 ("From inside a notebook", GPU branch) runs this in place of the
+kernel: a parent that imported torch, perhaps touched CUDA (``--touch``), then
+starts workers the way Accelerate's ``notebook_launcher`` and Lightning's
+``ddp_notebook`` do, by fork, each worker putting a tensor on its GPU:
+
+    python scripts/demos/fork_after_cuda.py --touch tensor --nprocs 2
+
+It prints one JSON line: whether torch says CUDA is initialised in the parent
+(``torch.cuda.is_initialized()``), and the error the workers raised (their
+traceback, which ``start_processes`` carries into the parent's exception), or
+``null``. A process that has initialised CUDA can never fork CUDA workers
+again, so each ``--touch`` needs a fresh parent: this script, not the kernel.
+Imports torch only (no package module), so nothing but ``--touch`` reaches CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+TOUCHES = {
+    "nothing": lambda: None,  # only `import torch`
+    "device_count": torch.cuda.device_count,  # asks NVML first
+    "is_available": torch.cuda.is_available,  # asks the CUDA runtime, unless NVML_CHECK=1
+    "tensor": lambda: torch.zeros(1, device="cuda"),  # initialises CUDA: a context on cuda:0
+}
+
+
+def use_the_gpu(index: int) -> None:
+    """One forked worker: a tensor on GPU ``index`` (initialises CUDA in the worker)."""
+    torch.ones(1, device=f"cuda:{index}").add_(1)
+    torch.cuda.synchronize(index)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--touch", choices=sorted(TOUCHES), default="nothing")
+    parser.add_argument("--nprocs", type=int, default=2, help="forked workers, one GPU each")
+    parser.add_argument(
+        "--nvml-check", action="store_true", help=f"set {NVML_CHECK}=1 (else it is unset)"
+    )
+    args = parser.parse_args()
+    if args.nvml_check:  # read by torch at every is_available() call
+        os.environ[NVML_CHECK] = "1"
+    else:
+        os.environ.pop(NVML_CHECK, None)
+    TOUCHES[args.touch]()
+    initialized = torch.cuda.is_initialized()  # the check notebook launchers make
+    try:
+        mp.start_processes(use_the_gpu, nprocs=args.nprocs, start_method="fork")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # its traceback
+        error = str(exc)
+    else:
+        error = None
+    report = {"touch": args.touch, "nvml_check": args.nvml_check, "initialized": initialized,
+              "workers": args.nprocs, "error": error}  # fmt: skip
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
