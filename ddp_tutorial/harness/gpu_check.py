@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 LESSONS = {"03_device_mapping": 7, "04_ddp_wrapping": 4, "05_checkpointing": 6,
            "06_training_and_utilization": 4, "08_fault_tolerance": 6, "09_debugging": 14,
            "10_multinode": 10, "11_speed_tools": 3, "12_beyond_ddp": 4}  # fmt: skip
-GPU_TEST_LAUNCHES = 16  # torchrun launches of `pytest -m gpu`, most with every GPU
+GPU_TEST_LAUNCHES = 21  # torchrun launches of `pytest -m gpu`, most with every GPU
 COLD_COMPILE_S = {"11_speed_tools": 90.0}  # inductor's first compile on a fresh machine
 
 
