@@ -3,17 +3,20 @@
     python scripts/benchmark.py --out runs/bench.json           # the full run
     python scripts/benchmark.py --quick --out runs/quick.json   # small enough for tests
 
-It measures, after warm-up steps that are not counted:
+Every throughput comes from ``perf.step_times`` (warm-up steps not timed; on
+GPUs synchronised before the clock is read) and, under DDP, from the slowest
+rank's time (``perf.slowest_rank``). It measures:
 
 * ``plain_1thread`` / ``plain_all_cores``: a plain single-process loop (on
   GPUs: one process on ``cuda:0``, for both);
 * ``ddp_world1``: the same loop under DDP with one rank — the wrapper's cost;
 * ``ddp_worldN``: N ranks (CPU: 2 × 1 thread; GPUs: one per GPU);
 * ``plain_concurrent``: N plain processes that never communicate (on GPUs one
-  GPU each): the machine's own ceiling for N ranks;
+  GPU each); ``hardware_ceiling`` = their throughput / (N × plain_1thread):
+  the most any N-rank job can reach on this machine, DDP or not;
 * an all_reduce sweep (1 KiB → 64 MiB on a CPU, → 1 GiB on GPUs) with the
   algorithm and bus bandwidth nccl-tests reports (busbw = algbw · 2(N−1)/N),
-  fitted with the ring model t ≈ α + 2(N−1)/N · S/B;
+  fitted with the ring model t ≈ 2(N−1)·α + 2(N−1)/N · S/B;
 * knobs on a larger model: ``bucket_cap_mb``, ``gradient_as_bucket_view``,
   ``static_graph``, ``find_unused_parameters``, ``no_sync`` accumulation,
   DataLoader ``num_workers`` per rank, threads per rank;
@@ -53,6 +56,9 @@ from ddp_tutorial.records import format_table, write_json
 from ddp_tutorial.settings import usable_cores
 
 HERE = Path(__file__).resolve()
+KNOB_GROUPS = ("buckets", "bucket_view", "static_graph", "find_unused", "no_sync", "workers",
+               "threads")  # fmt: skip
+"""The knobs measured on the larger model, in groups (``--knobs``); the baseline always runs."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="ranks for ddp_worldN")
     p.add_argument("--knob-hidden", type=int, default=None, help="width of the knobs' MLP")
     p.add_argument("--no-knobs", action="store_true")
+    p.add_argument(
+        "--knobs",
+        default=",".join(KNOB_GROUPS),
+        help=f"which knob groups to measure, comma-separated (default: all of {KNOB_GROUPS})",
+    )
     p.add_argument("--no-template", action="store_true")
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration (best kept)")
     # worker roles (internal)
@@ -76,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.knobs = [k for k in args.knobs.split(",") if k]
+    if unknown := set(args.knobs) - set(KNOB_GROUPS):
+        p.error(f"unknown knob groups {sorted(unknown)}; choose from {KNOB_GROUPS}")
     args.steps = args.steps or (8 if args.quick else 40)
     args.warmup = args.warmup or (2 if args.quick else 5)
     args.knob_hidden = args.knob_hidden or (256 if args.quick else 1024)
@@ -151,12 +165,11 @@ def ddp_throughput(
         ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
     batches = batches if batches is not None else make_batches(args, 8, dist.get_rank())
     times = perf.timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device)
-    total = torch.tensor([sum(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)  # the job moves at the slowest rank's pace
+    slowest = perf.slowest_rank(sum(times), device)  # the job moves at the slowest rank's pace
     world = dist.get_world_size()
     samples = args.batch_size * accumulate * world * len(times)
     summary = perf.summarize_steps(times, args.batch_size * accumulate * world)
-    summary["samples_per_sec"] = samples / total.item()
+    summary["samples_per_sec"] = samples / slowest
     if count:
         summary["allreduces_per_step"] = counter.calls / (args.steps + args.warmup)
     return summary
@@ -209,26 +222,32 @@ def knobs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
         r = ddp_throughput(args, device, "knob", batches=batches, count=True, **kw)
         rows.append({"knob": name, **r})
 
+    groups = set(args.knobs)
     run("baseline (bucket_cap_mb=25)")
-    run("bucket_cap_mb=1", bucket_cap_mb=1)
-    run("bucket_cap_mb=100", bucket_cap_mb=100)
-    run("gradient_as_bucket_view", gradient_as_bucket_view=True)
-    run("static_graph", static_graph=True)
-    run("find_unused_parameters (not needed)", find_unused_parameters=True)
-    run("no_sync: 4 micro-batches per step", accumulate=4)
-    # DataLoader workers per rank: generation cost is now inside the timed loop.
-    world = dist.get_world_size()
-    need = (args.steps + args.warmup + 2) * args.batch_size * world
-    data = SyntheticImages(need, args.image_size, 10)
-    sampler = DistributedSampler(data, shuffle=False)
-    for workers in (0, 1, 2):
+    if "buckets" in groups:
+        run("bucket_cap_mb=1", bucket_cap_mb=1)
+        run("bucket_cap_mb=100", bucket_cap_mb=100)
+    if "bucket_view" in groups:
+        run("gradient_as_bucket_view", gradient_as_bucket_view=True)
+    if "static_graph" in groups:
+        run("static_graph", static_graph=True)
+    if "find_unused" in groups:
+        run("find_unused_parameters (not needed)", find_unused_parameters=True)
+    if "no_sync" in groups:
+        run("no_sync: 4 micro-batches per step", accumulate=4)
+    if "workers" in groups:  # DataLoader workers per rank: generation is inside the timed loop
+        world = dist.get_world_size()
+        need = (args.steps + args.warmup + 2) * args.batch_size * world
+        data = SyntheticImages(need, args.image_size, 10)
+        sampler = DistributedSampler(data, shuffle=False)
+        for workers in (0, 1, 2):
 
-        def loader(w: int = workers) -> DataLoader:
-            return DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=w)
+            def loader(w: int = workers) -> DataLoader:
+                return DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=w)
 
-        r = ddp_throughput(args, device, "knob", batches=loader, count=True)
-        rows.append({"knob": f"num_workers={workers} per rank", **r})
-    if device.type == "cpu":
+            r = ddp_throughput(args, device, "knob", batches=loader, count=True)
+            rows.append({"knob": f"num_workers={workers} per rank", **r})
+    if "threads" in groups and device.type == "cpu":
         before = torch.get_num_threads()
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -318,8 +337,9 @@ def role_ddp(args: argparse.Namespace) -> None:
             "threads_per_rank": torch.get_num_threads(),
         }
         if args.extras:
-            # The same loop fed by a DataLoader, as the template is: its fair baseline.
-            result["with_loader"] = ddp_throughput(args, info.device, batches=template_loader(args))
+            if not args.no_template:  # the same loop fed by a DataLoader: the template's baseline
+                loader = template_loader(args)
+                result["with_loader"] = ddp_throughput(args, info.device, batches=loader)
             result["allreduce"] = allreduce_sweep(args, info.device)
             result["fixed_costs"] = fixed_costs(args, info.device)
             result["fixed_cost_pairs"] = fixed_cost_pairs(args, info.device)
@@ -337,7 +357,9 @@ def _common(args: argparse.Namespace) -> list[str]:
         "--model", args.model, "--image-size", str(args.image_size),
         "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--knob-hidden", str(args.knob_hidden),
-    ] + (["--quick"] if args.quick else []) + (["--no-knobs"] if args.no_knobs else [])  # fmt: skip
+        "--knobs", ",".join(args.knobs),
+    ] + (["--quick"] if args.quick else []) + (["--no-knobs"] if args.no_knobs else []) + (
+        ["--no-template"] if args.no_template else [])  # fmt: skip
 
 
 def run_plain(args: argparse.Namespace, threads: int, tmp: Path, gpus: int) -> dict[str, Any]:
@@ -449,6 +471,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             if k not in {"allreduce", "knobs", "with_loader", "fixed_costs", "fixed_cost_pairs"}
         },
         "world_size": n,
+        "model_params": sum(p.numel() for p in new_model(args).parameters()),
         "plain_concurrent": ceiling,
         # What N communication-free processes achieve: the most any N-rank job can expect here.
         "hardware_ceiling": ceiling["samples_per_sec"] / (n * plain_1["samples_per_sec"]),
@@ -540,7 +563,8 @@ def report(result: dict[str, Any]) -> str:
     if "ring_fit" in result:
         fit = result["ring_fit"]
         lines.append(
-            f"ring model fit       alpha {fit['alpha_s'] * 1e6:.0f} us, "
+            f"ring model fit       2(N-1)alpha = {fit['latency_s'] * 1e6:.0f} us at N = "
+            f"{fit['world_size']} (alpha {fit['alpha_s'] * 1e6:.0f} us per step), "
             f"B {fit['bandwidth_Bps'] / 1e9:.2f} GB/s, worst error {fit['max_rel_error']:.0%}"
         )
     if result["knobs"]:

@@ -1,4 +1,4 @@
-"""The benchmark: derived figures and the ring-model fit on fixed inputs; --quick end to end."""
+"""The benchmark: its timing loop, derived figures and the ring-model fit on fixed inputs."""
 
 from __future__ import annotations
 
@@ -31,12 +31,67 @@ def test_derive_on_fixed_inputs():
 def test_ring_model_recovers_alpha_and_bandwidth():
     alpha, bandwidth, n = 50e-6, 2e9, 4
     sizes = [2**k for k in range(10, 27, 2)]
-    times = [alpha + perf.ring_factor(n) * s / bandwidth for s in sizes]
+    times = [2 * (n - 1) * alpha + perf.ring_factor(n) * s / bandwidth for s in sizes]
+    assert times == [perf.ring_time(s, n, alpha, bandwidth) for s in sizes]
     fit = perf.fit_ring_model(sizes, times, n)
-    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["latency_s"] == pytest.approx(2 * (n - 1) * alpha, rel=1e-6)  # the constant
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)  # per step: the constant / 2(N-1)
     assert fit["bandwidth_Bps"] == pytest.approx(bandwidth, rel=1e-6)
     assert fit["max_rel_error"] < 1e-6
     assert perf.bus_bandwidth(1e9, 1.0, 2) == pytest.approx(1e9)  # 2(N-1)/N = 1 for N=2
+    with pytest.raises(ValueError):
+        perf.fit_ring_model(sizes, times, 1)  # one rank sends nothing: no latency to fit
+
+
+def test_the_ring_latency_grows_with_n_and_its_bandwidth_term_stays_below_2s_over_b():
+    alpha, bandwidth = 1e-5, 1e9
+    tiny = [perf.ring_time(8, n, alpha, bandwidth) for n in (2, 4, 8, 64)]
+    assert tiny == pytest.approx([2 * (n - 1) * alpha for n in (2, 4, 8, 64)], rel=1e-3)
+    big = 2**30
+    for n in (2, 8, 512):
+        assert perf.ring_time(big, n, 0.0, bandwidth) < 2 * big / bandwidth
+
+
+def test_step_times_leaves_the_warmup_out():
+    import time
+
+    calls = []
+
+    def step():  # the first call is slow, as a real first step is (allocation, kernels)
+        calls.append(None)
+        time.sleep(0.05 if len(calls) == 1 else 0.001)
+
+    times = perf.step_times(step, steps=3, warmup=1)
+    assert len(calls) == 4 and len(times) == 3
+    assert max(times) < 0.04  # the slow first call is not among them
+    assert len(perf.step_times(step, steps=2, warmup=0)) == 2
+
+
+def test_slowest_rank_takes_the_max_over_the_ranks():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # a world of one: the max over one rank is its own time, as a float
+        assert perf.slowest_rank(1.5, torch.device("cpu")) == 1.5
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_benchmark_times_with_the_functions_the_lesson_shows(benchmark):
+    """Lesson 07 shows step_times and slowest_rank as the loop to copy: the benchmark uses them."""
+    import inspect
+
+    assert "step_times(" in inspect.getsource(perf.timed_loop)
+    assert "perf.slowest_rank(" in inspect.getsource(benchmark.ddp_throughput)
+    assert "perf.timed_loop(" in inspect.getsource(benchmark.role_plain)
+
+
+def test_the_knob_groups_can_be_chosen(benchmark):
+    assert benchmark.parse_args(["--knobs", "no_sync,threads"]).knobs == ["no_sync", "threads"]
+    assert benchmark.parse_args([]).knobs == list(benchmark.KNOB_GROUPS)
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--knobs", "no_such_knob"])
 
 
 # -- what the benchmark does on GPUs, proven here ------------------------------------------

@@ -231,6 +231,9 @@ def throughput_bars(result: Mapping[str, Any], ax: Any | None = None) -> Figure:
         )  # fmt: skip
     ideal = n * result["ddp_world1"]["samples_per_sec"]
     ax.axhline(ideal, ls="--", color="tab:orange", lw=1, label=f"ideal {n} x ddp_world1")
+    if "plain_concurrent" in result:  # what n processes that never communicate reach
+        ceiling = result["plain_concurrent"]["samples_per_sec"]
+        ax.axhline(ceiling, ls=":", color="k", lw=1, label=f"ceiling: {n} plain processes")
     ax.set_ylabel("samples / s")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, axis="y")
@@ -248,7 +251,7 @@ def allreduce_curve(
         ax.loglog(sizes, [1e3 * r["best_seconds"] for r in sweep], "o", label="best (fitted)")
     if fit is not None:
         label = (
-            f"α + 2(N−1)/N·S/B: α = {1e6 * fit['alpha_s']:.0f} µs, "
+            f"2(N−1)α + 2(N−1)/N·S/B: α = {1e6 * fit['alpha_s']:.0f} µs, "
             f"B = {fit['bandwidth_Bps'] / 1e9:.2f} GB/s"
         )
         ax.loglog(sizes, [1e3 * t for t in fit["predicted_s"]], "-", label=label)

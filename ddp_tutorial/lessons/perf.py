@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -93,10 +94,30 @@ def sweep_sizes(quick: bool, device_type: str) -> list[int]:
     return sizes
 
 
+def ring_time(size_bytes: float, world_size: int, alpha_s: float, bandwidth_Bps: float) -> float:
+    """The ring model of one all_reduce: t ≈ 2(N−1)·α + 2(N−1)/N · S/B (seconds).
+
+    A ring all_reduce is 2(N−1) steps *in sequence* (each forwards what the
+    previous one delivered), every step one message of S/N bytes per rank:
+    each pays the latency α, and together they move 2(N−1)/N · S bytes per
+    rank at the bandwidth B. The bandwidth term stays below 2S/B whatever N;
+    the latency term grows linearly with N.
+    """
+    steps = 2 * (world_size - 1)
+    return steps * alpha_s + ring_factor(world_size) * size_bytes / bandwidth_Bps
+
+
 def fit_ring_model(
     sizes: Sequence[float], seconds: Sequence[float], world_size: int
-) -> dict[str, float]:
-    """Fit t ≈ α + 2(N−1)/N · S / B; returns α (s), B (bytes/s) and the worst relative error.
+) -> dict[str, Any]:
+    """Fit :func:`ring_time` to measured all_reduce times at one world size N.
+
+    At one N the model is a line in S: a constant plus a slope. The fit finds
+    the constant ``latency_s`` = 2(N−1)·α (the time of an all_reduce too
+    small to notice its bytes: 2α at N = 2) and the bandwidth B; ``alpha_s``
+    is that constant divided by the 2(N−1) steps, the latency of one step.
+    A single N cannot show how the constant grows with N: that comes from the
+    ring's 2(N−1) sequential steps.
 
     The fit minimises *relative* error (weighted least squares, weights 1/t²):
     the sizes span five orders of magnitude, and a plain fit would let the
@@ -104,12 +125,14 @@ def fit_ring_model(
     ``max_rel_error`` is the largest |model − measured| / measured: how well
     two numbers, a fixed latency and a bandwidth, explain the whole curve.
     """
+    if world_size < 2:
+        raise ValueError("an all_reduce over one rank sends nothing: need world_size >= 2")
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("need at least two (size, time) points")
     if min(seconds) <= 0:
         raise ValueError("times must be positive")
     k = ring_factor(world_size)
-    # Each point: alpha / t + beta * (k S / t) ≈ 1, with beta = 1 / B.
+    # Each point: latency / t + beta * (k S / t) ≈ 1, with beta = 1 / B.
     a = [1 / t for t in seconds]
     b = [k * s / t for s, t in zip(sizes, seconds, strict=True)]
     saa, sbb = sum(x * x for x in a), sum(y * y for y in b)
@@ -118,15 +141,18 @@ def fit_ring_model(
     det = saa * sbb - sab * sab
     if det <= 0:
         raise ValueError("degenerate sizes: cannot separate latency from bandwidth")
-    alpha = (sa * sbb - sb * sab) / det
+    latency = (sa * sbb - sb * sab) / det
     beta = (saa * sb - sab * sa) / det
     if beta <= 0:
         raise ValueError("time does not grow with size: cannot fit a bandwidth")
-    if alpha < 0:  # a negative latency is unphysical: fit the bandwidth alone
-        alpha, beta = 0.0, sb / sbb
-    predicted = [alpha + beta * k * s for s in sizes]
+    if latency < 0:  # a negative latency is unphysical: fit the bandwidth alone
+        latency, beta = 0.0, sb / sbb
+    alpha = latency / (2 * (world_size - 1))
+    predicted = [ring_time(s, world_size, alpha, 1 / beta) for s in sizes]
     errors = [abs(p - t) / t for p, t in zip(predicted, seconds, strict=True)]
     return {
+        "world_size": world_size,
+        "latency_s": latency,
         "alpha_s": alpha,
         "bandwidth_Bps": 1 / beta,
         "max_rel_error": max(errors),
@@ -145,6 +171,43 @@ def clock(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def step_times(
+    step: Callable[[], object], steps: int, warmup: int, device: torch.device | None = None
+) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step()``, after ``warmup`` calls not timed.
+
+    The timing loop to copy into your own script. The first steps allocate
+    memory, choose kernels, build DDP's buckets (and compile, with
+    ``torch.compile``): they are not the speed you keep, so they run untimed.
+    On a GPU a call returns once its kernels are *queued*: synchronise before
+    reading the clock, or it measures the queueing, not the work.
+    """
+    cuda = device is not None and device.type == "cuda"
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)  # start with nothing queued
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's kernels have run, not only been queued
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank(seconds: float, device: torch.device) -> float:
+    """The largest ``seconds`` over every rank (a collective: every rank calls it).
+
+    Every DDP step ends in an all_reduce that waits for the last rank to
+    arrive, so a job runs at its slowest rank's pace: its throughput is
+    computed from that rank's time, never from rank 0's alone.
+    """
+    total = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return total.item()
 
 
 def _step(
@@ -186,8 +249,6 @@ def timed_loop(
     loss_fn = nn.CrossEntropyLoss()
     source = iter(batches()) if callable(batches) else None
     cursor = 0
-    sync = device is not None and device.type == "cuda"
-    times = []
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal source, cursor
@@ -201,27 +262,10 @@ def timed_loop(
         cursor += 1
         return batch
 
-    # On a GPU a step returns once its work is queued: CUDA events, recorded in the
-    # stream around each step and read once at the end, time the work itself without
-    # stalling the pipeline every step.
-    events = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        if sync and i >= warmup:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+    def one_step() -> None:
         _step(model, optimizer, [next_batch() for _ in range(accumulate)], loss_fn, device)
-        if i < warmup:
-            continue
-        if sync:
-            end.record()
-            events.append((begin, end))
-        else:
-            times.append(time.perf_counter() - start)
-    if sync:
-        torch.cuda.synchronize(device)
-        times = [begin.elapsed_time(end) / 1000 for begin, end in events]  # ms -> s
-    return times
+
+    return step_times(one_step, steps, warmup, device)
 
 
 # -- the ring all-reduce, step by step (lesson 07) ----------------------------------------
