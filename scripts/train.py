@@ -135,7 +135,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     #    forward (a collective per step): they are averaged before evaluating and saving.
     cuda = device.type == "cuda"
     ddp = DDP(model.to(device), device_ids=[device.index] if cuda else None)
-    ddp.broadcast_buffers = False  # (torch 2.14 also calls it forward_sync_buffers)
+    ddp.broadcast_buffers = False  # synced at construction, not before every forward (lesson 04)
     if args.comm_hook != "none":  # replaces the bucket all_reduce (lesson 11)
         ddp.register_comm_hook(*comm_hook(args.comm_hook))
     model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP
