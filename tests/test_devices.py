@@ -287,3 +287,16 @@ def test_collection_survives_a_mig_machine(nvml):
     nvml([fake_gpu(i, mig=True) for i in range(2)])
     count, why = conftest.gpu_view()
     assert count == 0 and "MIG" in why
+
+
+def test_setup_calls_bind_then_join_outside_any_job(monkeypatch):
+    """Lesson 03 records ``setup()``'s torch calls in a kernel that is in no job:
+    no MASTER_ADDR, no store to reach. (CI caught it needing one once.)"""
+    from ddp_tutorial.lessons.device_mapping import setup_calls
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    calls = setup_calls(local_rank=1)
+    assert [name for name, _ in calls] == ["set_device", "init_process_group"]
+    assert calls[0][1] == calls[1][1]["device_id"] == torch.device("cuda", 1)
+    assert calls[1][1]["rank"] == 1 and calls[1][1]["world_size"] == 2

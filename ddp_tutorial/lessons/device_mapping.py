@@ -76,7 +76,7 @@ def setup_calls(local_rank: int = 1, local_world_size: int = 2) -> list[tuple[st
     Runs the real ``setup()`` for local rank ``local_rank`` of a one-node nccl
     job, with the two torch functions that need a GPU replaced by recorders:
     ``torch.cuda.set_device`` and ``dist.init_process_group`` (plus the backend
-    choice, which would ask CUDA). What it observes is the order and the
+    choice, which would ask CUDA, and the job's store, which needs a rendezvous). What it observes is the order and the
     arguments; what those calls do to a GPU only a GPU shows (lesson 03's GPU cell).
     """
     from ddp_tutorial import distributed
@@ -91,6 +91,7 @@ def setup_calls(local_rank: int = 1, local_world_size: int = 2) -> list[tuple[st
     }
     with (
         mock.patch.dict(os.environ, env),
+        mock.patch.object(distributed, "job_store", return_value=("this attempt's store", 0)),
         mock.patch.object(distributed, "job_backend", return_value=("nccl", "stand-in")),
         mock.patch.object(distributed, "set_collective_timeout"),
         mock.patch.object(dist, "is_initialized", return_value=False),
