@@ -15,6 +15,7 @@ import pickle
 import random
 import tarfile
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -35,7 +36,6 @@ from ddp_tutorial.checkpoint import (
     strip_prefixes,
     temp_path_for,
 )
-from ddp_tutorial.harness.failures import LaunchError
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import MLP, unwrap_model
 from ddp_tutorial.snapshots import (
@@ -352,7 +352,9 @@ def test_other_architecture_lists_keys_and_shapes(tmp_path):
     assert "mlp.pt" in message and "missing keys (2): weight, bias" in message
     assert "unexpected keys (6): net.1.weight" in message
     for strict in (True, False):  # no strictness loads a tensor of the wrong shape
-        with pytest.raises(CheckpointError, match=r"shape mismatches.*\(3, 16\) vs model \(5, 16\)"):
+        with pytest.raises(
+            CheckpointError, match=r"shape mismatches.*\(3, 16\) vs model \(5, 16\)"
+        ):
             load_model_state(MLP(8, 5, hidden=16), path, strict=strict)
     # non-strict: tolerated differences are returned, shapes still must fit
     bigger = nn.Sequential(OrderedDict(net=small_model().net, extra=nn.Linear(2, 2)))
@@ -484,18 +486,6 @@ with process_group(backend="gloo", timeout_s=20) as info:
 """
 
 
-@pytest.mark.torchrun
-def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(tmp_path, write_script):
-    script = write_script("save_fails.py", SAVE_FAILS_ON_RANK0)
-    with pytest.raises(LaunchError) as info:
-        torchrun(script, tmp_path / "c.pt", nproc=2, run_dir=tmp_path / "run", echo=False)
-    records = info.value.result.records
-    assert [r["rank"] for r in records] == [0, 1]
-    assert "argparse.Namespace" in records[0]["error"]
-    assert records[1]["error"].startswith("rank 0 failed to save")
-    assert not (tmp_path / "c.pt").exists()
-
-
 @pytest.mark.gpu
 def test_map_location_onto_each_ranks_gpu(tmp_path):
     from conftest import gpu_count
@@ -569,13 +559,58 @@ with process_group(backend="gloo") as info:
 """
 
 
-@pytest.mark.torchrun
-def test_every_rank_resumes_from_the_snapshot_rank_0_chose(tmp_path, write_script):
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """This file's real launches, side by side: most of each is start-up (import torch, join)."""
+    from ddp_tutorial.harness.launch import LaunchSpec, run_together
+
+    tmp = tmp_path_factory.mktemp("checkpoint-launches")
     for step in (5, 10):
-        atomic_save({"step": step}, snapshot_path(tmp_path / "ck", step))
-    script = write_script("agree.py", AGREE)
-    result = torchrun(script, tmp_path / "ck", nproc=2, run_dir=tmp_path / "run", echo=False)
-    assert [r["chosen"] for r in result.records] == [snapshot_path(tmp_path, 10).name] * 2
+        atomic_save({"step": step}, snapshot_path(tmp / "ck", step))
+    (tmp / "save_fails.py").write_text(SAVE_FAILS_ON_RANK0)
+    (tmp / "agree.py").write_text(AGREE)
+    specs = {
+        "save fails": LaunchSpec(tmp / "save_fails.py", [tmp / "c.pt"]),
+        "agree": LaunchSpec(tmp / "agree.py", [tmp / "ck"]),
+        # GPU-less here: every device is the CPU; on GPUs test_map_location_onto_each_ranks_gpu
+        "load anywhere": LaunchSpec(DEMOS / "load_anywhere.py",
+                                    ["--dir", tmp / "anywhere", "--backend", "gloo"]),
+    }  # fmt: skip
+    results = run_together({
+        name: replace(spec, nproc=2, run_dir=tmp / name.replace(" ", "_"), echo=False,
+                      timeout=180) for name, spec in specs.items()
+    })  # fmt: skip
+    results["tmp"] = tmp
+    return results
+
+
+@pytest.mark.torchrun
+def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(launches):
+    result = launches["save fails"]
+    assert result.returncode != 0 and {f.rank for f in result.failures} == {0, 1}
+    records = result.records
+    assert [r["rank"] for r in records] == [0, 1]
+    assert "argparse.Namespace" in records[0]["error"]
+    assert records[1]["error"].startswith("rank 0 failed to save")
+    assert not (launches["tmp"] / "c.pt").exists()
+
+
+@pytest.mark.torchrun
+def test_every_rank_resumes_from_the_snapshot_rank_0_chose(launches):
+    result = launches["agree"]
+    assert result.ok, result.output[-3000:]
+    assert [r["chosen"] for r in result.records] == [snapshot_path(".", 10).name] * 2
     assert result.records[0]["error"] is None
     assert "rank 1 cannot read" in result.records[1]["error"]
     assert "the same checkpoint directory" in result.records[1]["error"]
+
+
+@pytest.mark.torchrun
+def test_each_rank_loads_rank_0s_file_onto_its_own_device_on_the_cpu(launches):
+    """scripts/demos/load_anywhere.py on gloo: the three map_location forms, rank 0's weights."""
+    result = launches["load anywhere"]
+    assert result.ok, result.output[-3000:]
+    for record in result.records:
+        assert record["saved_on"] == "cpu" and record["device"] == "cpu"
+        assert record["landed"] == {"device": ["cpu"], "dict": ["cpu"], "cpu": ["cpu"]}
+        assert record["same_weights_everywhere"], "each rank began with its own weights"
