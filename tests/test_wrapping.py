@@ -119,7 +119,9 @@ def test_multinode_failure_names_node_and_kills_the_rest(tmp_path, write_script)
                   timeout=90, torchrun_args=["--max-restarts", "0"])  # fmt: skip
     assert time.monotonic() - t0 < 80, "a failed node must not leave the other waiting"
     assert str(info.value).startswith("node ")
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # killed: gone as soon as the kernel has reaped them
+    while processes_running(str(script)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert processes_running(str(script)) == []
 
 
@@ -239,17 +241,28 @@ def test_simulated_nodes_never_share_a_gpu():
     assert node_gpus(2, 2, [])[0] == [{}, {}]
 
 
-def test_multinode_gives_each_node_its_own_gpus(nvml, monkeypatch):
-    """What multinode() would start on an 8-GPU machine, without starting it."""
+def test_multinode_gives_each_node_its_own_gpus(nvml):
+    """What multinode() would start on an 8-GPU machine (NVML faked), without starting it."""
     from conftest import fake_gpu
-    from ddp_tutorial.harness import multinode as mn
+    from ddp_tutorial.harness.multinode import node_specs
 
     nvml([fake_gpu(i) for i in range(8)])
-    started = {}
-    monkeypatch.setattr(mn, "run_together", lambda specs, **kw: started.update(specs) or {})
-    mn.multinode(DEMOS / "hello.py", nnodes=2, nproc_per_node=2, echo=False, check=False)
-    seen = [started[n].env["CUDA_VISIBLE_DEVICES"] for n in (0, 1)]
-    assert seen == [
-        f"{fake_gpu(0).uuid},{fake_gpu(1).uuid}",
-        f"{fake_gpu(2).uuid},{fake_gpu(3).uuid}",
+    extra = ["--max-restarts", "0"]
+    specs = node_specs(DEMOS / "hello.py", "--x", nnodes=2, nproc_per_node=2, echo=False,
+                       port=29999, env={"A": "1"}, torchrun_args=extra)  # fmt: skip
+    assert sorted(specs) == [0, 1]
+    assert [specs[n].env for n in (0, 1)] == [
+        {"A": "1", "CUDA_VISIBLE_DEVICES": f"{fake_gpu(0).uuid},{fake_gpu(1).uuid}"},
+        {"A": "1", "CUDA_VISIBLE_DEVICES": f"{fake_gpu(2).uuid},{fake_gpu(3).uuid}"},
     ]
+    for node, spec in specs.items():
+        assert (spec.nproc, spec.standalone, spec.prefix) == (2, False, f"[node {node}]")
+        assert spec.args == ("--x",) and spec.run_dir.name == f"node{node}"
+        flags = list(spec.torchrun_args)
+        assert flags[flags.index("--rdzv-endpoint") + 1] == "127.0.0.1:29999"
+        assert flags[flags.index("--rdzv-conf") + 1] == f"is_host={int(node == 0)}"
+        assert flags[-2:] == ["--max-restarts", "0"]
+    nvml([fake_gpu(0)])  # one GPU for two nodes: both hide it and run gloo
+    shared = node_specs(DEMOS / "hello.py", nnodes=2, nproc_per_node=2, echo=False)
+    assert [s.env for s in shared.values()] == [{"CUDA_VISIBLE_DEVICES": "",
+                                                 "DDP_TUTORIAL_BACKEND": "gloo"}] * 2  # fmt: skip
