@@ -192,6 +192,8 @@ MLP_RUN = ["--model", "mlp", "--image-size", "8", "--num-val", "64", "--no-progr
 PREEMPT = [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
            "--log-every", "10", "--deterministic"]  # fmt: skip
 SIGTERM_AFTER = "step 10:"  # the log line after which the test sends SIGTERM to torchrun
+LATE_AFTER = "step 3:"  # ... after which it freezes rank 1 (SIGSTOP) of the --timeout run
+LATE_TIMEOUT_S = 3
 FILE_SIZE_LIMIT = 100_000  # bytes: a snapshot of the MLP (~230 KB) cannot be written, logs can
 
 BUFFERS = """
@@ -238,6 +240,30 @@ def file_size_limited(spec, limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, before)
 
 
+def freeze_a_rank(launch, late: dict) -> None:
+    """One step of the late-rank run: SIGSTOP rank 1 after LATE_AFTER; SIGCONT when rank 0 ends.
+
+    A frozen rank is a real late one (a node swapping, a stuck file system): rank 0
+    waits for it in the next all_reduce until the collective timeout. Once rank 0
+    has ended, rank 1 resumes to take torchrun's SIGTERM (a stopped process would
+    hold it until torchrun's grace period ends).
+    """
+    import psutil
+
+    if "stopped" not in late and any(LATE_AFTER in line for line in launch.lines):
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(launch.proc.pid).children()}
+        ranks[1].suspend()
+        late.update(stopped=time.time(), ranks=ranks)
+    elif "stopped" in late and "rank 0 ended" not in late:
+        try:
+            running = late["ranks"][0].status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            running = False
+        if not running or time.time() - late["stopped"] > 120:
+            late["rank 0 ended"] = time.time()
+            late["ranks"][1].resume()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from dataclasses import replace
@@ -255,8 +281,10 @@ def runs(tmp_path_factory):
         "big batch": [*accum, "--batch-size", "16", "--optimizer", "sgd"],
         "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2", "--optimizer", "sgd"],
         "speed flags": [*MLP_RUN, "--num-samples", "192", "--batch-size", "16", "--epochs", "2",
-                        "--amp", "fp16", "--comm-hook", "fp16", "--compile", "aot_eager",
-                        "--grad-accum", "2"],
+                        "--amp", "bf16", "--comm-hook", "fp16", "--compile", "aot_eager",
+                        "--grad-accum", "2"],  # bf16 autocast is real on CPUs (fp16: one rank)
+        "late rank": [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
+                      "--log-every", "1", "--timeout", str(LATE_TIMEOUT_S)],
         "failed save": [*MLP_RUN, "--num-samples", "512", "--batch-size", "16",
                         "--save-every", "2"],
         "uninterrupted": PREEMPT,
@@ -270,7 +298,7 @@ def runs(tmp_path_factory):
     (tmp / "buffers.py").write_text(BUFFERS)
     specs["buffers"] = LaunchSpec(tmp / "buffers.py", nproc=3, run_dir=tmp / "buffers",
                                   echo=False, timeout=300)  # fmt: skip
-    launches, ended, sigterm_at = {}, {}, None
+    launches, ended, sigterm_at, late = {}, {}, None, {}
     try:
         for name, spec in specs.items():
             if name == "failed save":
@@ -286,15 +314,19 @@ def runs(tmp_path_factory):
             if sigterm_at is None and any(SIGTERM_AFTER in line for line in preempted.lines):
                 os.kill(preempted.proc.pid, signal.SIGTERM)  # torchrun forwards it to the ranks
                 sigterm_at = time.time()
+            freeze_a_rank(launches["late rank"], late)
     except BaseException:
         for launch in launches.values():
             launch.kill()
         raise
+    finally:
+        if "stopped" in late and "rank 0 ended" not in late:
+            late["ranks"][1].resume()
     results = {name: launch.wait() for name, launch in launches.items()}
     for name, result in results.items():
-        if name not in ("impossible", "failed save", "preempted"):
+        if name not in ("impossible", "failed save", "preempted", "late rank"):
             assert result.ok, f"{name}:\n{result.output[-3000:]}"
-    results["ended"], results["sigterm_at"] = ended, sigterm_at
+    results["ended"], results["sigterm_at"], results["late"] = ended, sigterm_at, late
     results["preempted snapshots"] = [s for s, _ in list_snapshots(tmp / "preempted" / "ckpt")]
     # Phase 2: the rerun of the preempted job; and the same snapshot resumed with an LR of 1e12.
     shutil.copytree(tmp / "preempted" / "ckpt", tmp / "diverged" / "ckpt")
@@ -353,17 +385,28 @@ def test_gradient_accumulation_matches_the_large_batch(runs, template):
 
 
 @pytest.mark.torchrun
-def test_speed_flags_train_and_resume_state(runs):
-    """--amp fp16 (a GradScaler), --comm-hook fp16, --compile and --grad-accum together."""
-    from ddp_tutorial.snapshots import latest_snapshot
+def test_speed_flags_train_on_two_ranks(runs):
+    """--amp bf16, --comm-hook fp16, --compile and --grad-accum together, on 2 gloo ranks.
 
+    (--amp fp16's GradScaler and its resume: test_speed_flags_are_active_and_resume_exactly.)
+    """
     run = runs["speed flags"].run_dir
     history = json.loads((run / "metrics.json").read_text())["history"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
-    snapshot = torch.load(latest_snapshot(run / "ckpt"), weights_only=True)
-    assert snapshot["scaler"]["scale"] > 0, "the GradScaler's state is part of the snapshot"
     final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
+    assert all(v.dtype != torch.bfloat16 for v in final.values()), "autocast: fp32 weights"
     build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
+
+
+@pytest.mark.torchrun
+def test_a_late_rank_fails_the_job_within_the_timeout(runs):
+    """--timeout 3: rank 1 frozen after step 3; rank 0 gives up in 3 s, not in 10 minutes."""
+    late, run = runs["late"], runs["late rank"]
+    assert "stopped" in late, "the run ended before rank 1 could be frozen"
+    waited = late["rank 0 ended"] - late["stopped"]
+    assert run.returncode != 0 and waited < LATE_TIMEOUT_S + 20, waited  # default: 600 s
+    err = run.rank_log(0, "stderr")
+    assert f"Timed out waiting {LATE_TIMEOUT_S * 1000}ms" in err, err[-2000:]
 
 
 @pytest.mark.torchrun
