@@ -1,4 +1,4 @@
-"""ddp_tutorial.checkpoint and ddp_tutorial.snapshots with real files and, once, real gloo ranks.
+"""ddp_tutorial.checkpoint and ddp_tutorial.snapshots with real files and real gloo ranks.
 
 Lesson 05 (notebooks/05_checkpointing.ipynb) asserts on real launches what
 is not repeated here: the save race (seed 000's guard vs rank-0 atomic), the

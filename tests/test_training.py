@@ -9,8 +9,10 @@ sample of the interrupted epoch exactly once.
 Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
 real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
-that fails, a loss that diverges, a SIGTERM mid-epoch — is proven on real launches,
-all started side by side in one module fixture (issue 22).
+that fails, a loss that diverges, a SIGTERM mid-epoch, a rank that falls behind — is
+proven on real launches, all started side by side in one module fixture (issue 22).
+What one rank shows as well (the speed flags, a resume with a GradScaler, --download)
+runs as a world of one in this process: no launch.
 """
 
 from __future__ import annotations
