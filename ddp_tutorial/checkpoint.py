@@ -84,7 +84,7 @@ def find_unsafe(obj: Any, where: str = "state") -> list[str]:
         return problems
     if type(obj) in (dict, OrderedDict):
         for key, value in obj.items():
-            if not isinstance(key, str | int | float | bool | type(None)):
+            if find_unsafe(key):  # a tuple of plain values is a fine key; an object is not
                 problems.append(f"{where} has a key of type {type(key).__qualname__}")
             problems += find_unsafe(value, f"{where}[{key!r}]")
         return problems
@@ -325,7 +325,7 @@ def _load_error(path: Path, size: int, exc: Exception) -> CheckpointError:
         )
     if "legacy .tar format" in text:
         return CheckpointError(
-            f"checkpoint {path} uses the legacy (pre-1.6) tar format, which "
+            f"checkpoint {path} uses the tar format of the earliest torch releases, which "
             f"weights_only=True cannot read; re-save it with a current torch.save"
         )
     if (

@@ -1,4 +1,4 @@
-"""ddp_tutorial.checkpoint and ddp_tutorial.snapshots with real files and, once, real gloo ranks.
+"""ddp_tutorial.checkpoint and ddp_tutorial.snapshots with real files and real gloo ranks.
 
 Lesson 05 (notebooks/05_checkpointing.ipynb) asserts on real launches what
 is not repeated here: the save race (seed 000's guard vs rank-0 atomic), the
@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pickle
 import random
+import tarfile
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -33,7 +36,6 @@ from ddp_tutorial.checkpoint import (
     strip_prefixes,
     temp_path_for,
 )
-from ddp_tutorial.harness.failures import LaunchError
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import MLP, unwrap_model
 from ddp_tutorial.snapshots import (
@@ -125,12 +127,24 @@ def test_atomic_save_respects_umask(tmp_path):
 
 def test_atomic_save_replaces_and_a_failed_save_keeps_the_old_file(tmp_path):
     path = atomic_save({"version": 1}, tmp_path / "c.pt")
-    with pytest.raises(CheckpointError, match="argparse.Namespace"):
+    with pytest.raises(CheckpointError, match="argparse.Namespace"):  # refused before writing
         atomic_save({"version": 2, "args": argparse.Namespace(lr=0.1)}, path)
     assert load_checkpoint(path)["version"] == 1
-    assert stale_temp_files(tmp_path) == []
     atomic_save({"version": 3}, path)
     assert load_checkpoint(path)["version"] == 3
+
+
+def test_a_save_that_fails_while_writing_removes_its_temp_file(tmp_path, monkeypatch):
+    """The temp file exists when torch.save fails (here: an object pickle cannot write)."""
+    path = atomic_save({"version": 1}, tmp_path / "c.pt")
+    created = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a: created.append(p) or real_open(p, *a))
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError), match="pickle"):
+        atomic_save({"version": 2, "hook": lambda: None}, path, check_plain=False)
+    assert [p.name for p in created if p.suffix == ".tmp"], "the temp file had been created"
+    assert load_checkpoint(path)["version"] == 1, "the old file is intact"
+    assert stale_temp_files(tmp_path) == [] and os.listdir(tmp_path) == ["c.pt"]
 
 
 def test_save_checkpoint_without_process_group_is_atomic_save(tmp_path):
@@ -144,13 +158,22 @@ def test_find_unsafe_names_the_offending_entries():
         "args": argparse.Namespace(a=1),
         "hist": [1.0, np.float64(2.0), frozenset({1})],
         "ok": (1, "x", None, torch.float32, torch.Size([2]), torch.device("cpu")),
+        "keys": {0: 1, 2.5: 1, (1, "a"): 1, Payload("x"): 1},  # weights_only refuses the last
     }
     problems = find_unsafe(state)
     assert problems == [
         "state['args'] is argparse.Namespace",
         "state['hist'][1] is numpy.float64",
         "state['hist'][2] is builtins.frozenset",
+        "state['keys'] has a key of type Payload",
     ]
+
+
+def test_keys_find_unsafe_accepts_are_keys_weights_only_loads(tmp_path):
+    keys = {0: torch.ones(1), 2.5: "x", (1, "a"): [1], None: True}
+    assert find_unsafe(keys) == []
+    path = atomic_save(keys, tmp_path / "keys.pt")
+    assert load_checkpoint(path).keys() == keys.keys()
 
 
 def test_temp_path_is_hidden_and_in_the_same_directory(tmp_path):
@@ -192,7 +215,7 @@ def test_truncated_file(tmp_path, keep):
     assert "\n" not in message.split("torch says:")[-1], "one line, not a traceback"
 
 
-def test_garbage_file_and_legacy_format(tmp_path):
+def test_garbage_file_and_legacy_formats(tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all " * 20)
     with pytest.raises(CheckpointError, match="garbage.pt"):
@@ -200,6 +223,36 @@ def test_garbage_file_and_legacy_format(tmp_path):
     legacy = tmp_path / "legacy.pt"  # the pre-1.6 format: current torch reads it safely
     torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert torch.equal(load_checkpoint(legacy)["w"], torch.ones(2))
+    tar = tmp_path / "tar.pt"  # the earliest releases wrote a tar: weights_only cannot read it
+    with tarfile.open(tar, "w") as archive:
+        archive.add(legacy, arcname="storages")
+    with pytest.raises(CheckpointError, match="tar.pt uses the tar format of the earliest"):
+        load_checkpoint(tar)
+
+
+def test_a_file_saved_on_a_gpu_says_to_pass_map_location(tmp_path, monkeypatch):
+    """A real file whose tensors are tagged cuda:0, as rank 0 writes them from its GPU."""
+    import torch.serialization
+
+    path = tmp_path / "gpu.pt"
+    with monkeypatch.context() as m:  # how torch.save tags each storage with its device
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"w": torch.ones(2)}, path)
+    if torch.cuda.is_available():
+        pytest.skip("this machine can load cuda:0 tensors")
+    with pytest.raises(CheckpointError, match="gpu.pt holds tensors saved on a GPU.*map_location"):
+        load_checkpoint(path, map_location=None)
+    assert torch.equal(load_checkpoint(path)["w"], torch.ones(2)), "the default: map onto CPU"
+
+
+def test_a_file_this_process_may_not_read(tmp_path, monkeypatch):
+    path = atomic_save({"w": torch.ones(1)}, tmp_path / "c.pt")
+    path.chmod(0)
+    if os.access(path, os.R_OK):  # root reads it anyway: torch.load raises what it would
+        denied = PermissionError(13, "Permission denied", str(path))
+        monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(denied))
+    with pytest.raises(CheckpointError, match="c.pt cannot be read: Permission denied"):
+        load_checkpoint(path)
 
 
 class Payload:
@@ -257,13 +310,9 @@ def test_prefixes_module_orig_mod_and_both(tmp_path, cuda_calls):
 
 
 def test_strip_only_when_every_key_has_the_prefix():
+    """(Lesson 05 shows seed 002's k[7:] on an unprefixed file refused.)"""
     mixed = OrderedDict([("module.a", torch.zeros(1)), ("b", torch.zeros(1))])
     assert list(strip_prefixes(mixed)) == ["module.a", "b"]
-    plain = small_model().state_dict()
-    seed002 = {k[7:]: v for k, v in plain.items()}  # seed 002's k[7:] on an unprefixed file
-    assert list(strip_prefixes(plain)) == list(plain)
-    with pytest.raises(CheckpointError, match=r"missing keys \(6\).*unexpected keys"):
-        load_model_state(small_model(), seed002)
 
 
 def test_model_state_unwraps_and_load_into_wrapped_model(monkeypatch, cuda_calls):
@@ -298,8 +347,11 @@ def test_other_architecture_lists_keys_and_shapes(tmp_path):
     message = str(info.value)
     assert "mlp.pt" in message and "missing keys (2): weight, bias" in message
     assert "unexpected keys (6): net.1.weight" in message
-    with pytest.raises(CheckpointError, match=r"shape mismatches.*\(3, 16\) vs model \(5, 16\)"):
-        load_model_state(MLP(8, 5, hidden=16), path)
+    for strict in (True, False):  # no strictness loads a tensor of the wrong shape
+        with pytest.raises(
+            CheckpointError, match=r"shape mismatches.*\(3, 16\) vs model \(5, 16\)"
+        ):
+            load_model_state(MLP(8, 5, hidden=16), path, strict=strict)
     # non-strict: tolerated differences are returned, shapes still must fit
     bigger = nn.Sequential(OrderedDict(net=small_model().net, extra=nn.Linear(2, 2)))
     missing, unexpected = load_model_state(bigger, path, strict=False)
@@ -347,17 +399,17 @@ def test_training_state_round_trip_in_one_process(tmp_path):
         restore_training_state(two_ranks, model2, optimizer2)
     with pytest.raises(CheckpointError, match="not a training state"):
         restore_training_state(model.state_dict(), model2)
+    weights_only = training_state(model, None, epoch=0, step=0)  # no optimizer passed
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        restore_training_state(weights_only, model2, optimizer2)
 
 
-def test_seed001_save_condition_never_saves_the_last_epoch():
-    seed001 = [e for e in range(100) if e % 10 == 0 and e != 0]
-    ours = [e for e in range(100) if is_save_epoch(e, 100, 10)]
-    assert seed001[-1] == 90 and 99 not in seed001
-    assert ours == [9, 19, 29, 39, 49, 59, 69, 79, 89, 99]
+def test_the_last_epoch_is_always_saved():
+    """(Lesson 05 compares it with seed 001's condition on 100 epochs.)"""
     assert [e for e in range(7) if is_save_epoch(e, 7, 3)] == [2, 5, 6], "last one always"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="save interval must be >= 1 epoch"):
         is_save_epoch(0, 10, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="epoch 10 is outside 0..9"):
         is_save_epoch(10, 10, 1)
 
 
@@ -373,8 +425,11 @@ def test_snapshots_latest_prune_and_stale_temp_files(tmp_path):
     assert stale_temp_files(tmp_path) == [stale]
     assert prune_snapshots(tmp_path, keep=2) == [snapshot_path(tmp_path, 5)]
     assert [s for s, _ in list_snapshots(tmp_path)] == [20, 100]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="step must be >= 0"):
         snapshot_path(tmp_path, -1)
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        prune_snapshots(tmp_path, keep=0)  # would delete the snapshot a resume needs
+    assert [s for s, _ in list_snapshots(tmp_path)] == [20, 100]
 
 
 def test_a_resume_first_clears_what_killed_saves_left(tmp_path):
@@ -406,9 +461,6 @@ def test_a_failed_save_outcome_raises_with_rank_0s_error():
         share_outcome(OSError(27, "File too large"), "x.pt")
 
 
-# --------------------------------------------------------------------------- SIGKILL mid-save
-
-
 # --------------------------------------------------------------------------- real ranks
 
 
@@ -425,18 +477,6 @@ with process_group(backend="gloo", timeout_s=20) as info:
         write_rank_record(sys.argv[-1], {"error": str(exc)})
         raise
 """
-
-
-@pytest.mark.torchrun
-def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(tmp_path, write_script):
-    script = write_script("save_fails.py", SAVE_FAILS_ON_RANK0)
-    with pytest.raises(LaunchError) as info:
-        torchrun(script, tmp_path / "c.pt", nproc=2, run_dir=tmp_path / "run", echo=False)
-    records = info.value.result.records
-    assert [r["rank"] for r in records] == [0, 1]
-    assert "argparse.Namespace" in records[0]["error"]
-    assert records[1]["error"].startswith("rank 0 failed to save")
-    assert not (tmp_path / "c.pt").exists()
 
 
 @pytest.mark.gpu
@@ -512,13 +552,58 @@ with process_group(backend="gloo") as info:
 """
 
 
-@pytest.mark.torchrun
-def test_every_rank_resumes_from_the_snapshot_rank_0_chose(tmp_path, write_script):
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """This file's real launches, side by side: most of each is start-up (import torch, join)."""
+    from ddp_tutorial.harness.launch import LaunchSpec, run_together
+
+    tmp = tmp_path_factory.mktemp("checkpoint-launches")
     for step in (5, 10):
-        atomic_save({"step": step}, snapshot_path(tmp_path / "ck", step))
-    script = write_script("agree.py", AGREE)
-    result = torchrun(script, tmp_path / "ck", nproc=2, run_dir=tmp_path / "run", echo=False)
-    assert [r["chosen"] for r in result.records] == [snapshot_path(tmp_path, 10).name] * 2
+        atomic_save({"step": step}, snapshot_path(tmp / "ck", step))
+    (tmp / "save_fails.py").write_text(SAVE_FAILS_ON_RANK0)
+    (tmp / "agree.py").write_text(AGREE)
+    specs = {
+        "save fails": LaunchSpec(tmp / "save_fails.py", [tmp / "c.pt"]),
+        "agree": LaunchSpec(tmp / "agree.py", [tmp / "ck"]),
+        # GPU-less here: every device is the CPU; on GPUs test_map_location_onto_each_ranks_gpu
+        "load anywhere": LaunchSpec(DEMOS / "load_anywhere.py",
+                                    ["--dir", tmp / "anywhere", "--backend", "gloo"]),
+    }  # fmt: skip
+    results = run_together({
+        name: replace(spec, nproc=2, run_dir=tmp / name.replace(" ", "_"), echo=False,
+                      timeout=180) for name, spec in specs.items()
+    })  # fmt: skip
+    results["tmp"] = tmp
+    return results
+
+
+@pytest.mark.torchrun
+def test_a_failed_save_on_rank0_raises_on_every_rank_instead_of_hanging(launches):
+    result = launches["save fails"]
+    assert result.returncode != 0 and {f.rank for f in result.failures} == {0, 1}
+    records = result.records
+    assert [r["rank"] for r in records] == [0, 1]
+    assert "argparse.Namespace" in records[0]["error"]
+    assert records[1]["error"].startswith("rank 0 failed to save")
+    assert not (launches["tmp"] / "c.pt").exists()
+
+
+@pytest.mark.torchrun
+def test_every_rank_resumes_from_the_snapshot_rank_0_chose(launches):
+    result = launches["agree"]
+    assert result.ok, result.output[-3000:]
+    assert [r["chosen"] for r in result.records] == [snapshot_path(".", 10).name] * 2
     assert result.records[0]["error"] is None
     assert "rank 1 cannot read" in result.records[1]["error"]
     assert "the same checkpoint directory" in result.records[1]["error"]
+
+
+@pytest.mark.torchrun
+def test_each_rank_loads_rank_0s_file_onto_its_own_device_on_the_cpu(launches):
+    """scripts/demos/load_anywhere.py on gloo: the three map_location forms, rank 0's weights."""
+    result = launches["load anywhere"]
+    assert result.ok, result.output[-3000:]
+    for record in result.records:
+        assert record["saved_on"] == "cpu" and record["device"] == "cpu"
+        assert record["landed"] == {"device": ["cpu"], "dict": ["cpu"], "cpu": ["cpu"]}
+        assert record["same_weights_everywhere"], "each rank began with its own weights"

@@ -11,7 +11,6 @@ pytest.importorskip("nbclient")
 
 from ddp_tutorial.harness.course import (  # noqa: E402
     inject_parameters,
-    results_table,
     run_notebook,
     strip_outputs,
 )
@@ -27,18 +26,60 @@ def _notebook(path, *cells):
 
 
 @pytest.mark.notebook
-def test_runner_reports_failing_cell_and_error(tmp_path):
-    path = _notebook(
-        tmp_path / "bad.ipynb",
-        ("md", "# A notebook that fails", []),
+def test_the_course_command_runs_lessons_into_the_output_dir_and_names_the_failing_cell(
+    tmp_path, capsys
+):
+    """``ddp-tutorial course`` (make run) on two tiny lessons, one that fails."""
+    from ddp_tutorial.harness.cli import main
+
+    good = _notebook(
+        tmp_path / "00_good.ipynb",
+        ("md", "# 00 · Good\nIt runs.", []),
+        ("code", "X = 1", ["parameters"]),
+        ("code", "from ddp_tutorial.harness.launch import default_run_dir\n"
+                 "default_run_dir('x.py').mkdir(parents=True)", []),
+    )  # fmt: skip
+    bad = _notebook(
+        tmp_path / "01_bad.ipynb",
+        ("md", "# 01 · Bad\nIt fails.", []),
         ("code", "SIZE = 3", ["parameters"]),
         ("code", "import os\nassert SIZE == 4, f'size is {SIZE}'", []),
     )
-    result = run_notebook(path, output_dir=tmp_path / "out", timeout=60)
-    assert not result.ok and result.failed_cell == 2
-    assert "AssertionError" in result.error and "size is 3" in result.error
-    assert (tmp_path / "out" / "bad.ipynb").exists() and (tmp_path / "out" / "bad.html").exists()
-    assert "bad.ipynb" in results_table([result]) and "FAILED (cell 2)" in results_table([result])
+    out = tmp_path / "out"
+    assert main(["course", str(good), str(bad), "--output-dir", str(out), "--timeout", "60"]) == 1
+    printed = capsys.readouterr().out
+    assert "AssertionError" in printed and "size is 3" in printed, "the error, in the log"
+    table = printed.split("00_good.ipynb", 1)[-1]  # the table after the progress lines
+    assert "FAILED (cell 2)" in table and "01_bad.ipynb" in table
+    for name in ("00_good", "01_bad"):  # failed or not: executed copy and HTML to read
+        assert (out / f"{name}.ipynb").exists() and (out / f"{name}.html").exists()
+    assert "1/2 lessons ok" in (out / "index.html").read_text()
+    made = list((out / "runs" / "00_good").iterdir())  # a lesson's runs: under the output dir
+    assert [p.name.startswith("x-") for p in made] == [True]
+    assert not (tmp_path / "runs").exists(), "nothing beside the notebooks"
+
+
+def test_the_course_command_refuses_a_missing_notebook(tmp_path, capsys):
+    from ddp_tutorial.harness.cli import main
+
+    assert main(["course", str(tmp_path / "nope.ipynb"), "--output-dir", str(tmp_path)]) == 2
+    assert "no such notebook: " in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [], "nothing ran, nothing written"
+
+
+def test_the_strip_command_strips_a_copy(tmp_path, capsys):
+    from ddp_tutorial.harness.cli import main
+
+    path = _notebook(tmp_path / "n.ipynb", ("code", "print(1)", []), ("code", "x = 2", []))
+    nb = nbformat.read(path, 4)
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1\n")]
+    nb.cells[0].execution_count = 1
+    nbformat.write(nb, path)
+    assert main(["strip", str(path)]) == 0
+    assert capsys.readouterr().out == f"stripped {path}\n"
+    cells = nbformat.read(path, 4).cells
+    assert [c.outputs for c in cells] == [[], []] and cells[0].execution_count is None
+    assert main(["strip", str(path)]) == 0 and capsys.readouterr().out == "", "already clean"
 
 
 @pytest.mark.notebook
@@ -68,21 +109,6 @@ def test_strip_outputs(tmp_path):
     assert strip_outputs(path) is True
     assert strip_outputs(path) is False
     assert nbformat.read(path, 4).cells[0].outputs == []
-
-
-@pytest.mark.notebook
-def test_a_lessons_runs_go_under_the_output_dir_not_the_notebook_folder(tmp_path):
-    path = _notebook(
-        tmp_path / "lesson.ipynb",
-        ("code", "X = 1", ["parameters"]),
-        ("code", "from ddp_tutorial.harness.launch import default_run_dir\n"
-                 "default_run_dir('x.py').mkdir(parents=True)", []),
-    )  # fmt: skip
-    result = run_notebook(path, output_dir=tmp_path / "out", timeout=60, html=False)
-    assert result.ok, result.error
-    made = list((tmp_path / "out" / "runs" / "lesson").iterdir())
-    assert [p.name.startswith("x-") for p in made] == [True]
-    assert not (tmp_path / "runs").exists(), "nothing beside the notebook"
 
 
 def test_the_index_page_lists_every_lesson_with_status_time_and_link(tmp_path):

@@ -135,6 +135,34 @@ def test_blobs_are_learnable_but_not_perfect():
 # ---------------------------------------------------------------- exact evaluation
 
 
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_the_ranks_sums_add_up_to_one_process_and_padding_counts_twice(world):
+    """What distributed_evaluate's all_reduce adds: each rank's [correct, count, loss] sums.
+
+    Unpadded shards add up to the single process's numbers exactly; DistributedSampler's
+    padded ones count the first ``-301 % world`` samples twice (seed 000's evaluation).
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ddp_tutorial.data import local_sums
+
+    torch.manual_seed(0)
+    model, data, cpu = MLP(16, 4), GaussianBlobs(301, seed=1), torch.device("cpu")
+    whole = distributed_evaluate(model, data)  # no group: this process evaluates everything
+
+    def summed(sampler_class) -> torch.Tensor:
+        shards = [sampler_class(data, world, r, shuffle=False) for r in range(world)]
+        return sum(local_sums(model, DataLoader(data, 16, sampler=s), cpu) for s in shards)
+
+    exact = summed(UnpaddedDistributedSampler)
+    assert (int(exact[0]), int(exact[1])) == (whole.correct, whole.count) == (whole.correct, 301)
+    assert float(exact[2]) / 301 == pytest.approx(whole.loss, rel=1e-6)  # float32 batches
+    padding = -301 % world
+    naive = summed(DistributedSampler)
+    repeated = local_sums(model, DataLoader(torch.utils.data.Subset(data, range(padding))), cpu)
+    assert int(naive[1]) == 301 + padding and int(naive[0]) == whole.correct + int(repeated[0])
+
+
 # ---------------------------------------------------------------- batch arithmetic, plots
 
 

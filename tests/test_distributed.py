@@ -10,24 +10,28 @@ import pytest
 from conftest import DEMOS
 from ddp_tutorial.distributed import BackendError, choose_backend
 
+ONE_EACH = "(nccl needs one GPU per rank)"
+
 
 @pytest.mark.parametrize(
-    ("requested", "local_ranks", "gpus", "expected"),
+    ("requested", "local_ranks", "gpus", "nccl_built", "expected", "why"),
     [
-        ("auto", 2, 0, "gloo"),
-        ("auto", 2, 1, "gloo"),  # a 1-GPU laptop still runs 2-rank lessons, on CPU
-        ("auto", 2, 2, "nccl"),
-        ("auto", 1, 8, "nccl"),
-        ("gloo", 2, 8, "gloo"),
-        ("GLOO", 1, 0, "gloo"),
+        ("auto", 2, 0, True, "gloo", "no CUDA GPU visible: gloo on CPU"),
+        # a 1-GPU laptop still runs 2-rank lessons, on CPU
+        ("auto", 2, 1, True, "gloo", f"1 GPU(s) for 2 local ranks: gloo on CPU {ONE_EACH}"),
+        ("auto", 2, 2, True, "nccl", "2 GPU(s) for 2 local rank(s): nccl"),
+        ("auto", 1, 8, True, "nccl", "8 GPU(s) for 1 local rank(s): nccl"),
+        ("auto", 2, 2, False, "gloo", "this PyTorch build has no NCCL: gloo"),
+        ("nccl", 2, 2, True, "nccl", "nccl requested"),
+        ("gloo", 2, 8, True, "gloo", "gloo requested"),
+        ("GLOO", 1, 0, True, "gloo", "gloo requested"),
     ],
 )
-def test_choose_backend(requested, local_ranks, gpus, expected, monkeypatch):
+def test_choose_backend(requested, local_ranks, gpus, nccl_built, expected, why, monkeypatch):
     import torch.distributed as dist
 
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    backend, reason = choose_backend(requested, local_ranks, gpus=gpus)
-    assert backend == expected and reason
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl_built)
+    assert choose_backend(requested, local_ranks, gpus=gpus) == (expected, why)
 
 
 def test_auto_says_why_it_fell_back_to_gloo():
@@ -94,11 +98,12 @@ def test_every_rank_reads_every_choice_through_the_store():
 
     import torch.distributed as dist
 
-    from ddp_tutorial.distributed import exchange, free_port
+    from ddp_tutorial.distributed import exchange
 
-    port = free_port()
     wait = timedelta(seconds=20)
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=wait, wait_for_workers=False)
+    # port 0: the OS picks a free one as it binds (a port chosen first could be taken meanwhile)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=wait, wait_for_workers=False)
+    port = master.port
     seen = {}
 
     def rank(r: int, choice: str) -> None:

@@ -20,10 +20,26 @@ import pytest
 
 from conftest import REPO, SCRIPTS
 
+ALL_SCRIPTS = sorted(SCRIPTS.rglob("*.py"))
+# Scripts that join a process group (the others, e.g. single_process.py, have no rank device)
+GROUP_SCRIPTS = [p for p in ALL_SCRIPTS if re.search(r"process_group\(|setup\(", p.read_text())]
+# ... and of those, the ones not pinned to gloo (their docstring says why: mp.spawn, teardown)
+PINS_GLOO = r"process_group\(\s*(?:backend=)?\"gloo\""
+UNPINNED = [p for p in GROUP_SCRIPTS if not re.search(PINS_GLOO, p.read_text())]
 
-@pytest.mark.parametrize(
-    "path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(SCRIPTS))
-)
+
+def _script_id(path: pathlib.Path) -> str:
+    return str(path.relative_to(SCRIPTS))
+
+
+def test_the_script_selections_hold_what_they_are_for():
+    names = {_script_id(p) for p in GROUP_SCRIPTS}
+    assert {"train.py", "minimal_ddp.py", "demos/hello.py"} <= names
+    assert "single_process.py" not in names, "it joins no group"
+    assert {"train.py", "demos/hello.py"} <= {_script_id(p) for p in UNPINNED}
+
+
+@pytest.mark.parametrize("path", GROUP_SCRIPTS, ids=_script_id)
 def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     """With nccl every tensor a collective sees, and every DDP module, must be on the GPU.
 
@@ -33,8 +49,6 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     pins gloo and says why.
     """
     text = path.read_text()
-    if not re.search(r"process_group\(|setup\(", text):
-        return
     pinned = 'backend="gloo"' in text or 'default="gloo"' in text
     pinned = pinned or '"nccl", device_id=device' in text  # a GPU-only demo: nccl, bound
     # The template joins by itself: its device follows the backend it chose.
@@ -82,14 +96,9 @@ def _cpu_tensors_into_collectives(tree: ast.AST) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(SCRIPTS))
-)
+@pytest.mark.parametrize("path", UNPINNED, ids=_script_id)
 def test_no_script_hands_a_cpu_tensor_to_a_collective(path):
-    text = path.read_text()
-    if re.search(r"process_group\(\s*(?:backend=)?\"gloo\"", text):
-        return  # pinned to gloo for a reason its docstring gives (mp.spawn, teardown)
-    assert _cpu_tensors_into_collectives(ast.parse(text)) == []
+    assert _cpu_tensors_into_collectives(ast.parse(path.read_text())) == []
 
 
 def test_the_source_check_finds_the_bug_it_is_for():

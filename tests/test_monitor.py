@@ -11,8 +11,10 @@ import math
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from conftest import fake_gpu, fake_pynvml, gpu_count
@@ -121,9 +123,9 @@ def test_a_refused_reading_is_nan_and_sampling_goes_on():
     nvml = FakeNVML(2, failing={"nvmlDeviceGetUtilizationRates"})  # MIG, vGPU: "Not Supported"
     mon = Monitor(env={}, nvml=nvml, interval=0.02, nproc=2)
     with mon:
-        import time
-
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # however busy the machine: a few samples in time
+        while len(mon.samples()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
     rows = mon.samples()
     assert len(rows) >= 6, "the thread kept sampling after the first refusal"
     assert all(math.isnan(r["util"]) for r in rows) and all(r["mem_mib"] > 0 for r in rows)
@@ -150,23 +152,81 @@ def test_no_visible_gpu_falls_back_to_cpu():
 def test_overhead_is_small():
     mon = Monitor(interval=0.1)
     with mon:
-        import time
-
         time.sleep(1.0)
     assert mon.overhead < 0.05  # under 5 % of one core even at 10 samples/s
 
 
-def test_bad_interval():
+def test_bad_interval_and_mode_and_stop_before_start():
     with pytest.raises(ValueError, match="interval"):
         Monitor(interval=0)
+    with pytest.raises(ValueError, match="mode must be 'auto', 'gpu' or 'cpu', got 'GPU'"):
+        Monitor(mode="GPU")
+    mon = Monitor()
+    mon.stop()  # never started: nothing to stop, nothing sampled
+    assert mon.samples() == [] and mon.overhead == 0.0
+
+
+def test_nvml_that_cannot_start_means_cpu_sampling_unless_gpus_are_required():
+    no_driver = fake_pynvml(None)  # nvmlInit raises "NVML Shared Library Not Found"
+    mon = Monitor(env={}, nvml=no_driver, interval=0.05)
+    with mon:
+        pass
+    assert mon.mode == "cpu"
+    with pytest.raises(RuntimeError, match="mode='gpu'.*no GPU visible to the ranks"):
+        Monitor(env={}, nvml=no_driver, mode="gpu").start()
+    gpus_hidden = Monitor(env={"CUDA_VISIBLE_DEVICES": ""}, nvml=FakeNVML(), mode="gpu")
+    with pytest.raises(RuntimeError, match="mode='gpu'"):
+        gpus_hidden.start()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_workers_count_for_their_rank_and_dead_or_restarted_ranks_are_followed():
+    """Real processes (not Python: ``sleep``) with RANK in their environment, below this one.
+
+    A rank's DataLoader workers inherit its RANK: their memory and CPU add to the
+    rank's row. A rank that dies drops out of the next sample; one that torchrun
+    restarts (a new pid, the same RANK) is found again by the next walk of the tree.
+    """
+    started: list[subprocess.Popen] = []
+
+    def start(command: list[str], rank: int) -> subprocess.Popen:
+        started.append(subprocess.Popen(command, env={**os.environ, "RANK": str(rank)}))
+        return started[-1]
+
+    try:
+        rank0 = start(["sh", "-c", "sleep 60 & sleep 60 & wait"], 0)  # a rank, two workers
+        rank1 = start(["sleep", "60"], 1)
+        deadline = time.monotonic() + 10
+        while len(_tree(rank0.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        mon = Monitor(env={"CUDA_VISIBLE_DEVICES": ""})
+        rows = {r["id"]: r for r in mon.sample_once()}
+        mib = [sum(p.memory_info().rss for p in _tree(r.pid)) / 2**20 for r in (rank0, rank1)]
+        assert len(_tree(rank0.pid)) == 3 and sorted(rows) == [0, 1]
+        assert rows[0]["mem_mib"] == pytest.approx(mib[0], rel=0.02), "the rank and its workers"
+        assert rows[1]["mem_mib"] == pytest.approx(mib[1], rel=0.02)
+        rank1.kill()
+        rank1.wait()
+        assert [r["id"] for r in mon.sample_once()] == [0], "a dead rank drops out"
+        restarted = start(["sleep", "60"], 1)
+        ids = [[r["id"] for r in mon.sample_once()] for _ in range(4)]
+        assert ids[-1] == [0, 1], f"the restarted rank is found within 4 samples: {ids}"
+        assert restarted.pid in mon._procs and rank1.pid not in mon._procs
+    finally:
+        for proc in started:
+            for p in reversed(_tree(proc.pid) if proc.poll() is None else []):
+                p.kill()
+            proc.wait()
 
 
 @pytest.mark.gpu
 def test_real_nvml_samples_every_visible_gpu():
     mon = Monitor(interval=0.1)
     with mon:
-        import time
-
         time.sleep(0.5)
     assert mon.mode == "gpu"
     assert {r["id"] for r in mon.samples()} == set(range(gpu_count()))

@@ -44,6 +44,52 @@ def test_a_restart_on_another_world_sees_every_sample_once(before, after):
     assert Counter(seen) == Counter(range(length)), "the whole epoch, each sample once"
 
 
+@pytest.mark.parametrize("length,before,after", [(50, 2, 3), (49, 3, 2), (49, 3, 4), (49, 4, 3)])
+def test_a_restart_whose_rest_does_not_divide_pads_it(length, before, after):
+    """The rest of the epoch after the crash is padded to a multiple of the new world size.
+
+    Every rank still takes the same number of steps (DDP needs that); the padding
+    repeats the start of the rest, as DistributedSampler repeats the start of its order.
+    """
+    batch, steps = 4, 2
+    order = list(ResumableSampler(range(length), 1, 0, seed=2))  # the epoch's one permutation
+    consumed = steps * batch * before
+    shards = []
+    for rank in range(after):
+        sampler = ResumableSampler(range(length), after, rank, seed=2)
+        sampler.set_epoch(0, consumed)
+        shards.append(list(sampler))
+        assert len(sampler) == len(shards[-1])
+    rest = order[consumed:]
+    padding = -len(rest) % after
+    assert padding, "this case pads"
+    assert [len(s) for s in shards] == [(len(rest) + padding) // after] * after, "equal steps"
+    dealt = Counter(i for shard in shards for i in shard)
+    assert set(dealt) == set(rest), "every remaining sample, nothing consumed before the crash"
+    assert sorted(i for i, n in dealt.items() if n == 2) == sorted(rest[:padding])
+    assert sum(dealt.values()) == len(rest) + padding
+
+
+@pytest.mark.parametrize("length", [11, 12])
+def test_without_shuffle_it_is_distributed_samplers_fixed_order(length):
+    for rank in (0, 1):
+        reference = list(DistributedSampler(range(length), 2, rank, shuffle=False))
+        sampler = ResumableSampler(range(length), 2, rank, shuffle=False)
+        for epoch in (0, 3):  # the same order every epoch
+            sampler.set_epoch(epoch)
+            assert list(sampler) == reference
+        sampler.set_epoch(3, consumed=4)  # 2 steps of 1 sample on 2 ranks
+        assert list(sampler)[:3] == reference[2:5]  # (11: the rest pads with its own start)
+
+
+def test_a_snapshot_at_the_epochs_end_leaves_nothing_on_any_world():
+    for world in (1, 2, 3):
+        for rank in range(world):
+            sampler = ResumableSampler(range(12), world, rank, seed=0)
+            sampler.set_epoch(1, consumed=12)
+            assert len(sampler) == 0 and list(sampler) == []
+
+
 def test_a_resume_on_the_same_world_continues_each_shard():
     full = ResumableSampler(range(50), 2, 1, seed=3)
     full.set_epoch(2)

@@ -43,19 +43,22 @@ def test_a_refused_attach_is_explained():
 @pytest.mark.torchrun  # a real Python process to attach to
 def test_py_spy_dumps_a_real_process():
     assert py_spy() is not None, "py-spy is a dependency: pip install -e ."
-    code = "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()\n"
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    code = (
+        "import time\ndef waiting_here():\n    print('in', flush=True)\n    time.sleep(60)\n"
+        "waiting_here()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # let it reach the function
+        assert proc.stdout.readline() == "in\n"  # it is in the function (or has died: "")
+        deadline = time.monotonic() + 30  # a dump may miss the frame while it is entered
         dump = dump_stack(proc.pid)
-        for _ in range(10):
-            if dump.ok and "waiting_here" in dump.text:
-                break
+        while not (dump.ok and "waiting_here" in dump.text) and time.monotonic() < deadline:
             time.sleep(0.3)
             dump = dump_stack(proc.pid)
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     assert dump.ok, dump.text  # here attaching is allowed: a failure is a real one
-    assert "waiting_here (<string>:3)" in dump.text
+    assert "waiting_here (<string>:4)" in dump.text
     assert "\x1b[" not in dump.text  # colours stripped

@@ -9,8 +9,10 @@ sample of the interrupted epoch exactly once.
 Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
 real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
-that fails, a loss that diverges, a SIGTERM mid-epoch — is proven on real launches,
-all started side by side in one module fixture (issue 22).
+that fails, a loss that diverges, a SIGTERM mid-epoch, a rank that falls behind — is
+proven on real launches, all started side by side in one module fixture (issue 22).
+What one rank shows as well (the speed flags, a resume with a GradScaler, --download)
+runs as a world of one in this process: no launch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script
-from ddp_tutorial.distributed import free_port
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
 from ddp_tutorial.real_data import write_example_folder
@@ -60,7 +61,7 @@ def run_main(template, monkeypatch, capsys, *argv):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("MASTER_PORT", "0")  # a world of one: its store binds any free port
     with pytest.raises(SystemExit) as stopped:
         template.main([str(a) for a in argv])
     assert not torch.distributed.is_initialized(), "stopped before init_process_group"
@@ -171,8 +172,7 @@ def test_speed_flags_parse_and_pick_their_tools(template):
     from ddp_tutorial.numerics import amp_dtype
 
     assert template.parse_args(["--amp"]).amp == "bf16", "a bare --amp keeps meaning bf16"
-    args = template.parse_args(["--amp", "fp16", "--compile", "--comm-hook", "powersgd"])
-    assert (args.amp, args.compile, args.comm_hook) == ("fp16", "inductor", "powersgd")
+    assert template.parse_args(["--compile"]).compile == "inductor", "a bare --compile"
     assert amp_dtype(torch.device("cpu"), "fp16") == torch.float16
     assert comm_hook("fp16") == (None, default_hooks.fp16_compress_hook)
     assert comm_hook("bf16") == (None, default_hooks.bf16_compress_hook)
@@ -194,6 +194,8 @@ MLP_RUN = ["--model", "mlp", "--image-size", "8", "--num-val", "64", "--no-progr
 PREEMPT = [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
            "--log-every", "10", "--deterministic"]  # fmt: skip
 SIGTERM_AFTER = "step 10:"  # the log line after which the test sends SIGTERM to torchrun
+LATE_AFTER = "step 3:"  # ... after which it freezes rank 1 (SIGSTOP) of the --timeout run
+LATE_TIMEOUT_S = 3
 FILE_SIZE_LIMIT = 100_000  # bytes: a snapshot of the MLP (~230 KB) cannot be written, logs can
 
 BUFFERS = """
@@ -240,6 +242,30 @@ def file_size_limited(spec, limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, before)
 
 
+def freeze_a_rank(launch, late: dict) -> None:
+    """One step of the late-rank run: SIGSTOP rank 1 after LATE_AFTER; SIGCONT when rank 0 ends.
+
+    A frozen rank is a real late one (a node swapping, a stuck file system): rank 0
+    waits for it in the next all_reduce until the collective timeout. Once rank 0
+    has ended, rank 1 resumes to take torchrun's SIGTERM (a stopped process would
+    hold it until torchrun's grace period ends).
+    """
+    import psutil
+
+    if "stopped" not in late and any(LATE_AFTER in line for line in launch.lines):
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(launch.proc.pid).children()}
+        ranks[1].suspend()
+        late.update(stopped=time.time(), ranks=ranks)
+    elif "stopped" in late and "rank 0 ended" not in late:
+        try:
+            running = late["ranks"][0].status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            running = False
+        if not running or time.time() - late["stopped"] > 120:
+            late["rank 0 ended"] = time.time()
+            late["ranks"][1].resume()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from dataclasses import replace
@@ -257,8 +283,10 @@ def runs(tmp_path_factory):
         "big batch": [*accum, "--batch-size", "16", "--optimizer", "sgd"],
         "accumulated": [*accum, "--batch-size", "8", "--grad-accum", "2", "--optimizer", "sgd"],
         "speed flags": [*MLP_RUN, "--num-samples", "192", "--batch-size", "16", "--epochs", "2",
-                        "--amp", "fp16", "--comm-hook", "fp16", "--compile", "aot_eager",
-                        "--grad-accum", "2"],
+                        "--amp", "bf16", "--comm-hook", "fp16", "--compile", "aot_eager",
+                        "--grad-accum", "2"],  # bf16 autocast is real on CPUs (fp16: one rank)
+        "late rank": [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
+                      "--log-every", "1", "--timeout", str(LATE_TIMEOUT_S)],
         "failed save": [*MLP_RUN, "--num-samples", "512", "--batch-size", "16",
                         "--save-every", "2"],
         "uninterrupted": PREEMPT,
@@ -272,7 +300,7 @@ def runs(tmp_path_factory):
     (tmp / "buffers.py").write_text(BUFFERS)
     specs["buffers"] = LaunchSpec(tmp / "buffers.py", nproc=3, run_dir=tmp / "buffers",
                                   echo=False, timeout=300)  # fmt: skip
-    launches, ended, sigterm_at = {}, {}, None
+    launches, ended, sigterm_at, late = {}, {}, None, {}
     try:
         for name, spec in specs.items():
             if name == "failed save":
@@ -288,15 +316,19 @@ def runs(tmp_path_factory):
             if sigterm_at is None and any(SIGTERM_AFTER in line for line in preempted.lines):
                 os.kill(preempted.proc.pid, signal.SIGTERM)  # torchrun forwards it to the ranks
                 sigterm_at = time.time()
+            freeze_a_rank(launches["late rank"], late)
     except BaseException:
         for launch in launches.values():
             launch.kill()
         raise
+    finally:
+        if "stopped" in late and "rank 0 ended" not in late:
+            late["ranks"][1].resume()
     results = {name: launch.wait() for name, launch in launches.items()}
     for name, result in results.items():
-        if name not in ("impossible", "failed save", "preempted"):
+        if name not in ("impossible", "failed save", "preempted", "late rank"):
             assert result.ok, f"{name}:\n{result.output[-3000:]}"
-    results["ended"], results["sigterm_at"] = ended, sigterm_at
+    results["ended"], results["sigterm_at"], results["late"] = ended, sigterm_at, late
     results["preempted snapshots"] = [s for s, _ in list_snapshots(tmp / "preempted" / "ckpt")]
     # Phase 2: the rerun of the preempted job; and the same snapshot resumed with an LR of 1e12.
     shutil.copytree(tmp / "preempted" / "ckpt", tmp / "diverged" / "ckpt")
@@ -341,27 +373,42 @@ def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(runs):
 
 
 @pytest.mark.torchrun
-def test_gradient_accumulation_matches_the_large_batch(runs):
+def test_gradient_accumulation_matches_the_large_batch(runs, template):
     """K micro-batches of B on N ranks take the step one batch of K*B takes (no BatchNorm)."""
     big, accum = (
         torch.load(runs[name].run_dir / "ckpt" / "final.pt", weights_only=True)
         for name in ("big batch", "accumulated")
     )
     assert all(torch.allclose(big[k], accum[k], atol=1e-6) for k in big), "float rounding only"
+    torch.manual_seed(template.parse_args([]).seed)  # the weights both runs started from
+    start = build_model("mlp", 10, 8).state_dict()
+    moved = min((big[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3, f"every tensor moved far beyond the tolerance (least: {moved:.2g})"
 
 
 @pytest.mark.torchrun
-def test_speed_flags_train_and_resume_state(runs):
-    """--amp fp16 (a GradScaler), --comm-hook fp16, --compile and --grad-accum together."""
-    from ddp_tutorial.snapshots import latest_snapshot
+def test_speed_flags_train_on_two_ranks(runs):
+    """--amp bf16, --comm-hook fp16, --compile and --grad-accum together, on 2 gloo ranks.
 
+    (--amp fp16's GradScaler and its resume: test_speed_flags_are_active_and_resume_exactly.)
+    """
     run = runs["speed flags"].run_dir
     history = json.loads((run / "metrics.json").read_text())["history"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
-    snapshot = torch.load(latest_snapshot(run / "ckpt"), weights_only=True)
-    assert snapshot["scaler"]["scale"] > 0, "the GradScaler's state is part of the snapshot"
     final = torch.load(run / "ckpt" / "final.pt", weights_only=True)
+    assert all(v.dtype != torch.bfloat16 for v in final.values()), "autocast: fp32 weights"
     build_model("mlp", 10, 8).load_state_dict(final)  # no "_orig_mod." or "module." prefix
+
+
+@pytest.mark.torchrun
+def test_a_late_rank_fails_the_job_within_the_timeout(runs):
+    """--timeout 3: rank 1 frozen after step 3; rank 0 gives up in 3 s, not in 10 minutes."""
+    late, run = runs["late"], runs["late rank"]
+    assert "stopped" in late, "the run ended before rank 1 could be frozen"
+    waited = late["rank 0 ended"] - late["stopped"]
+    assert run.returncode != 0 and waited < LATE_TIMEOUT_S + 20, waited  # default: 600 s
+    err = run.rank_log(0, "stderr")
+    assert f"Timed out waiting {LATE_TIMEOUT_S * 1000}ms" in err, err[-2000:]
 
 
 @pytest.mark.torchrun
@@ -432,10 +479,12 @@ def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
 def one_rank(monkeypatch):
     """torchrun's environment for one rank: the template's main() runs in this process.
 
-    Its stop checks install SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards.
+    MASTER_PORT 0: rank 0's store binds a port the OS picks as it binds (no other rank
+    connects), so no port is chosen first and taken meanwhile. Its stop checks install
+    SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards.
     """
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **CPU}  # fmt: skip
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", **CPU}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -481,7 +530,6 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatc
     state["extra"].update(consumed=10, history=[], loss_totals=[2.3, 1.0])
     torch.save(state, path)
     (tmp_path / "final.pt").unlink()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     template.main(nine)  # resumes: nothing left of epoch 0, evaluates it, trains epoch 1
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert build_model("mlp", 10, 8).load_state_dict(final)
@@ -512,9 +560,144 @@ def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, 
     assert steps == [4, 8], "--eval-every 4 evaluates at steps 4 and 8 (the epoch stops at 8)"
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best.keys() == torch.load(tmp_path / "final.pt", weights_only=True).keys()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     template.main([*argv, "--epochs", "2", "--lr", "0.01"])
     assert "WARNING: resumed with --epochs 1 -> 2, --lr 0.003 -> 0.01" in capsys.readouterr().out
+
+
+SPEED = [*TINY, "--num-samples", "128", "--batch-size", "8", "--epochs", "2", "--amp", "fp16",
+         "--grad-accum", "2", "--compile", "aot_eager", "--comm-hook", "fp16", "--deterministic",
+         "--warmup", "0"]  # fmt: skip
+
+
+def cloned(state):
+    """A deep copy of a state_dict-like tree (training goes on mutating the original)."""
+    import copy
+
+    return copy.deepcopy(state)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_speed_flags_are_active_and_resume_exactly(template, tmp_path, monkeypatch, one_rank):
+    """--amp fp16 (a GradScaler), --grad-accum 2, --compile, --comm-hook fp16, --deterministic.
+
+    A world of one in this process: the hook is called on every optimizer step (and on no
+    micro-batch under no_sync), deterministic algorithms are on, and a run stopped at step 6
+    resumes with the scaler, step, weights and optimizer it saved, to end bitwise where the
+    uninterrupted run ends.
+    """
+    from ddp_tutorial import snapshots
+
+    hook_calls = []
+
+    def counting(name):  # the real hook, counted
+        state, hook = real_comm_hook(name)
+        return state, lambda s, bucket: hook_calls.append(bucket.index()) or hook(s, bucket)
+
+    real_comm_hook = template.comm_hook
+    monkeypatch.setattr(template, "comm_hook", counting)
+    restored = {}
+    real_restore = snapshots.restore_training_state
+
+    def spy(state, ddp, optimizer, scaler, same_world):
+        where = real_restore(state, ddp, optimizer, scaler, same_world)
+        # copies: the optimizer trains on with the loaded tensors, in place
+        restored.update(saved=cloned(state), where=where, scaler=scaler.state_dict(),
+                        model=cloned(ddp.module.state_dict()),
+                        optimizer=cloned(optimizer.state_dict()["state"]))  # fmt: skip
+        return where
+
+    monkeypatch.setattr(snapshots, "restore_training_state", spy)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so that teardown removes
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # what --deterministic sets
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        template.main([*SPEED, "--checkpoint-dir", str(tmp_path / "straight")])
+        assert torch.are_deterministic_algorithms_enabled(), "--deterministic"
+        assert len(hook_calls) == 16, "2 epochs x 8 steps, one bucket: only on the last micro"
+        template.main([*SPEED, "--checkpoint-dir", str(tmp_path / "stopped"), "--max-steps", "6"])
+        assert not restored, "nothing to resume yet"
+        template.main([*SPEED, "--checkpoint-dir", str(tmp_path / "stopped")])
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+        torch._dynamo.reset()
+    saved = restored["saved"]
+    assert restored["where"]["step"] == saved["step"] == 6 and len(hook_calls) == 16 + 6 + 10
+    fresh = torch.amp.GradScaler("cpu").state_dict()
+    assert saved["scaler"]["_growth_tracker"] == 6 != fresh["_growth_tracker"]
+    assert restored["scaler"] == saved["scaler"], "the GradScaler continues, not restarts"
+    torch.testing.assert_close(restored["model"], saved["model"], rtol=0, atol=0)
+    torch.testing.assert_close(restored["optimizer"], saved["optimizer"]["state"], rtol=0, atol=0)
+    straight, resumed = (torch.load(tmp_path / run / "final.pt", weights_only=True)
+                         for run in ("straight", "stopped"))  # fmt: skip
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), "bitwise"
+    assert not any(torch.equal(resumed[k], saved["model"][k]) for k in resumed), "it trained on"
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_started_without_torchrun_it_says_how_to_start_it(template, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        template.main([])
+    assert stopped.value.code == (
+        "train.py: start it with torchrun --standalone --nproc-per-node N train.py"
+    )
+    assert not torch.distributed.is_initialized()
+
+
+class FakeCIFAR10(torch.utils.data.Dataset):
+    """torchvision's CIFAR10 as far as the template uses it; its "download" writes a marker.
+
+    No internet here. Without a download and without the marker it raises what
+    torchvision raises for a folder that holds no copy.
+    """
+
+    calls: list[tuple[str, bool, bool]] = []
+
+    def __init__(self, root, train, download, transform):
+        from pathlib import Path
+
+        from PIL import Image
+
+        FakeCIFAR10.calls.append((str(root), train, download))
+        marker = Path(root) / "cifar-10-batches-py"
+        if download:
+            marker.mkdir(parents=True, exist_ok=True)
+        elif not marker.is_dir():
+            raise RuntimeError("Dataset not found or corrupted. You can use download=True")
+        pixels = torch.randint(0, 256, (32, 32, 32, 3), dtype=torch.uint8)
+        self.images = [Image.fromarray(p.numpy()) for p in pixels]
+        self.targets, self.transform = [i % 10 for i in range(32)], transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.transform(self.images[i]), self.targets[i]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_download_with_one_rank_then_train_from_the_copy(template, tmp_path, monkeypatch,
+                                                          one_rank, capsys):  # fmt: skip
+    """Point 6: --download on one rank fetches CIFAR-10; the next run reads that copy."""
+    import torchvision.datasets
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    monkeypatch.setattr(FakeCIFAR10, "calls", [])
+    data = tmp_path / "data"
+    cifar = ["--data", "cifar10", "--data-dir", str(data), "--image-size", "16", "--batch-size",
+             "8", "--max-steps", "1", "--no-progress"]  # fmt: skip
+    code, err = run_main(template, monkeypatch, capsys, *cifar)
+    assert code == 2 and "Add --download to fetch it" in err, "no copy yet"
+    template.main([*cifar, "--download", "--checkpoint-dir", str(tmp_path / "a")])
+    template.main([*cifar, "--checkpoint-dir", str(tmp_path / "b")])
+    assert FakeCIFAR10.calls == [(str(data), True, False)] + [
+        (str(data), split, download) for download in (True, False) for split in (True, False)
+    ]
+    build_model("cnn", 10, 16).load_state_dict(
+        torch.load(tmp_path / "b" / "final.pt", weights_only=True)
+    )
 
 
 def read_history(checkpoint_dir):
@@ -685,10 +868,7 @@ def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
     build_model("cnn", 10, 16).load_state_dict(state)  # SyncBatchNorm keys == BatchNorm keys
 
 
-def test_template_offers_deterministic_and_timeout(template, capsys):
-    args = template.parse_args(["--deterministic", "--timeout", "30"])
-    assert args.deterministic and args.timeout == 30.0
-    assert template.parse_args([]).timeout == 600.0  # a long save on rank 0 fits
+def test_a_timeout_of_zero_is_refused(template, capsys):
     with pytest.raises(SystemExit):
         template.parse_args(["--timeout", "0"])
     assert "--timeout > 0" in capsys.readouterr().err

@@ -134,11 +134,39 @@ def multinode(
     for it until the rendezvous timeout); with ``check`` the first failure
     is raised, naming the node.
     """
+    check = options.pop("check", True)
+    specs = node_specs(script, *args, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                       node_env=node_env, host=host, port=port, **options)  # fmt: skip
+    results = run_together(specs, stop_on_failure=True, share_gpus=False)  # GPUs of its own
+    if check:
+        # A timed-out node first, then one that says why it failed, then any failed node.
+        order = sorted(results, key=lambda n: (not results[n].timed_out, not results[n].failures))
+        for node in order:
+            try:
+                raise_for_failure(Path(script).name, results[node], specs[node].timeout)
+            except LaunchError as exc:
+                message = f"node {node}: {exc}"
+                if results[node].timed_out:
+                    message += "\nEvery node was killed."
+                raise type(exc)(message, exc.result) from None
+    return list(results.values())
+
+
+def node_specs(
+    script: str | os.PathLike[str],
+    *args: object,
+    nnodes: int = 2,
+    nproc_per_node: int | None = None,
+    node_env: Sequence[Mapping[str, str]] | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    **options: Any,
+) -> dict[int, LaunchSpec]:
+    """What :func:`multinode` starts, node by node, without starting it (same arguments)."""
     if not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"multinode: nnodes must be a positive integer, got {nnodes!r}")
     if node_env is not None and len(node_env) != nnodes:
         raise ValueError(f"multinode: node_env needs {nnodes} entries, got {len(node_env)}")
-    check = options.pop("check", True)
     base = Path(options.pop("run_dir", None) or default_run_dir(script))
     env, extra = options.pop("env", None) or {}, list(options.pop("torchrun_args", ()))
     if node_env is None and VISIBLE_DEVICES_ENV not in env:
@@ -156,16 +184,4 @@ def multinode(
             env={**env, **(node_env[node] if node_env else {})}, standalone=False,
             torchrun_args=[*rdzv, *extra], prefix=f"[node {node}]", **options,
         )  # fmt: skip
-    results = run_together(specs, stop_on_failure=True, share_gpus=False)  # GPUs of its own
-    if check:
-        # A timed-out node first, then one that says why it failed, then any failed node.
-        order = sorted(results, key=lambda n: (not results[n].timed_out, not results[n].failures))
-        for node in order:
-            try:
-                raise_for_failure(Path(script).name, results[node], specs[node].timeout)
-            except LaunchError as exc:
-                message = f"node {node}: {exc}"
-                if results[node].timed_out:
-                    message += "\nEvery node was killed."
-                raise type(exc)(message, exc.result) from None
-    return list(results.values())
+    return specs
