@@ -132,6 +132,8 @@ class Recorder:
                 "world_size": self.world_size,
                 "pid": os.getpid(),
                 "resumed_from": self.resumed_from,
+                # this node's agent's own count, which another node's may not equal (lesson 10)
+                "agent_restarts": env_int("TORCHELASTIC_RESTART_COUNT", 0),
             },
         )
         if self.per_step and self.rank == 0:  # append across attempts, a line at a time

@@ -72,7 +72,7 @@ def data_loader(args: argparse.Namespace, train_set: Any, rank: int, world_size:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # 1. Who am I? torchrun gives every rank its identity in the environment.
-    if "RANK" not in os.environ:
+    if "LOCAL_RANK" not in os.environ:  # only a launcher sets it (a Kubeflow pod has RANK)
         sys.exit("train.py: start it with torchrun --standalone --nproc-per-node N train.py")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -52,6 +52,20 @@ def test_a_rank_killed_on_one_node_restarts_the_job_on_both_nodes(tmp_path):
     resumed = [r["resumed_from"] for (_, a), r in records.items() if a == 1]
     assert resumed[0] == resumed[1] and resumed[0]["step"] == 2, "one snapshot, on both nodes"
     assert sum("done: 4 steps" in node.output for node in nodes) == 1, "rank 0 finished"
+    # the node whose rank died counted a restart; the other may not have (printed, not a claim)
+    assert records[(killed, 1)]["agent_restarts"] == 1
+    print("TORCHELASTIC_RESTART_COUNT:", [records[(i, 1)]["agent_restarts"] for i in (0, 1)])
+
+
+def test_rank_grid_is_drawn_from_the_records():
+    """Lesson 10's picture: one cell per process at (node, local rank), labelled with its RANK."""
+    from ddp_tutorial.lessons.cluster import grid_labels, rank_grid_figure
+
+    records = [{"rank": g * 3 + lr, "group_rank": g, "local_rank": lr}
+               for g in range(2) for lr in range(3)]  # fmt: skip
+    fig = rank_grid_figure(records)
+    assert grid_labels(fig) == {(g, lr): f"RANK {g * 3 + lr}" for g in range(2) for lr in range(3)}
+    assert len(fig.axes[0].patches) == 6
 
 
 SBATCH = SCRIPTS / "slurm" / "train.sbatch"
