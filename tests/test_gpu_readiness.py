@@ -50,6 +50,7 @@ def test_every_script_keeps_what_it_communicates_on_the_ranks_device(path):
     """
     text = path.read_text()
     pinned = 'backend="gloo"' in text or 'default="gloo"' in text
+    pinned = pinned or bool(re.search(PINS_GLOO, text))  # init_process_group("gloo", ...)
     pinned = pinned or '"nccl", device_id=device' in text  # a GPU-only demo: nccl, bound
     # The template joins by itself: its device follows the backend it chose.
     own = 'torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")' in text

@@ -76,8 +76,9 @@ def setup_calls(local_rank: int = 1, local_world_size: int = 2) -> list[tuple[st
     Runs the real ``setup()`` for local rank ``local_rank`` of a one-node nccl
     job, with the two torch functions that need a GPU replaced by recorders:
     ``torch.cuda.set_device`` and ``dist.init_process_group`` (plus the backend
-    choice, which would ask CUDA, and the job's store, which needs a rendezvous). What it observes is the order and the
-    arguments; what those calls do to a GPU only a GPU shows (lesson 03's GPU cell).
+    choice, which would ask CUDA, and the job's store, which needs a rendezvous).
+    What it observes is the order and the arguments; what those calls do to a GPU
+    only a GPU shows (lesson 03's GPU cell).
     """
     from ddp_tutorial import distributed
 
