@@ -11,6 +11,7 @@ import json
 import pytest
 
 from conftest import REPO
+from ddp_tutorial.harness.hosted import SETUP_CELL, SETUP_TAG
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 BUDGET_S = 120  # per notebook on the 2-core CI machine (DESIGN.md)
@@ -34,6 +35,16 @@ def test_notebook_is_committed_clean(path):
     assert nb["cells"][0]["cell_type"] == "markdown", "a lesson starts with prose"
     if nb.get("nbformat_minor", 0) >= 5:  # cell ids: a hard error in future nbformat versions
         assert all("id" in cell for cell in nb["cells"]), f"{path.name}: a cell without an id"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_lesson_starts_its_code_with_the_setup_cell(path):
+    """Kaggle and Colab open a lesson with no course installed: its first code cell installs it
+    (``ddp_tutorial.harness.hosted``; tests/test_hosted.py runs each branch)."""
+    cells = json.loads(path.read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    assert SETUP_TAG in code[0]["metadata"].get("tags", []), f"{path.name}: no setup cell first"
+    assert "".join(code[0]["source"]) == SETUP_CELL, f"{path.name}: an old copy of the setup cell"
 
 
 def timeout_parameters(nb: dict) -> dict[str, float]:
