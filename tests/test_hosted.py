@@ -91,3 +91,4 @@ def test_outside_a_clone_it_says_what_to_run_first(bare_python, tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "git clone <the repository's URL> ddp-tutorial" in done.stderr
     assert "open ddp-tutorial/notebooks/" in done.stderr
+    assert "%cd ddp-tutorial/notebooks, then run this cell again" in done.stderr

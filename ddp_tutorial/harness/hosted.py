@@ -35,7 +35,8 @@ if importlib.util.find_spec("ddp_tutorial") is None:
         raise SystemExit(
             "This lesson needs the course's repository around it. First, in a terminal or a "
             "cell starting with '!':\\n  git clone <the repository's URL> ddp-tutorial\\n"
-            "then open ddp-tutorial/notebooks/ and this lesson from there."
+            "then open ddp-tutorial/notebooks/ and this lesson from there (in Kaggle or "
+            "Colab: a cell with %cd ddp-tutorial/notebooks, then run this cell again)."
         )
     keep = [f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "torchvision")
             if importlib.util.find_spec(name)]  # fmt: skip
