@@ -412,6 +412,11 @@ def test_launches_run_one_after_another_on_exclusive_process_gpus(tmp_path, writ
     monkeypatch.setattr(launch_module, "exclusive_gpus", lambda env=None: True)
     a, b = spans(run_together(specs))
     assert a["end"] <= b["start"] or b["end"] <= a["start"], "one after another"
+    # start(), as lessons 01, 05, 08 and 11 use it for launches side by side: the same
+    first, second = (launch_module.start(script, nproc=1, run_dir=tmp_path / f"start-{n}",
+                                         echo=False) for n in "ab")  # fmt: skip
+    a, b = spans({"a": first.wait(), "b": second.wait()})
+    assert a["end"] <= b["start"], "the second launch waited for the first"
 
 
 def test_exclusive_gpus_is_read_from_nvml_and_ignored_for_gloo(nvml):

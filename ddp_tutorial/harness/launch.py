@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -335,9 +336,26 @@ def start(script: str | os.PathLike[str], *args: object, **options: Any) -> Laun
     """Start ``script`` under torchrun and return at once; ``.wait()`` gives the result.
 
     ``options`` are the fields of :class:`LaunchSpec`. Bad input is refused
-    before anything starts.
+    before anything starts. On GPUs that take one process at a time
+    (:func:`exclusive_gpus`) it first waits for the launches it started before.
     """
-    return Launch(LaunchSpec(script, args, **options))
+    spec = LaunchSpec(script, args, **options)
+    if exclusive_gpus(spec.env):
+        # EXCLUSIVE_PROCESS GPUs take one CUDA context each: a launch of this process that
+        # still runs holds them, and a second one side by side would fail at its first CUDA
+        # call. Lessons that start launches side by side run them one after another there.
+        for other in list(_STARTED):
+            if not other.done:
+                print(f"EXCLUSIVE_PROCESS GPUs: {spec.name} waits for {other.spec.name}")
+            while not other.done:
+                other.poll(block_s=0.5)
+    launch = Launch(spec)
+    _STARTED.add(launch)
+    return launch
+
+
+_STARTED: weakref.WeakSet[Launch] = weakref.WeakSet()
+"""The launches :func:`start` began that may still run (for EXCLUSIVE_PROCESS GPUs)."""
 
 
 def torchrun(script: str | os.PathLike[str], *args: object, **options: Any) -> RunResult:
