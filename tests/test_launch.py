@@ -43,7 +43,16 @@ if rank == "1":  # wait until rank 0 has finished: the failure is rank 1's alone
     deadline = time.time() + 60
     while not os.path.exists(os.path.join(out, "rank0.json")) and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)  # rank 0 returns right after writing its record
+    with open(os.path.join(out, "rank0.json")) as f:
+        pid = json.load(f)["pid"]
+    def running(pid):  # rank 0 returns right after writing its record: until it has exited
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+        except OSError:
+            return False
+    while running(pid) and time.time() < deadline:
+        time.sleep(0.05)
     raise ValueError("deliberate failure on rank 1")
 """
 

@@ -636,8 +636,14 @@ def test_speed_flags_are_active_and_resume_exactly(template, tmp_path, monkeypat
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_started_without_torchrun_it_says_how_to_start_it(template, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
+@pytest.mark.parametrize("pod_rank", [None, "1"], ids=["plain shell", "a Kubeflow pod's RANK"])
+def test_started_without_torchrun_it_says_how_to_start_it(template, monkeypatch, pod_rank):
+    """Only a launcher sets LOCAL_RANK; a pod's RANK (the node's number) is no launcher."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if pod_rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", pod_rank)
     with pytest.raises(SystemExit) as stopped:
         template.main([])
     assert stopped.value.code == (
