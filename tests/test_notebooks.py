@@ -7,6 +7,7 @@ and exactly one `parameters` cell.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -45,6 +46,26 @@ def test_every_lesson_starts_its_code_with_the_setup_cell(path):
     code = [c for c in cells if c["cell_type"] == "code"]
     assert SETUP_TAG in code[0]["metadata"].get("tags", []), f"{path.name}: no setup cell first"
     assert "".join(code[0]["source"]) == SETUP_CELL, f"{path.name}: an old copy of the setup cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_lesson_opens_with_its_card_and_ends_with_what_to_remember(path):
+    """DESIGN.md "How a lesson reads": a title and one-line summary (the course map reads
+    them), the card (what you will learn, what you need), and at the end what to remember,
+    as a few points and the snippet to copy, then where to go next."""
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"]
+    first, last = ("".join(c["source"]) for c in (cells[0], cells[-1]))
+    title, summary, *card = first.splitlines()
+    assert re.fullmatch(rf"# {path.name[:2]} · \S.*", title), f"{path.name}: title {title!r}"
+    assert summary.strip(), f"{path.name}: the one-sentence summary on line 2"
+    learn = [line for line in card if line.startswith("**You will learn:**")]
+    need = [line for line in card if line.startswith("**You need:**")]
+    assert len(learn) == len(need) == 1, f"{path.name}: the card's two lines"
+    assert last.startswith("## What to remember\n"), f"{path.name}: ends with What to remember"
+    points = re.findall(r"(?m)^\* ", last)
+    assert 3 <= len(points) <= 6, f"{path.name}: {len(points)} points to remember"
+    assert "```python" in last or "```bash" in last, f"{path.name}: no snippet to copy"
+    assert re.search(r"(?m)^(\*\*)?Next:", last), f"{path.name}: no Next line"
 
 
 def timeout_parameters(nb: dict) -> dict[str, float]:
