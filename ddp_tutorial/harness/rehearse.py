@@ -12,6 +12,7 @@ executed by nbclient with its world-size parameter set, then a table.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -81,11 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[3, 8])
     parser.add_argument("--output-dir", type=Path, default=REPO_ROOT / "build" / "rehearse")
     args = parser.parse_args(argv)
-    rows = []
+    began, rows = time.monotonic(), []
     for ranks in args.ranks:
         rows += rehearse(ranks, args.output_dir / f"{ranks}-ranks")
     print()
     print(format_table(rows, ["lesson", "ranks", "parameters", "seconds", "status"]))
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())  # a busy machine explains slow rows
+    print(f"rehearsal: {time.monotonic() - began:.0f} s in all; load average {load} (1, 5, 15 min)")
     for lesson, why in FIXED.items():
         print(f"lesson {lesson[:2]}: not rehearsed, {why}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
