@@ -9,8 +9,10 @@ sample of the interrupted epoch exactly once.
 Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
 real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
-that fails, a loss that diverges, a SIGTERM mid-epoch, a rank that falls behind — is
-proven on real launches, all started side by side in one module fixture (issue 22).
+that fails, a rank that falls behind — is proven on real launches, all started side by
+side in one module fixture (issue 22); a SIGTERM mid-epoch (exit 75, the rerun bitwise
+equal) and a loss that diverges (every rank stops, the good snapshots kept) are lesson
+08's own launches, asserted there.
 What one rank shows as well (the speed flags, a resume with a GradScaler, --download)
 runs as a world of one in this process: no launch.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import time
 
@@ -184,16 +185,10 @@ def test_speed_flags_parse_and_pick_their_tools(template):
 
 # -- real launches: every template run of this file at once, side by side ------------------
 # Most of a launch is start-up (import torch, join the group): together they cost
-# little more than the slowest. Each test below reads its own run. Phase 1 starts
-# them all (one under a file-size limit, one is sent SIGTERM mid-epoch); phase 2
-# runs what needs phase 1's checkpoints: the preempted run's rerun, and a rerun of
-# the same snapshot with a learning rate that diverges.
+# little more than the slowest. Each test below reads its own run (one runs under a
+# file-size limit, one has a rank frozen).
 
 MLP_RUN = ["--model", "mlp", "--image-size", "8", "--num-val", "64", "--no-progress"]
-# 256 steps in one epoch (4096 / (8 x 2)), deterministic: long enough to be interrupted
-PREEMPT = [*MLP_RUN, "--num-samples", "4096", "--batch-size", "8", "--epochs", "1",
-           "--log-every", "10", "--deterministic"]  # fmt: skip
-SIGTERM_AFTER = "step 10:"  # the log line after which the test sends SIGTERM to torchrun
 LATE_AFTER = "step 3:"  # ... after which it freezes rank 1 (SIGSTOP) of the --timeout run
 LATE_TIMEOUT_S = 3
 FILE_SIZE_LIMIT = 100_000  # bytes: a snapshot of the MLP (~230 KB) cannot be written, logs can
@@ -270,8 +265,7 @@ def freeze_a_rank(launch, late: dict) -> None:
 def runs(tmp_path_factory):
     from dataclasses import replace
 
-    from ddp_tutorial.harness.launch import Launch, LaunchSpec, run_together
-    from ddp_tutorial.snapshots import list_snapshots
+    from ddp_tutorial.harness.launch import Launch, LaunchSpec
 
     tmp = tmp_path_factory.mktemp("template")
     images = write_example_folder(tmp / "images", train=16, val=4, size=20)
@@ -289,8 +283,6 @@ def runs(tmp_path_factory):
                       "--log-every", "1", "--timeout", str(LATE_TIMEOUT_S)],
         "failed save": [*MLP_RUN, "--num-samples", "512", "--batch-size", "16",
                         "--save-every", "2"],
-        "uninterrupted": PREEMPT,
-        "preempted": PREEMPT,
     }  # fmt: skip
     specs = {
         name: LaunchSpec(SCRIPTS / "train.py", [*args, "--checkpoint-dir", tmp / name / "ckpt"],
@@ -300,22 +292,18 @@ def runs(tmp_path_factory):
     (tmp / "buffers.py").write_text(BUFFERS)
     specs["buffers"] = LaunchSpec(tmp / "buffers.py", nproc=3, run_dir=tmp / "buffers",
                                   echo=False, timeout=300)  # fmt: skip
-    launches, ended, sigterm_at, late = {}, {}, None, {}
+    launches, ended, late = {}, {}, {}
     try:
         for name, spec in specs.items():
             if name == "failed save":
                 launches[name] = file_size_limited(replace(spec, check=False), FILE_SIZE_LIMIT)
             else:
                 launches[name] = Launch(replace(spec, check=False))
-        preempted = launches["preempted"]
         while not all(la.done for la in launches.values()):
             for name, launch in launches.items():
                 launch.poll(block_s=0.05)
                 if launch.done and name not in ended:
                     ended[name] = time.time()
-            if sigterm_at is None and any(SIGTERM_AFTER in line for line in preempted.lines):
-                os.kill(preempted.proc.pid, signal.SIGTERM)  # torchrun forwards it to the ranks
-                sigterm_at = time.time()
             freeze_a_rank(launches["late rank"], late)
     except BaseException:
         for launch in launches.values():
@@ -326,22 +314,9 @@ def runs(tmp_path_factory):
             late["ranks"][1].resume()
     results = {name: launch.wait() for name, launch in launches.items()}
     for name, result in results.items():
-        if name not in ("impossible", "failed save", "preempted", "late rank"):
+        if name not in ("impossible", "failed save", "late rank"):
             assert result.ok, f"{name}:\n{result.output[-3000:]}"
-    results["ended"], results["sigterm_at"], results["late"] = ended, sigterm_at, late
-    results["preempted snapshots"] = [s for s, _ in list_snapshots(tmp / "preempted" / "ckpt")]
-    # Phase 2: the rerun of the preempted job; and the same snapshot resumed with an LR of 1e12.
-    shutil.copytree(tmp / "preempted" / "ckpt", tmp / "diverged" / "ckpt")
-    phase2 = {
-        "resumed": replace(specs["preempted"], run_dir=tmp / "resumed"),
-        "diverged": replace(specs["preempted"], run_dir=tmp / "diverged", args=[
-            *PREEMPT, "--lr", "1e12", "--warmup", "0", "--save-every", "2",
-            "--checkpoint-dir", tmp / "diverged" / "ckpt"]),
-    }  # fmt: skip
-    started = time.time()
-    results.update(run_together(phase2))
-    results["ended"].update({name: started + results[name].seconds for name in phase2})
-    assert results["resumed"].ok, results["resumed"].output[-3000:]
+    results["ended"], results["late"] = ended, late
     return results
 
 
@@ -422,45 +397,6 @@ def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
         err = run.rank_log(rank, "stderr")
         assert "rank 0 failed to save" in err and "File too large" in err, (rank, err[-2000:])
     assert not list((run.run_dir / "ckpt").glob("snapshot-*.pt")), "no partial snapshot left"
-
-
-@pytest.mark.torchrun
-def test_sigterm_mid_epoch_saves_that_step_and_the_rerun_ends_bitwise_equal(runs):
-    """Point 4: preemption. torchrun forwards SIGTERM; the ranks agree, save, exit 75."""
-    from ddp_tutorial.stopping import PREEMPTED_EXIT
-
-    assert runs["sigterm_at"] is not None, "the preempted run ended before the signal"
-    stopped, rerun = runs["preempted"], runs["resumed"]
-    assert stopped.returncode != 0 and "got signal: 15" in stopped.output  # torchrun's own
-    assert runs["ended"]["preempted"] - runs["sigterm_at"] < 30, "within torchrun's grace"
-    [step] = runs["preempted snapshots"]  # the only snapshot: the one SIGTERM asked for
-    assert 10 <= step < 256, f"a snapshot of the step it stopped at, mid-epoch: {step}"
-    assert f"SIGTERM: saved step {step}, exit {PREEMPTED_EXIT}" in stopped.output
-    assert f"resumed from snapshot-{step:09d}.pt" in rerun.output
-    # the rerun wrote its final.pt into the preempted run's --checkpoint-dir
-    a, b = (torch.load(r.run_dir / "ckpt" / "final.pt", weights_only=True)
-            for r in (runs["uninterrupted"], stopped))  # fmt: skip
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "bitwise"
-
-
-@pytest.mark.torchrun
-def test_divergence_stops_every_rank_before_saving_and_keeps_the_good_snapshot(runs):
-    """Point 5: --lr 1e12 from the preempted run's snapshot: inf/nan, every rank stops."""
-    from ddp_tutorial.snapshots import list_snapshots
-
-    run = runs["diverged"]
-    seconds = runs["ended"]["diverged"] - attempt_started(run)
-    assert run.returncode != 0 and seconds < 30, seconds
-    [good] = runs["preempted snapshots"]
-    assert "WARNING: resumed with --lr 0.003 -> 1000000000000.0, --warmup 0.05 -> 0.0" in run.output
-    for rank in (0, 1):
-        err = run.rank_log(rank, "stderr")
-        assert "DivergedError: the loss or the weights stopped being finite at step" in err, err
-    kept = list_snapshots(run.run_dir / "ckpt")
-    assert kept[0][0] == good, "the good snapshot survives (keep=2 pruning never reached it)"
-    for _, path in kept:
-        state = torch.load(path, weights_only=True)["model"]
-        assert all(v.isfinite().all() for v in state.values()), f"{path.name} is finite"
 
 
 @pytest.mark.torchrun
