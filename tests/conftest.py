@@ -319,3 +319,16 @@ def nvml(monkeypatch: pytest.MonkeyPatch):
         return mod
 
     return install
+
+
+# -- a process group in this process ---------------------------------------------------
+@pytest.fixture
+def world_of_one():
+    """A gloo group of one process on an in-memory store (no port, no launch)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

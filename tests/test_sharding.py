@@ -14,23 +14,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import DEMOS
 from ddp_tutorial.lessons import sharding
 from ddp_tutorial.lessons.anatomy import deep_mlp, flat_grads, flat_params, global_batch
-
-
-@pytest.fixture
-def world_of_one():
-    """A gloo group of one process on an in-memory store (no port, no launch)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _adam_after_one_step(model: torch.nn.Module) -> torch.optim.Adam:

@@ -32,16 +32,6 @@ from ddp_tutorial.lessons import speed
 from ddp_tutorial.lessons.anatomy import global_batch, tiny_model
 
 
-@pytest.fixture
-def world_of_one():
-    """A gloo group of one process on an in-memory store (no port, no launch)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _train(hook_state, hook, steps: int) -> speed.WireLog:
     model = DDP(tiny_model(0, hidden=64))
     model.register_comm_hook(hook_state, hook)
