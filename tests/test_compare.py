@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -74,3 +75,16 @@ def test_every_script_that_wraps_in_ddp_imports_torch_distributed_nn_before_init
             if not re.search(r"^import torch\.distributed\.nn\b", text, re.MULTILINE):
                 missing.append(str(path.relative_to(SCRIPTS)))
     assert not missing, missing
+
+
+@pytest.mark.torchrun
+def test_one_round_launches_the_template_and_the_bare_loop_and_compares_them(speed, tmp_path):
+    """speed.py end to end on a tiny workload: both scripts take its flags, time the same way
+    and write samples/s; the ratio is the template's over the bare loop's."""
+    work = {"model": "cnn", "image_size": 8, "batch_size": 4, "num_samples": 96}  # 24 steps
+    rates = {k: [speed.launch(k, work, 1, tmp_path / k, monitor=False)]
+             for k in ("template", "bare")}  # fmt: skip
+    assert all(r[0] > 0 for r in rates.values()), rates
+    assert speed.summarize(rates)["ratios"]["bare"] == [rates["template"][0] / rates["bare"][0]]
+    bare = json.loads((tmp_path / "bare" / "metrics.json").read_text())
+    assert bare["counted_steps"] == 24 - bare["warmup_steps"] and bare["world_size"] == 1
