@@ -55,7 +55,10 @@ def test_step_costs_adds_up_the_template_side_against_the_bare_side(step_costs, 
     result = step_costs.measure(args)
     rows = {r["piece"]: r for r in result["rows"]}
     assert all(r["us_per_call"] > 0 for r in rows.values())
-    side = lambda s: sum(r["us_per_step"] for r in rows.values() if r["side"] in (s, "both"))  # noqa: E731
+
+    def side(s: str) -> float:
+        return sum(r["us_per_step"] for r in rows.values() if r["side"] in (s, "both"))
+
     assert result["bare_step_us"] == pytest.approx(side("bare"))
     assert result["template_step_us"] == pytest.approx(side("template"))
     assert result["extra_us"] == pytest.approx(side("template") - side("bare"))
