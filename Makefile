@@ -34,10 +34,10 @@ test: $(STAMP)  ## lint + the whole pytest suite (unit, torchrun, notebooks)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun and no notebook
+test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun, no notebook and needs no GPU
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not torchrun and not notebook" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not torchrun and not notebook and not gpu" $(PYTEST_ARGS)
 
 rehearse: $(STAMP)  ## the lessons at GPU world sizes (3 and 8 gloo ranks) on this CPU, a table
 	$(BIN)/python -m ddp_tutorial.harness.rehearse --ranks 3 8
