@@ -39,8 +39,11 @@ def rendezvous_args(
 ) -> list[str]:
     """torchrun's flags for a c10d rendezvous at ``endpoint`` (``host:port``).
 
-    ``nnodes``: ``2``, or ``"1:2"`` for an elastic job. ``node_rank``: only a
-    hint with c10d (the rendezvous decides each node's ``GROUP_RANK``).
+    ``nnodes``: ``2``, or ``"1:2"`` for an elastic job. ``node_rank``: passed as
+    ``--node-rank``, which torchrun uses only with ``--rdzv-backend static``; with
+    c10d it ignores it (torch 2.14's ``run.py`` warns "node_rank is only used for
+    static rdzv_backend. It will be ignored" for any rank but 0), and the
+    rendezvous gives each node its ``GROUP_RANK``, whatever number it was given.
     ``conf``: ``--rdzv-conf``, e.g. ``"join_timeout=5"`` (how long to wait for
     missing nodes, 600 s by default) or ``"is_host=1"``.
     """

@@ -8,10 +8,14 @@ GPU only. Run it on a machine with at least 2 GPUs:
 Rank 0 saves a checkpoint from ``cuda:0``; the storage remembers that device.
 ``--mode stray`` loads it the way seed 001 loads its pretrained weights
 without a ``map_location``: every rank's copy lands on ``cuda:0``, so every
-rank creates a CUDA context (hundreds of MB today, 2 MB in 2019) on GPU 0 —
-next to rank 0's. ``--mode clean`` loads with ``map_location=<this rank's
-device>``. After the load each rank reports NVML's view: memory used and the
-pids with a context, per physical GPU.
+rank creates a CUDA context on GPU 0 — next to rank 0's. Seed 002 saw about
+2 MB per card; a context is far larger today: when torch made lazy module
+loading its default (pytorch/pytorch#86509, torch 1.13), a process holding one
+small tensor used 287 MB of its GPU with it and 667 MB without, and the size
+varies with the GPU, the driver and the CUDA version. ``--mode clean`` loads
+with ``map_location=<this rank's device>``. After the load each rank reports
+NVML's view: memory used and the pids with a context, per physical GPU, so the
+run shows the size on your GPUs.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Every case is a few lines in a function below, the bug and its fix side by
 side (``if fix:``). The process group gets a short timeout (``--timeout``,
 default ``$DDP_TUTORIAL_TIMEOUT`` or 60 s): a rank stuck in a collective fails
 in seconds with gloo's ``Timed out waiting …`` instead of hanging for the
-default 10 minutes. gloo is the default backend because the lesson reads
+default 30 minutes (gloo's; nccl's is 10: ``torch.distributed.constants``,
+torch 2.14). gloo is the default backend because the lesson reads
 gloo's messages; ``--backend nccl`` runs the same cases on GPUs (every tensor
 and model on ``cuda:LOCAL_RANK``; the monitored barrier on a gloo side group).
 ``--case breakpoint`` stops rank 0 in pdb with ``torch.distributed.breakpoint()``

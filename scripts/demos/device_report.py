@@ -4,12 +4,13 @@ Run it on one node, or as two "nodes" of one job (on two machines, or twice
 on this one, as lesson 03 does):
 
     torchrun --standalone --nproc-per-node 2 scripts/demos/device_report.py
-    # node 0 and node 1 of a 2-node job (run each line on its own machine):
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/demos/device_report.py
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d \
+    # a 2-node job: run the same line on each machine
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29400 --rdzv-id job1 scripts/demos/device_report.py
 
+No ``--node-rank``: with a c10d rendezvous torchrun ignores it (and warns, for
+any value but 0); the rendezvous numbers the nodes itself (torch 2.14 sorts
+them by host name, then the agent's process id) and sets GROUP_RANK from that.
 Each rank reports what torchrun told it (RANK, LOCAL_RANK, GROUP_RANK = node),
 the device seed 000's rule would pick (``cuda:{dist.get_rank()}``: the global
 rank), and the device the package picks (``cuda:{LOCAL_RANK}``). On a 2-GPU
