@@ -12,8 +12,10 @@ not at every step):
   KillWait is 30 s too). SIGUSR1 is what ``#SBATCH --signal=B:USR1@120`` sends
   before the time limit (``scripts/slurm/train.sbatch`` forwards it). The
   handler only sets a flag: the rank finishes its step, the ranks agree,
-  save a snapshot of that step and exit with :data:`PREEMPTED_EXIT`, so the
-  scheduler can requeue the job and the rerun resumes from it. (torchrun also
+  save a snapshot of that step and exit with :data:`PREEMPTED_EXIT`, and the
+  rerun resumes from it. That 75 is each rank's own status: torchrun, signalled
+  too, re-raises the signal and exits 1, so a scheduler never sees 75 — the job
+  script requeues it (``train.sbatch``'s trap runs ``scontrol requeue``). (torchrun also
   sends SIGTERM to stop a node's ranks for a restart; a rank blocked in a
   collective with a dead peer never reaches a step boundary — gloo fails that
   collective at once, nccl waits, and torchrun SIGKILLs it after the grace.)
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" — the scheduler requeues, the rerun resumes
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL, "try again later": each rank's status; torchrun itself exits 1
 SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
