@@ -78,6 +78,8 @@ CUDA_CASES = (
     ("device_count", False),
     ("is_available", False),
     ("is_available", True),
+    ("memory_allocated", False),
+    ("mem_get_info", False),
     ("tensor", False),
 )
 """``(--touch, --nvml-check)`` of each parent ``scripts/demos/fork_after_cuda.py`` stands in for."""
@@ -96,6 +98,9 @@ def fork_after_cuda(
     restart. So every case is a subprocess standing in for the kernel, and
     the kernel itself never touches CUDA. Side by side, except where the GPUs
     take one process at a time (EXCLUSIVE_PROCESS: one case after another).
+    ``timeout`` bounds all the cases together, so that a notebook cell's own
+    timeout can be set above it: side by side each case gets all of it, one
+    after another each gets its share.
     Host side: the harness is imported here, never at module level.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -104,16 +109,18 @@ def fork_after_cuda(
     from ddp_tutorial.harness.processes import run_command
 
     nprocs = min(2, gpus)
+    one_at_a_time = exclusive_gpus()
+    each = timeout / len(cases) if one_at_a_time else timeout
 
     def one(case: tuple[str, bool]) -> dict[str, Any]:
         touch, nvml_check = case
         command = [sys.executable, f"{demos}/fork_after_cuda.py", "--touch", touch,
                    "--nprocs", str(nprocs), *(["--nvml-check"] if nvml_check else [])]  # fmt: skip
-        result = run_command(command, timeout=timeout)
+        result = run_command(command, timeout=each)
         reports = [ln for ln in result.output.splitlines() if ln.startswith('{"touch"')]
         if result.returncode != 0 or not reports:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.output[-3000:]}")
         return json.loads(reports[-1])
 
-    with ThreadPoolExecutor(max_workers=1 if exclusive_gpus() else len(cases)) as pool:
+    with ThreadPoolExecutor(max_workers=1 if one_at_a_time else len(cases)) as pool:
         return list(pool.map(one, cases))

@@ -12,9 +12,10 @@ Each rank
    all_gather and reduce once each, recording before/after;
 3. leaves the group (``destroy_process_group``) and records that it did.
 
-It also prints three ways: a line from every rank (N copies), a line guarded by
-``if rank == 0`` and a ``logging`` message that only rank 0 lets through
-(:func:`rank_zero_logging`): one copy each. And it records which process listens
+It also prints four ways: a line from every rank (N copies), a line guarded by
+``if rank == 0`` and a ``logging`` INFO message that only rank 0 lets through
+(:func:`rank_zero_logging`): one copy each; and a ``logging`` WARNING, which every
+rank lets through (N copies, each tagged with its rank). And it records which process listens
 on MASTER_PORT (the store): under torchrun, the agent (every rank's parent).
 
 With ``--out DIR`` each rank writes ``DIR/rank{r}.json`` for the notebook.
@@ -92,6 +93,7 @@ def main() -> None:
     if info.rank == 0:  # one copy: only rank 0 prints
         print(f"done: {info.world_size} ranks ran {len(results)} collectives", flush=True)
     log.info("logged once, by rank 0: backend %s", backend)  # dropped on ranks != 0
+    log.warning("warned by every rank")  # WARNING passes the level on every rank
     write_rank_record(
         args.out,
         {

@@ -7,11 +7,12 @@ starts workers the way Accelerate's ``notebook_launcher`` and Lightning's
 
     python scripts/demos/fork_after_cuda.py --touch tensor --nprocs 2
 
-It prints one JSON line: whether torch says CUDA is initialised in the parent
-(``torch.cuda.is_initialized()``), and the error the workers raised (their
-traceback, which ``start_processes`` carries into the parent's exception), or
-``null``. A process that has initialised CUDA can never fork CUDA workers
-again, so each ``--touch`` needs a fresh parent: this script, not the kernel.
+It prints one JSON line: what two checks say in the parent just before the fork
+(``torch.cuda.is_initialized()``, Accelerate's check before v0.22;
+``torch.cuda._is_in_bad_fork()``, Lightning's since 2.6.1), and the error the
+workers raised (their traceback, which ``start_processes`` carries into the
+parent's exception), or ``null``. A process that has initialised CUDA can never
+fork CUDA workers again, so each ``--touch`` needs a fresh parent: this script, not the kernel.
 Imports torch only (no package module), so nothing but ``--touch`` reaches CUDA.
 """
 
@@ -29,6 +30,8 @@ TOUCHES = {
     "nothing": lambda: None,  # only `import torch`
     "device_count": torch.cuda.device_count,  # asks NVML first
     "is_available": torch.cuda.is_available,  # asks the CUDA runtime, unless NVML_CHECK=1
+    "memory_allocated": torch.cuda.memory_allocated,  # CUDA not initialised: empty stats, 0
+    "mem_get_info": torch.cuda.mem_get_info,  # asks the driver: initialises CUDA
     "tensor": lambda: torch.zeros(1, device="cuda"),  # initialises CUDA: a context on cuda:0
 }
 
@@ -52,7 +55,8 @@ def main() -> None:
     else:
         os.environ.pop(NVML_CHECK, None)
     TOUCHES[args.touch]()
-    initialized = torch.cuda.is_initialized()  # the check notebook launchers make
+    initialized = torch.cuda.is_initialized()  # Accelerate's check before v0.22
+    bad_fork = torch.cuda._is_in_bad_fork()  # Lightning's since 2.6.1: is *this* a bad fork?
     try:
         mp.start_processes(use_the_gpu, nprocs=args.nprocs, start_method="fork")
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # its traceback
@@ -60,7 +64,7 @@ def main() -> None:
     else:
         error = None
     report = {"touch": args.touch, "nvml_check": args.nvml_check, "initialized": initialized,
-              "workers": args.nprocs, "error": error}  # fmt: skip
+              "bad_fork": bad_fork, "workers": args.nprocs, "error": error}  # fmt: skip
     print(json.dumps(report), flush=True)
 
 
