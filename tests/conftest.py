@@ -14,6 +14,8 @@ from types import ModuleType
 import psutil
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_leak_guard.py runs the guards on tests that leak
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"  # what a user copies and runs
 DEMOS = SCRIPTS / "demos"  # the lessons' demonstration scripts
@@ -77,8 +79,172 @@ def _starts_an_interpreter(args: object) -> bool:
     )
 
 
+TEST_ID_ENV = "DDP_TUTORIAL_TEST_ID"
+# Set by torch itself on first use (the first torch.compile): restored, not a test's leak.
+TORCH_SETS = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST"}
+PROCESS_GRACE_S = 10.0  # how long a process a test started may take to end after it
+_test_ids = itertools.count()
+
+
+def _processes_of(test_id: str, before: set[int]) -> list[psutil.Process]:
+    """Live processes not in ``before`` whose environment carries ``test_id``.
+
+    Every process a test starts inherits the id, also those that outlive their
+    launcher and are reparented to init (which ``children()`` would miss).
+    """
+    found = []
+    for pid in set(psutil.pids()) - before:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(TEST_ID_ENV) == test_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _torch_switches() -> dict[str, object]:
+    """Process-wide torch settings a test (or the template's ``main()``) may flip.
+
+    ``scripts/train.py`` sets ``cudnn.benchmark``; ``--deterministic`` the other
+    three: each would change what the next test in this process runs.
+    """
+    import torch
+
+    return {
+        "torch.backends.cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "torch.backends.cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "torch.are_deterministic_algorithms_enabled()": (
+            torch.are_deterministic_algorithms_enabled()
+        ),
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+    }
+
+
+def _set_torch_switches(saved: dict[str, object]) -> None:
+    """Put back the switches that differ from ``saved`` (only those: the deterministic
+    setter imports torch._inductor)."""
+    import torch
+
+    now = _torch_switches()
+    setters = {
+        "torch.backends.cudnn.benchmark": lambda v: setattr(torch.backends.cudnn, "benchmark", v),
+        "torch.backends.cudnn.deterministic": (
+            lambda v: setattr(torch.backends.cudnn, "deterministic", v)
+        ),
+        "torch.are_deterministic_algorithms_enabled()": torch.use_deterministic_algorithms,
+        "torch.get_float32_matmul_precision()": torch.set_float32_matmul_precision,
+    }
+    for name, value in saved.items():
+        if now[name] != value:
+            setters[name](value)
+
+
+class _Baseline:
+    """The environment, torch's switches and the process table, taken before a scope runs.
+
+    ``leaks()`` puts back what changed and says what it was: the caller fails with it.
+    Processes started meanwhile carry ``scope_id`` in their environment.
+    """
+
+    def __init__(self, scope_id: str) -> None:
+        self.scope_id = scope_id
+        self.env = dict(os.environ)
+        self.switches = _torch_switches()
+        self.pids = set(psutil.pids())
+        os.environ[TEST_ID_ENV] = scope_id
+
+    def leaks(self) -> list[str]:
+        os.environ.pop(TEST_ID_ENV, None)
+        env = {k: v for k, v in self.env.items() if k != TEST_ID_ENV}
+        changed = sorted(
+            k
+            for k in set(env) | set(os.environ)
+            if env.get(k) != os.environ.get(k) and k not in TORCH_SETS
+        )
+        os.environ.clear()
+        os.environ.update(self.env)
+        now = _torch_switches()
+        flipped = [
+            f"{k} {self.switches[k]!r} -> {now[k]!r}" for k in now if now[k] != self.switches[k]
+        ]
+        _set_torch_switches(self.switches)
+        deadline = time.monotonic() + PROCESS_GRACE_S
+        left = _processes_of(self.scope_id, self.pids)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _processes_of(self.scope_id, self.pids)
+        names = []
+        for proc in left:
+            try:
+                names.append(" ".join(proc.cmdline()[:4]))
+                proc.kill()
+            except psutil.Error:  # gone, or a zombie, since
+                continue
+        problems = []
+        if changed:
+            problems.append(f"changed environment variables {changed}")
+        if flipped:
+            problems.append(f"changed torch settings {flipped}")
+        if left:
+            problems.append(f"left {len(left)} processes running: {names}")
+        return problems
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_module_leaks(request: pytest.FixtureRequest):
+    """What the module-scoped fixtures of a test file start and set, checked at its end.
+
+    Autouse fixtures are set up before the other fixtures of their scope, so a
+    module fixture's launches (test_training.py's ``runs``) carry this module's id:
+    a process of theirs still alive when the module's fixtures are torn down, an
+    environment variable or a torch switch they changed, fails the module's last
+    test (at teardown).
+    """
+    baseline = _Baseline(f"{os.getpid()}-module-{next(_test_ids)}")
+    yield
+    problems = baseline.leaks()
+    if problems:
+        pytest.fail(
+            f"{request.node.nodeid} (module fixtures) " + "; ".join(problems) + " (restored)"
+        )
+
+
 @pytest.fixture(autouse=True)
-def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def _no_leaks(_no_module_leaks: None, request: pytest.FixtureRequest):
+    """A test leaves the environment, torch's switches, the global RNGs and the process table
+    as it found them.
+
+    The global RNG states of torch, numpy and ``random`` are restored (building
+    a layer draws from them; a test that reseeds them must not decide what the
+    next test draws). Environment variables it set or removed, and torch switches
+    it flipped (``cudnn.benchmark``, deterministic algorithms), are restored, and a
+    process it started that is still alive ``PROCESS_GRACE_S`` after the test is
+    killed: either fails the test, since the next test would otherwise run in a
+    state it did not ask for (a leaked ``CUBLAS_WORKSPACE_CONFIG``, a torchrun tree).
+    It runs after the module's fixtures are set up (it requests the module guard),
+    so it sees what the test itself does.
+    """
+    import numpy as np
+    import torch
+
+    rngs = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    baseline = _Baseline(f"{os.getpid()}-{next(_test_ids)}")
+    yield
+    torch.set_rng_state(rngs[0])
+    np.random.set_state(rngs[1])
+    random.setstate(rngs[2])
+    problems = baseline.leaks()
+    if problems:
+        pytest.fail(f"{request.node.nodeid} " + "; ".join(problems) + " (restored)")
+
+
+@pytest.fixture(autouse=True)
+def _only_marked_tests_launch(
+    _no_leaks: None, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+):
     """A test that starts torchrun, a Python interpreter or a kernel must say so.
 
     ``@pytest.mark.torchrun`` (or ``notebook``, ``gpu``): ``make test-fast``
@@ -86,6 +252,11 @@ def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytes
     pays for a launch or an ``import torch`` in a new process that it did not
     ask for. Every new process goes through ``Popen._execute_child``, also a
     kernel that jupyter_client starts with its own ``Popen``.
+
+    It requests :func:`_no_leaks` first, by name, so that the leak guard is set up
+    before ``monkeypatch`` and torn down after it: what a test set with
+    ``monkeypatch.setenv`` is undone before the guard compares the environment.
+    Renaming either fixture keeps that order (tests/test_leak_guard.py renames them).
     """
     if any(request.node.get_closest_marker(m) for m in ("torchrun", "notebook", "gpu")):
         return
@@ -110,87 +281,6 @@ def _only_marked_tests_launch(request: pytest.FixtureRequest, monkeypatch: pytes
         return real(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
-
-
-TEST_ID_ENV = "DDP_TUTORIAL_TEST_ID"
-# Set by torch itself on first use (the first torch.compile): restored, not a test's leak.
-TORCH_SETS = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST"}
-_test_ids = itertools.count()
-
-
-def _processes_of(test_id: str, before: set[int]) -> list[psutil.Process]:
-    """Live processes not in ``before`` whose environment carries ``test_id``.
-
-    Every process a test starts inherits the id, also those that outlive their
-    launcher and are reparented to init (which ``children()`` would miss).
-    """
-    found = []
-    for pid in set(psutil.pids()) - before:
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get(TEST_ID_ENV) == test_id:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks(request: pytest.FixtureRequest):
-    """A test leaves the environment, the global RNGs and the process table as it found them.
-
-    The global RNG states of torch, numpy and ``random`` are restored (building
-    a layer draws from them; a test that reseeds them must not decide what the
-    next test draws). Environment variables it set or removed are restored, and
-    a process it started that is still alive 10 s after the test is killed:
-    either fails the test, since the next test would otherwise run in a state
-    it did not ask for (a leaked ``CUBLAS_WORKSPACE_CONFIG``, a torchrun tree).
-    """
-    import numpy as np
-    import torch
-
-    saved_env = dict(os.environ)
-    rngs = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    test_id = f"{os.getpid()}-{next(_test_ids)}"
-    os.environ[TEST_ID_ENV] = test_id
-    before = set(psutil.pids())
-    yield
-    os.environ.pop(TEST_ID_ENV, None)
-    changed = sorted(
-        k
-        for k in set(saved_env) | set(os.environ)
-        if saved_env.get(k) != os.environ.get(k) and k not in TORCH_SETS
-    )
-    os.environ.clear()
-    os.environ.update(saved_env)
-    torch.set_rng_state(rngs[0])
-    np.random.set_state(rngs[1])
-    random.setstate(rngs[2])
-    deadline = time.monotonic() + 10
-    left = _processes_of(test_id, before)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = _processes_of(test_id, before)
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    problems = []
-    if changed:
-        problems.append(f"changed environment variables {changed}")
-    if left:
-        names = []
-        for proc in left:
-            try:
-                names.append(" ".join(proc.cmdline()[:4]))
-            except psutil.Error:  # gone, or a zombie, since
-                continue
-        problems.append(f"left {len(left)} processes running: {names}")
-    if problems:
-        pytest.fail(f"{request.node.nodeid} " + "; ".join(problems) + " (restored)")
 
 
 @pytest.fixture

@@ -29,9 +29,10 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script
+from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
-from ddp_tutorial.real_data import write_example_folder
+from ddp_tutorial.real_data import build_datasets, write_example_folder
 from ddp_tutorial.recorder import state_digest
 from ddp_tutorial.seeding import rank_seed
 
@@ -417,14 +418,18 @@ def one_rank(monkeypatch):
 
     MASTER_PORT 0: rank 0's store binds a port the OS picks as it binds (no other rank
     connects), so no port is chosen first and taken meanwhile. Its stop checks install
-    SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards.
+    SIGTERM/SIGUSR1 handlers: pytest's own come back afterwards. main() turns on
+    ``cudnn.benchmark`` for the process, as it should in a training job: put back
+    here, so the next test in this process does not inherit it.
     """
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", **CPU}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    benchmark = torch.backends.cudnn.benchmark
     yield
+    torch.backends.cudnn.benchmark = benchmark
     for sig, handler in saved.items():
         signal.signal(sig, handler)
 
@@ -448,7 +453,7 @@ def test_pretrain_with_module_prefix(template, tmp_path, one_rank):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatch, one_rank):
+def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, capsys):
     """Point 3: 9 samples on 2 ranks, batch 5: the epoch's one step deals out 10 (padding).
 
     A snapshot of that step (--save-every 1) holds consumed=10; a crash during the
@@ -466,9 +471,17 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, monkeypatc
     state["extra"].update(consumed=10, history=[], loss_totals=[2.3, 1.0])
     torch.save(state, path)
     (tmp_path / "final.pt").unlink()
+    capsys.readouterr()
     template.main(nine)  # resumes: nothing left of epoch 0, evaluates it, trains epoch 1
+    out = capsys.readouterr().out
+    assert "resumed from snapshot-000000001.pt: epoch 0, step 1, 10 samples into it" in out, out
+    history = read_history(tmp_path)
+    # epoch 0 is not trained again: evaluated at the saved step 1, with the saved loss (2.3 / 1);
+    # epoch 1 on 1 rank: 9 samples, batch 5, one step
+    assert [(h["epoch"], h["step"]) for h in history] == [(0, 1), (1, 2)], history
+    assert history[0]["train_loss"] == pytest.approx(2.3)
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    assert build_model("mlp", 10, 8).load_state_dict(final)
+    assert any(not torch.equal(final[k], v) for k, v in state["model"].items()), "epoch 1 trained"
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -481,10 +494,10 @@ def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, 
     monkeypatch.setattr(distributed, "set_collective_timeout", lambda s: calls.append(s))
     before = torch.backends.cudnn.benchmark
     argv = [*TINY, "--num-samples", "256", "--batch-size", "16", "--epochs", "1",
-            "--max-steps", "8", "--log-every", "4", "--eval-every", "4",
+            "--max-steps", "8", "--log-every", "4", "--eval-every", "4", "--num-val", "64",
             "--checkpoint-dir", str(tmp_path)]  # fmt: skip
     try:
-        template.main([*argv, "--timeout", "30"])
+        template.main([*argv, "--timeout", "30", "--out", str(tmp_path / "out")])
         assert torch.backends.cudnn.benchmark, "no --deterministic: cuDNN may time its kernels"
     finally:
         torch.backends.cudnn.benchmark = before
@@ -492,10 +505,19 @@ def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, 
     assert calls == [30.0], "the short timeout once, after the first step (not at init)"
     line = next(ln for ln in out.splitlines() if ln.startswith("step 4: "))
     assert all(word in line for word in ("loss", "lr", "grad norm", "samples/s")), line
-    steps = [h["step"] for h in read_history(tmp_path)]
-    assert steps == [4, 8], "--eval-every 4 evaluates at steps 4 and 8 (the epoch stops at 8)"
+    history = read_history(tmp_path)
+    assert [h["step"] for h in history] == [4, 8], "--eval-every 4: steps 4 and 8 (the last)"
+    # best.pt is the first evaluated model with the highest accuracy: its digest is that
+    # evaluation's (recorded with --out), and it scores that accuracy on the validation set
+    evaluations = json.loads((tmp_path / "out" / "rank0.json").read_text())["evaluations"]
+    accuracies = [h["val_accuracy"] for h in history]
+    best_at = accuracies.index(max(accuracies))
     best = torch.load(tmp_path / "best.pt", weights_only=True)
-    assert best.keys() == torch.load(tmp_path / "final.pt", weights_only=True).keys()
+    assert state_digest(best) == evaluations[best_at]["digest"], (accuracies, best_at)
+    model = build_model("mlp", 10, 8)
+    model.load_state_dict(best)
+    _, val_set, _ = build_datasets(template.parse_args(argv))
+    assert distributed_evaluate(model, val_set).accuracy == accuracies[best_at]
     template.main([*argv, "--epochs", "2", "--lr", "0.01"])
     assert "WARNING: resumed with --epochs 1 -> 2, --lr 0.003 -> 0.01" in capsys.readouterr().out
 
