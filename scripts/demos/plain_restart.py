@@ -11,12 +11,13 @@ with ``torch.save`` in place, and a (re)start resumes at ``range(EPOCHS_RUN, epo
 On the first attempt rank ``--crash-rank`` SIGKILLs itself after the first step of
 epoch ``--crash-in-epoch`` (after epoch ``crash - 1`` was saved).
 
-Lesson 08 runs it three ways:
+Without ``--max-restarts`` (torchrun's default is 0) the job ends with the dead rank.
+Lesson 08 runs it twice:
 
-* without ``--max-restarts``: the job ends with the dead rank;
 * with ``--max-restarts 1``: on torch >= 2.5 the restart's ``init_process_group`` meets
-  the previous attempt's addresses in torchrun's store (the agent's, which outlives a
-  restart) and usually fails connecting to a dead process (pytorch/pytorch#135712);
+  the previous attempt's addresses in the store torchrun's agent hosts for its workers
+  (which outlives a restart) and usually fails connecting to a dead process
+  (pytorch/pytorch#135712);
 * with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment: every
   restart gets a new store, the restart joins, and the epoch the example saved runs twice.
 
