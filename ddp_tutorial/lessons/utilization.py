@@ -6,6 +6,8 @@
 * :func:`utilization_plan` says, per kind of device the monitor sampled, which
   run must keep it busy and what "busy" and "balanced" mean there: a CPU rank
   is measured in % of one core, a GPU in NVML's kernel-busy %.
+* :func:`cpu_busy_floor` lowers the CPU level "busy" must reach to what a
+  loaded machine leaves each computing process (its fair share of the cores).
 * :func:`step_breakdown` turns ``scripts/demos/imbalance.py``'s per-step times
   into a table per rank.
 """
@@ -143,11 +145,14 @@ def utilization_plan(kind: str) -> dict[str, Any]:
 
     * ``cpu``: each rank's CPU time per second of wall time, its DataLoader
       workers included (100 = one core). The template's own run is CPU-bound:
-      a rank that computes scores far above ``min_busy`` even with another
-      CPU-bound job beside it (two ranks and one job on two cores: about 66 %),
-      while a rank that waits in a collective uses a few %. Only a machine
-      oversubscribed several times over (load > 10 on 2 cores) pushes a
-      working rank below it.
+      a rank that computes runs whenever a core is free, so it uses most of a
+      core on a quiet machine and about 66 % with one CPU-bound job beside it
+      (two ranks and one job share two cores), while a rank that waits in a
+      collective, or sits idle, uses a few %. ``min_busy`` = 40 % sits between
+      the two: "busy" means computing most of the time, and it holds with one
+      CPU-bound job beside the run (66 / 40: a margin of 1.6). On a machine
+      busier than that no process gets 40 % of a core: :func:`cpu_busy_floor`
+      lowers the level to what the machine's load leaves a computing rank.
     * ``gpu``: NVML's utilization, the share of time *a kernel was running*
       on the GPU. The template's synthetic images are generated on the CPU
       (~0.5 ms a sample) while the small CNN's step is under a millisecond of
@@ -158,11 +163,31 @@ def utilization_plan(kind: str) -> dict[str, Any]:
     ``balance``: the largest allowed ``(max − min) / max`` of the ranks' means.
     """
     if kind == "cpu":
-        return {"run": "template", "unit": "% of one core", "min_busy": 10.0, "balance": 0.35}
+        return {"run": "template", "unit": "% of one core", "min_busy": 40.0, "balance": 0.35}
     if kind == "gpu":
         return {"run": "balanced demo", "unit": "% kernel-busy (NVML)", "min_busy": 50.0,
                 "balance": 0.25}  # fmt: skip
     raise ValueError(f"kind must be 'cpu' or 'gpu', got {kind!r}")
+
+
+def cpu_busy_floor(min_busy: float, cores: int, load: float) -> float:
+    """The CPU level (% of one core) that a computing rank reaches on a machine under ``load``.
+
+    ``load`` is the load average: the processes running or waiting for a core
+    (``os.getloadavg()``, which counts the ranks themselves). A computing rank
+    is always among them, so it gets about ``100 × cores / load`` % of a core
+    when ``load`` exceeds ``cores``, and a whole core otherwise: its fair
+    share. The floor is 60 % of that share, and never above ``min_busy``: on a
+    quiet machine, or with one CPU-bound job beside two ranks on two cores
+    (load ≈ 3, share 66 %), it is ``min_busy`` itself; at a load of 10 on 2
+    cores, 12 %. A rank that waits in a collective uses a few % whatever the
+    load, so it stays below the floor until the machine is loaded about 20
+    times over.
+    """
+    if cores < 1 or load < 0:
+        raise ValueError(f"need cores >= 1 and load >= 0, got {cores}, {load}")
+    share = 100.0 * cores / max(load, cores)
+    return min(min_busy, 0.6 * share)
 
 
 def imbalance_workload(kind: str) -> list[str]:
