@@ -1,4 +1,5 @@
-"""The package's shape, as rules that fail when broken (DESIGN.md "Three kinds of code").
+"""The package's shape, as rules that fail when broken (README.md "Layout": the rank side
+never imports the two below it).
 
 ``ddp_tutorial/`` holds the rank side (what every torchrun worker imports),
 ``ddp_tutorial/harness/`` the host side (starts, watches and reports on ranks),

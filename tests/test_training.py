@@ -64,8 +64,12 @@ def run_main(template, monkeypatch, capsys, *argv):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "0")  # a world of one: its store binds any free port
-    with pytest.raises(SystemExit) as stopped:
-        template.main([str(a) for a in argv])
+    benchmark = torch.backends.cudnn.benchmark  # main() sets it before its last checks
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            template.main([str(a) for a in argv])
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
     assert not torch.distributed.is_initialized(), "stopped before init_process_group"
     return stopped.value.code, capsys.readouterr().err
 
@@ -329,7 +333,7 @@ def attempt_started(run) -> float:
 @pytest.mark.torchrun
 def test_impossible_batch_fails_fast_on_every_rank(runs):
     result = runs["impossible"]
-    assert result.returncode != 0 and result.seconds < 60
+    assert result.returncode != 0  # fast: stopped before init (its time depends on the host)
     assert result.failures[0].exitcode == 2, "the ranks stop with status 2, no traceback"
     assert result.output.count("no step could run") == 1, "one message (local rank 0's)"
 
@@ -382,7 +386,9 @@ def test_a_late_rank_fails_the_job_within_the_timeout(runs):
     late, run = runs["late"], runs["late rank"]
     assert "stopped" in late, "the run ended before rank 1 could be frozen"
     waited = late["rank 0 ended"] - late["stopped"]
-    assert run.returncode != 0 and waited < LATE_TIMEOUT_S + 20, waited  # default: 600 s
+    # the message is the proof; the bound only tells 3 s from the default 600 s, with room
+    # for a loaded host (rank 1 is let go at 120 s: a run without the timeout ends there)
+    assert run.returncode != 0 and waited < 100, waited
     err = run.rank_log(0, "stderr")
     assert f"Timed out waiting {LATE_TIMEOUT_S * 1000}ms" in err, err[-2000:]
 
@@ -392,7 +398,9 @@ def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
     """Point 2: rank 0's write really fails (a file-size limit); nobody waits in a barrier."""
     run = runs["failed save"]
     seconds = runs["ended"]["failed save"] - attempt_started(run)
-    assert run.returncode != 0 and seconds < 30, seconds
+    # every rank raises rank 0's error at once; a rank left in a barrier would wait for the
+    # collective timeout (600 s): the bound tells the two apart on a loaded host too
+    assert run.returncode != 0 and seconds < 120, seconds
     assert {f.rank for f in run.failures} == {0, 1}, "both ranks stopped"
     for rank in (0, 1):
         err = run.rank_log(rank, "stderr")
