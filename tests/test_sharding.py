@@ -5,7 +5,8 @@ The 2-rank claims (bytes per rank for DDP, ZeRO-1 and FSDP2, gradients and weigh
 against one process, the collectives of a step, DCP saved on 2 ranks and loaded on
 1 and 3, the naive save that fails) are asserted on real launches by
 notebooks/12_beyond_ddp.ipynb and not launched again here. The one launch below
-rehearses the training at 3 ranks, where every tensor splits unevenly.
+rehearses the training at 3 ranks, where every tensor splits unevenly, and runs the
+lesson's GPU section on the CPU: its code, and the dtypes it records (bf16 applied).
 """
 
 from __future__ import annotations
@@ -175,13 +176,18 @@ def test_memory_bars_and_traffic_bars_draw_every_segment():
 
 @pytest.mark.torchrun
 def test_sharding_script_trains_like_one_process_on_three_ranks(tmp_path):
-    """3 ranks: every tensor splits unevenly; all four methods still train like one process."""
+    """3 ranks: every tensor splits unevenly; all four methods still train like one process.
+
+    The same launch runs the GPU section (``gpu_memory``) on the CPU, small: the lesson
+    runs it only where GPUs exist, so without this its code would never run here.
+    """
     from ddp_tutorial.harness.launch import torchrun
 
     width, depth, steps, batch = 32, 1, 2, 48
-    run = torchrun(DEMOS / "sharding.py", "--only", "train", "--width", width, "--depth", depth,
-                   "--steps", steps, "--batch-size", batch, "--timing-steps", 1, nproc=3,
-                   run_dir=tmp_path, timeout=240, echo=False)  # fmt: skip
+    run = torchrun(DEMOS / "sharding.py", "--only", "train", "gpu_memory", "--width", width,
+                   "--depth", depth, "--steps", steps, "--batch-size", batch, "--timing-steps", 1,
+                   "--gpu-width", width, "--gpu-depth", depth, nproc=3, run_dir=tmp_path,
+                   timeout=240, echo=False)  # fmt: skip
     ref = deep_mlp(0, width=width, depth=depth)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
     grads = []
@@ -207,3 +213,12 @@ def test_sharding_script_trains_like_one_process_on_three_ranks(tmp_path):
             rec["train"]["zero1"]["owned"]
             == sharding.zero_partition([math.prod(s) for s in shapes], 3)[rank]
         )
+        mem = rec["gpu_memory"]
+        assert mem["psi"] == sum(math.prod(s) for s in shapes)
+        fp32, bf16 = ["torch.float32"], ["torch.bfloat16"]
+        for method in ("ddp", "fsdp2", "fsdp2_bf16"):
+            row = mem[method]
+            computed = bf16 if method == "fsdp2_bf16" else fp32  # bf16 applied where it says
+            assert row["weight_dtypes"] == row["output_dtypes"] == computed, (method, row)
+            assert row["param_dtypes"] == row["grad_dtypes"] == fp32, (method, row)
+            assert row["peak_bytes"] is row["forward_added_bytes"] is None  # no CUDA statistics

@@ -12,8 +12,9 @@ gradient and the trained weights, one step's collectives and the step times;
 ``save`` writes a sharded checkpoint with DCP from every rank, rank 0's plain
 ``final.pt`` from a full state_dict, and the naive ``model.state_dict()`` save
 that a DDP habit suggests; ``load`` loads the DCP checkpoint onto however many
-ranks this launch has; ``gpu_memory`` (GPUs only) measures peak memory per rank
-for DDP, FSDP2 and FSDP2 with bf16 compute on a model big enough to see it.
+ranks this launch has; ``gpu_memory`` measures resting, peak and forward memory
+per rank for DDP, FSDP2 and FSDP2 with bf16 compute on a model big enough to see
+it, and the dtypes each computes with (on a CPU: the dtypes only).
 Big tensors go to ``OUT/<section>_rank<r>.pt``, the rest to ``rank<r>.json``.
 """
 
@@ -241,37 +242,92 @@ def section_load(args: argparse.Namespace, info: DistInfo) -> dict:
             "adam_step": float(opt.state[first]["step"])}  # fmt: skip
 
 
+def compute_dtypes(model: nn.Module) -> tuple[dict[str, set[str]], list]:
+    """Forward hooks on every Linear: the dtype of the weight it computes with, and of its output.
+
+    Registered after ``fully_shard``, whose pre-forward hook runs first (it is
+    prepended): inside the forward ``module.weight`` is then the gathered,
+    unsharded weight, in the mixed-precision policy's ``param_dtype``.
+    """
+    seen: dict[str, set[str]] = {"weight": set(), "output": set()}
+
+    def before(module: nn.Module, args: tuple) -> None:
+        seen["weight"].add(str(module.weight.dtype))
+
+    def after(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["output"].add(str(output.dtype))
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+    return seen, handles
+
+
 def section_gpu_memory(args: argparse.Namespace, info: DistInfo) -> dict:
-    """Peak and resting CUDA memory per rank: DDP, FSDP2, FSDP2 with bf16 compute."""
-    if info.device.type != "cuda":
-        return {"skipped": "needs CUDA: torch.cuda.max_memory_allocated is the measurement"}
+    """Resting, peak and forward CUDA memory per rank: DDP, FSDP2, FSDP2 with bf16 compute.
+
+    Each method trains 3 steps on a fresh model; the third step's forward is
+    measured on its own (what it adds above the state at rest: the gathered
+    weights and the saved activations, the part bf16 halves). The dtypes each
+    Linear computed with are recorded too. On a CPU the same code runs, at
+    the sizes given, and records the dtypes; the bytes are None (a CPU has no
+    allocator statistics): that keeps this GPU path exercised without a GPU.
+    """
+    cuda = info.device.type == "cuda"
     mesh = cpu_or_gpu_mesh(info)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     x, y = batch(0, args, info)
-    out: dict = {"psi": sum(p.numel() for p in deep_mlp(0, args.gpu_width, args.gpu_depth)
-                            .parameters())}  # fmt: skip
+    psi = sum(p.numel() for p in deep_mlp(0, args.gpu_width, args.gpu_depth).parameters())
+    out: dict = {"psi": psi, "unit_numel": args.gpu_width * (args.gpu_width + 1)}  # a hidden Linear
     # Saved for backward: each Linear's input and each ReLU's output, fp32, this rank's batch.
     out["activations_bytes"] = 2 * 4 * x.shape[0] * args.gpu_width * (args.gpu_depth + 1)
-    warm = nn.Linear(8, 8).to(info.device)  # cuBLAS's workspaces, allocated once, before
-    warm(x.float()).sum().backward()  # any measurement starts: no method pays for them
+    if cuda:
+        warm = nn.Linear(8, 8).to(info.device)  # cuBLAS's workspaces, allocated once, before
+        warm(x.float()).sum().backward()  # any measurement starts: no method pays for them
+    allocated = torch.cuda.memory_allocated if cuda else None
+    peak_since_reset = torch.cuda.max_memory_allocated if cuda else None
     for method in ("ddp", "fsdp2", "fsdp2_bf16"):
         gc.collect()
-        torch.cuda.empty_cache()
-        start = torch.cuda.memory_allocated(info.device)
+        if cuda:
+            torch.cuda.empty_cache()
+            start = allocated(info.device)
         model = deep_mlp(args.seed, width=args.gpu_width, depth=args.gpu_depth)  # on the CPU
         if method == "ddp":
             model = wrap(model, info.device, gradient_as_bucket_view=True)
         else:  # fully_shard moves each rank's shards to the mesh's device
             model = shard_model(model, mesh, mp_policy=bf16 if method == "fsdp2_bf16" else None)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        torch.cuda.reset_peak_memory_stats(info.device)  # the steps' peak, not the building's
-        for _ in range(3):  # Adam's state appears at the first step
+        seen, handles = compute_dtypes(model)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(info.device)  # the steps' peak, not the building's
+        for _ in range(2):  # Adam's state appears at the first step
             train_step(model, opt, x, y)
-        torch.cuda.synchronize(info.device)
-        rest = torch.cuda.memory_allocated(info.device) - start  # weights, grads, Adam
-        peak = torch.cuda.max_memory_allocated(info.device) - start  # + activations, buffers
-        out[method] = {"rest_bytes": rest, "peak_bytes": peak}
-        del model, opt
+        opt.zero_grad(set_to_none=True)  # the third step, its forward measured on its own
+        if cuda:
+            torch.cuda.synchronize(info.device)
+            peak = peak_since_reset(info.device)
+            before_forward = allocated(info.device)
+            torch.cuda.reset_peak_memory_stats(info.device)
+        loss = F.cross_entropy(model(x), y)
+        if cuda:
+            torch.cuda.synchronize(info.device)
+            forward_added = peak_since_reset(info.device) - before_forward
+        loss.backward()
+        opt.step()
+        for handle in handles:
+            handle.remove()
+        row = {"weight_dtypes": sorted(seen["weight"]), "output_dtypes": sorted(seen["output"]),
+               "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+               "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+               "rest_bytes": None, "peak_bytes": None, "forward_added_bytes": None}  # fmt: skip
+        if cuda:
+            torch.cuda.synchronize(info.device)
+            row["rest_bytes"] = allocated(info.device) - start  # weights, grads, Adam
+            row["peak_bytes"] = max(peak, peak_since_reset(info.device)) - start
+            row["forward_added_bytes"] = forward_added  # gathered weights, activations
+        out[method] = row
+        del model, opt, loss
     return out
 
 
