@@ -9,7 +9,8 @@ a few hundred microseconds of CPU, like decoding a JPEG) through its own
 DataLoader with a DistributedSampler, and runs a small CNN training step on
 each batch, so loading and compute compete for the CPU as in real training.
 For each ``num_workers`` it times ``--epochs`` epochs and records samples
-per second and the time to the first batch (worker start-up).
+per second, the time to the first batch (worker start-up), and how many worker
+processes the rank had started by then.
 
 Every worker is a process: 2 ranks x 2 workers is 6 busy processes. Seed
 001 hard-codes ``num_workers=8`` per rank; on a machine with fewer cores
@@ -21,6 +22,7 @@ helps copies to a GPU: on a CPU-only run PyTorch warns and ignores it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import time
 import warnings
@@ -67,13 +69,16 @@ def time_loader(args: argparse.Namespace, num_workers: int, device: torch.device
     model = SmallCNN(3, dataset.num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     labels_seen: list[int] = []
-    epoch_seconds, first_batch_s = [], None
+    epoch_seconds, first_batch_s, workers_at_first_batch = [], None, None
+    children_before = len(multiprocessing.active_children())  # none of this loader's yet
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         start = clock(device)
         for x, y in loader:
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - start
+                # worker processes of this rank alive when the first batch arrived
+                workers_at_first_batch = len(multiprocessing.active_children()) - children_before
             labels_seen += y.tolist()
             if not args.no_compute:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -87,6 +92,7 @@ def time_loader(args: argparse.Namespace, num_workers: int, device: torch.device
         "epoch_seconds": epoch_seconds,
         "samples_per_sec": [n / s for s in epoch_seconds],
         "first_batch_s": first_batch_s,
+        "workers_at_first_batch": workers_at_first_batch,
         "samples": len(labels_seen),
         "labels_checksum": sum(i * y for i, y in enumerate(labels_seen)),
         "warnings": [str(w.message) for w in caught],
