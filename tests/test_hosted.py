@@ -8,6 +8,8 @@ network, and what they would install is checked.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -63,23 +65,43 @@ def bare_python(tmp_path_factory):
     return str(where / "bin" / "python")
 
 
+def fake_distributions(where, versions: dict[str, str]) -> str:
+    """Importable packages with installed metadata, as a hosted kernel's torch is to the cell."""
+    for name, version in versions.items():
+        (where / name).mkdir(parents=True)
+        (where / name / "__init__.py").write_text("")
+        info = where / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return str(where)
+
+
 @pytest.mark.torchrun
-def test_in_a_clone_without_the_package_it_installs_and_imports_it(bare_python, tmp_path):
+@pytest.mark.parametrize("hosted_torch", [{"torch": "2.9.1+cu126", "torchvision": "0.24.1+cu126"},
+                                          {}], ids=["a hosted torch", "no torch"])  # fmt: skip
+def test_in_a_clone_without_the_package_it_installs_and_imports_it(bare_python, tmp_path,
+                                                                   hosted_torch):  # fmt: skip
     clone = tmp_path / "ddp-tutorial"
     shutil.copytree(REPO / "ddp_tutorial", clone / "ddp_tutorial",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     (clone / "notebooks").mkdir()
+    env = {**os.environ, "PYTHONPATH": fake_distributions(tmp_path / "site", hosted_torch)}
     done = subprocess.run([bare_python, "-c", RECORD_PIP + SETUP_CELL + REPORT],
                           cwd=clone / "notebooks", capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+                          timeout=120, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     runtime, package = report["calls"]
     assert runtime[1:4] == ["-m", "pip", "install"] and runtime[-6:] == list(RUNTIME_DEPENDENCIES)
-    assert "-c" in runtime, "the torch already there is pinned"
     assert package[-3:] == ["--no-deps", "-e", str(clone)], "the course, without its Jupyter stack"
+    # both installs are constrained by one file that pins the torch already there
+    pins = runtime[runtime.index("-c") + 1]
+    assert package[package.index("-c") + 1] == pins
+    pinned = pathlib.Path(pins).read_text().split()
+    assert pinned == [f"{name}=={version}" for name, version in hosted_torch.items()]
     assert report["package"] == str(clone / "ddp_tutorial" / "__init__.py"), "and importable now"
-    assert "installed the course from" in done.stdout
+    keeping = str(pinned) if pinned else "no torch"
+    assert f"installed the course from {clone}, keeping {keeping}" in done.stdout
 
 
 @pytest.mark.torchrun

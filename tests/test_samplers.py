@@ -6,9 +6,15 @@ real restart (2 ranks, then 1). Here: the arithmetic, for many sizes, in one pro
 
 from __future__ import annotations
 
+import json
+import random
+import subprocess
+import sys
 from collections import Counter
 
+import numpy as np
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_tutorial.samplers import ResumableSampler
@@ -125,6 +131,27 @@ def test_rank_seeds_are_distinct_and_stable():
 
     seeds = {rank_seed(s, r) for s in range(4) for r in range(4)}
     assert len(seeds) == 16, "seed + rank would collide (0, 1) with (1, 0)"
-    assert rank_seed(0, 1) == rank_seed(0, 1) and 0 <= rank_seed(9, 9) < 2**63
+    assert 0 <= rank_seed(9, 9) < 2**63
+    # stable: a function of its arguments only, not of the global generators a run has drawn
+    # from (a restart in a new process must get the same seeds)
+    first = [rank_seed(s, r) for s in range(4) for r in range(4)]
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    torch.rand(5), np.random.rand(5), random.random()
+    assert [rank_seed(s, r) for s in range(4) for r in range(4)] == first
     a, b = loader_generator(0, 0, epoch=1), loader_generator(0, 1, epoch=1)
     assert a.initial_seed() != b.initial_seed() == loader_generator(0, 1, 1).initial_seed()
+
+
+@pytest.mark.torchrun  # a new interpreter
+def test_rank_seeds_are_the_same_in_a_new_process():
+    """A restarted job is a new process: it must derive the seeds the first run derived."""
+    from ddp_tutorial.seeding import rank_seed
+
+    code = (
+        "from ddp_tutorial.seeding import rank_seed as f; import json; "
+        "print(json.dumps([f(s, r, e) for s in range(3) for r in range(3) for e in range(2)]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    here = [rank_seed(s, r, e) for s in range(3) for r in range(3) for e in range(2)]
+    assert json.loads(done.stdout.splitlines()[-1]) == here
