@@ -17,6 +17,7 @@ def test_summarize_steps():
     s = perf.summarize_steps([0.1, 0.1, 0.2, 0.2], samples_per_step=64)
     assert s["samples_per_sec"] == pytest.approx(64 * 4 / 0.6)
     assert s["step_ms_p50"] == pytest.approx(150.0)
+    assert s["seconds"] == pytest.approx(0.6), "the clock the throughput divides by, kept"
 
 
 def test_derive_on_fixed_inputs():

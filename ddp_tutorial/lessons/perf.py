@@ -30,10 +30,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize_steps(step_times: Sequence[float], samples_per_step: int) -> dict[str, float]:
-    """Throughput (samples/s) and step-time p50/p90 (ms) of timed steps."""
+    """Throughput (samples/s) and step-time p50/p90 (ms) of timed steps.
+
+    ``seconds``, the clock total the throughput divides by, is kept with it: a
+    reader can recompute the throughput from the clock (lesson 07 does).
+    """
     total = sum(step_times)
     return {
         "steps": len(step_times),
+        "seconds": total,
         "samples_per_sec": samples_per_step * len(step_times) / total if total else math.nan,
         "step_ms_p50": 1000 * percentile(step_times, 50),
         "step_ms_p90": 1000 * percentile(step_times, 90),
