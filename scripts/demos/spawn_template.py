@@ -56,7 +56,8 @@ def progress_bars(rank: int, steps: int = 8) -> None:
     for label, shown in (("every rank", True), ("rank 0 only", rank == 0)):
         bar = tqdm(range(steps), desc=f"{label}, rank {rank}", disable=not shown, mininterval=0)
         for _ in bar:
-            time.sleep(0.03)  # a training step
+            time.sleep(0.03)  # a training step, which under DDP ends in the gradient
+            dist.barrier()  # all_reduce: every step waits for every rank, and so do the bars
         bar.close()
         dist.barrier()  # the next loop starts together
 
