@@ -28,6 +28,7 @@ from ddp_tutorial.lessons.anatomy import (
     train_single,
     tutorial_series_run,
 )
+from ddp_tutorial.records import read_rank_records
 
 STEPS, BATCH, LR, SEED = 5, 32, 0.1, 100
 
@@ -204,6 +205,10 @@ def test_dp_and_ddp_both_measured(tmp_path):
          "--out", str(tmp_path / "dp")], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert dp.returncode == 0, dp.stderr[-2000:]
+    (record,) = read_rank_records(tmp_path / "dp")
+    assert len(record["peak_mib"]) == n
+    if n >= 2:  # DataParallel's imbalance: GPU 0 holds what the others do, and more
+        assert record["peak_mib"][0] > max(record["peak_mib"][1:]), record["peak_mib"]
     ddp = torchrun(DEMOS / "dp_vs_ddp.py", "--mode", "ddp", "--steps", 5, nproc=n,
                    run_dir=tmp_path / "ddp", echo=False, timeout=300)  # fmt: skip
     assert len(ddp.records) == n and all(r["samples_per_s"] > 0 for r in ddp.records)

@@ -93,7 +93,12 @@ def main() -> None:
         n = torch.cuda.device_count()
         model = nn.DataParallel(resnet18(10).cuda(0), device_ids=list(range(n)))
         step_s = run_steps(model, args.global_batch, torch.device("cuda", 0), args)
-        record_ = {"mode": "dp", "gpus": n, "processes": 1, "step_s": step_s, **one_dp_step(model)}
+        # Each GPU's peak of allocated memory over the steps: GPU 0 also holds the whole
+        # batch, the gathered outputs, the .grad of the original parameters and the
+        # gradients every replica sends back to it.
+        peaks = [torch.cuda.max_memory_allocated(i) / 2**20 for i in range(n)]
+        record_ = {"mode": "dp", "gpus": n, "processes": 1, "step_s": step_s,
+                   "peak_mib": peaks, **one_dp_step(model)}  # fmt: skip
         write_rank_record(args.out, {**record_, "samples_per_s": args.global_batch / step_s}, 0)
         return
     with process_group(backend="nccl") as info:
