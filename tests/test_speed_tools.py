@@ -314,3 +314,30 @@ def test_the_snippets_to_remember_run_in_the_minimal_script(world_of_one):
         with speed.wire_log() as log:
             F.cross_entropy(names["model"](x), y).backward()
         assert {d for _, d in log.calls} == {dtype}  # PowerSGD: plain all_reduce at first
+
+
+def test_ddp_launches_every_bucket_but_the_first_layers_inside_backward(world_of_one):
+    """Lesson 11's overlap asserts, in one process: where a launch falls is not timing.
+
+    DDP launches a bucket's all_reduce from its last gradient's hook, on backward's own
+    thread: every bucket but the one holding the first layer (whose gradient is backward's
+    last computation) is launched before backward's compute ends; one bucket, after it.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddp_tutorial.lessons.anatomy import deep_mlp
+
+    x, y = global_batch(0, 64)
+    summaries = {}
+    for cap in (0.3, 25.0):  # about one 256 x 256 layer per bucket, as in the lesson; one bucket
+        model = DDP(deep_mlp(0, width=256, depth=6), bucket_cap_mb=cap)
+        for _ in range(2):  # the first step builds the real buckets
+            F.cross_entropy(model(x), y).backward()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            F.cross_entropy(model(x), y).backward()
+        rows = speed.profile_rows(prof.events())
+        s = speed.overlap_summary(rows)
+        launched = [r["start"] for r in rows if r["kind"] == "launch"]
+        summaries[cap] = (s["launches"], sum(t < s["backward_end"] for t in launched))
+    assert summaries[0.3][0] >= 3 and summaries[0.3][1] == summaries[0.3][0] - 1
+    assert summaries[25.0] == (1, 0)
