@@ -261,8 +261,24 @@ def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
 # -- make rehearse: GPU world sizes on the CPU ---------------------------------------------
 
 
+def _names_read(cells: list[dict]) -> set[str]:
+    """Names the lesson's code reads outside its parameters cell."""
+    found = set()
+    for cell in cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell["cell_type"] != "code" or "parameters" in tags:
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        code = "\n".join("pass" if ln.lstrip().startswith(("%", "!")) else ln for ln in lines)
+        found |= {n.id for n in ast.walk(ast.parse(code))
+                  if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}  # fmt: skip
+    return found
+
+
 @pytest.mark.parametrize("ranks", [3, 8])
 def test_the_rehearsal_sets_each_lessons_world_size_parameter(ranks):
+    """Each parameter the rehearsal overrides is the lesson's, and its code reads it: a lesson
+    that hard-codes its ranks again would pass a rehearsal at 2 ranks, silently."""
     from ddp_tutorial.harness.rehearse import rehearsal_plan as plan
 
     for lesson, parameters in plan(ranks):
@@ -270,8 +286,29 @@ def test_the_rehearsal_sets_each_lessons_world_size_parameter(ranks):
         tagged = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
         names = re.findall(r"^(\w+)\s*=", "".join(tagged["source"]), re.M)
         assert set(parameters) <= set(names), f"{lesson}: {sorted(parameters)} not in {names}"
+        unread = set(parameters) - _names_read(cells)
+        assert not unread, f"{lesson}: its code never reads {sorted(unread)}"
         ranks_in_all = parameters.get("NPROC") or 2 * next(iter(parameters.values()))
         assert ranks_in_all >= ranks, f"{lesson} would run fewer ranks than rehearsed"
+
+
+@pytest.mark.notebook
+def test_a_rehearsal_at_three_ranks_runs_a_lesson(tmp_path):
+    """``make rehearse``'s own code path, on one lesson, so that the rehearsal cannot rot
+    between the times someone runs it: lesson 03 (two "nodes" of 3 ranks; 62 s on a loaded
+    2-core host, where lesson 02 at 3 ranks took 173 s) passes, its parameter injected, and
+    its launches really start 3 ranks per node."""
+    from ddp_tutorial.harness.rehearse import rehearse
+
+    rows = rehearse(3, tmp_path, echo=False, lessons=["03_device_mapping"])
+    assert [(r["lesson"], r["ranks"], r["status"]) for r in rows] == [("03", 3, "ok")], rows
+    cells = json.loads((tmp_path / "03_device_mapping.ipynb").read_text())["cells"]
+    injected = [c for c in cells if "injected-parameters" in c["metadata"].get("tags", [])]
+    assert ["".join(c["source"]) for c in injected] == ["GPUS_PER_NODE = 3"]
+    text = "".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
+    assert "torchrun --nproc-per-node 3 --nnodes 2 --node-rank 1" in text, "the second node's"
+    with pytest.raises(ValueError, match="not rehearsed"):
+        rehearse(3, tmp_path, lessons=["05_checkpointing"])
 
 
 def test_every_gpu_lesson_is_rehearsed_or_says_why_not():

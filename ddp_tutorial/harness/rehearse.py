@@ -48,19 +48,31 @@ FIXED = {  # in gpu-check's plan, but their launches do not follow the GPU count
 CELL_TIMEOUT_S = 600.0  # 8 gloo ranks on 2 cores: a launch can take minutes
 
 
-def rehearsal_plan(ranks: int) -> list[tuple[str, dict[str, Any]]]:
-    """``[(notebook stem, parameters)]`` for a rehearsal at ``ranks`` ranks."""
+def rehearsal_plan(
+    ranks: int, lessons: Sequence[str] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """``[(notebook stem, parameters)]`` for a rehearsal at ``ranks`` ranks.
+
+    ``lessons``: only these (stems of :data:`WORLD_PARAMETERS`), as the test suite
+    rehearses one lesson to keep this code path running.
+    """
     if ranks < 2:
         raise ValueError(f"a rehearsal needs at least 2 ranks, got {ranks}")
-    return [(lesson, params(ranks)) for lesson, params in WORLD_PARAMETERS.items()]
+    unknown = set(lessons or ()) - set(WORLD_PARAMETERS)
+    if unknown:
+        raise ValueError(f"not rehearsed: {sorted(unknown)} (see WORLD_PARAMETERS and FIXED)")
+    return [(lesson, params(ranks)) for lesson, params in WORLD_PARAMETERS.items()
+            if lessons is None or lesson in lessons]  # fmt: skip
 
 
-def rehearse(ranks: int, output_dir: Path, echo: bool = True) -> list[dict[str, Any]]:
-    """Run every lesson of :func:`rehearsal_plan` at ``ranks`` ranks; one table row each."""
+def rehearse(
+    ranks: int, output_dir: Path, echo: bool = True, lessons: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """Run the lessons of :func:`rehearsal_plan` at ``ranks`` ranks; one table row each."""
     from ddp_tutorial.harness.course import run_notebook
 
     rows = []
-    for lesson, parameters in rehearsal_plan(ranks):
+    for lesson, parameters in rehearsal_plan(ranks, lessons):
         if echo:
             print(f"rehearse: {lesson} at {ranks} ranks {parameters} ...", flush=True)
         began = time.monotonic()
@@ -81,10 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[3, 8])
     parser.add_argument("--output-dir", type=Path, default=REPO_ROOT / "build" / "rehearse")
+    parser.add_argument("--lessons", nargs="+", help="only these notebooks (stems), e.g. "
+                        "02_data_sampling")  # fmt: skip
     args = parser.parse_args(argv)
     began, rows = time.monotonic(), []
     for ranks in args.ranks:
-        rows += rehearse(ranks, args.output_dir / f"{ranks}-ranks")
+        rows += rehearse(ranks, args.output_dir / f"{ranks}-ranks", lessons=args.lessons)
     print()
     print(format_table(rows, ["lesson", "ranks", "parameters", "seconds", "status"]))
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())  # a busy machine explains slow rows
