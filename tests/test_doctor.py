@@ -1,8 +1,8 @@
 """ddp-tutorial doctor: a healthy machine passes, a broken setting is reported (and exits 1).
 
-The full doctor with its real launches, as a shell runs it, is asserted by
-notebooks/00_environment.ipynb; a broken GLOO_SOCKET_IFNAME by
-notebooks/09_debugging.ipynb (static checks) and by this file (the real probe).
+Lesson 00 runs the doctor as a shell would, with ``--no-launch``; here the gloo probe's
+real launch runs both ways: healthy (every rank gets the sum of ranks) and with a broken
+GLOO_SOCKET_IFNAME (lesson 09 shows that setting's static check).
 """
 
 from __future__ import annotations
@@ -178,6 +178,14 @@ def test_broken_settings_block_training():
     assert failed == ["CUDA_VISIBLE_DEVICES", "network"]
     assert exit_code(findings) == 1
     assert "2 problem(s) block training" in format_findings(findings)
+
+
+@pytest.mark.torchrun
+def test_the_real_gloo_probe_reports_a_healthy_machine():
+    """What ``ddp-tutorial doctor`` (without --no-launch) runs: 2 ranks all_reduce their rank."""
+    finding = doctor.check_gloo(dict(os.environ), timeout=180)
+    assert finding.status == "ok", finding
+    assert finding.detail.startswith("2 ranks on cpu: sum of ranks = 1 on every rank ("), finding
 
 
 @pytest.mark.torchrun

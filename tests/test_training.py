@@ -679,11 +679,45 @@ def read_history(checkpoint_dir):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_tensorboard_scalars_from_rank_0(template, tmp_path, one_rank):
-    pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
+def test_tensorboard_scalars_from_rank_0(template, tmp_path, one_rank, capsys):
+    """--tensorboard writes, every --log-every steps, the numbers the log line prints, and the
+    validation accuracy the snapshot's history holds (tensorboard is in the dev extras)."""
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     template.main([*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1",
-                   "--log-every", "2", "--tensorboard", str(tmp_path / "tb")])  # fmt: skip
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "an event file"
+                   "--log-every", "2", "--tensorboard", str(tmp_path / "tb"),
+                   "--checkpoint-dir", str(tmp_path / "ckpt")])  # fmt: skip
+    printed = {
+        int(m["step"]): {
+            "loss": float(m["loss"]),
+            "lr": float(m["lr"]),
+            "grad_norm": float(m["norm"]),
+        }  # fmt: skip
+        for m in re.finditer(
+            r"step (?P<step>\d+): loss (?P<loss>\S+), lr (?P<lr>\S+), "
+            r"grad norm (?P<norm>[^,]+),",
+            capsys.readouterr().out,
+        )  # fmt: skip
+    }
+    assert sorted(printed) == [2, 4], "64 samples / 16: 4 steps, logged every 2"
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    # the log line prints loss to 4 decimals, lr to 4 and grad norm to 3 significant digits
+    for key, within in {
+        "loss": {"abs": 5e-5},
+        "lr": {"rel": 5e-4},
+        "grad_norm": {"rel": 5e-3},
+    }.items():
+        written = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        assert sorted(written) == [2, 4], key
+        for step, value in written.items():
+            assert value == pytest.approx(printed[step][key], **within), (key, step)
+    assert all(e.value > 0 for e in events.Scalars("train/samples_per_sec"))
+    history = read_history(tmp_path / "ckpt")
+    accuracy = {e.step: e.value for e in events.Scalars("val/accuracy")}
+    assert accuracy == {h["step"]: pytest.approx(h["val_accuracy"]) for h in history} != {}
 
 
 def test_tensorboard_without_the_package_is_refused_before_training(monkeypatch):
