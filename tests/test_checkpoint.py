@@ -77,7 +77,7 @@ def cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     ``nn.DataParallel(model)`` calls them in its constructor, and on a GPU
     machine initialises CUDA and moves the model to cuda:0; building
-    ``module.``-prefixed keys must not (issue 23.1): assert the list is empty.
+    ``module.``-prefixed keys must not: assert the list is empty.
     """
     calls: list[str] = []
     for name in CUDA_PROBES:
@@ -433,7 +433,7 @@ def test_snapshots_latest_prune_and_stale_temp_files(tmp_path):
 
 
 def test_a_resume_first_clears_what_killed_saves_left(tmp_path):
-    """At start-up no save can be running: rank 0 deletes stale temp files (issue 22, 2)."""
+    """At start-up no save can be running: rank 0 deletes the temp files killed saves left."""
     from ddp_tutorial.snapshots import resume_point
 
     atomic_save({"step": 7}, snapshot_path(tmp_path, 7))

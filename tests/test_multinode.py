@@ -2,7 +2,7 @@
 
 The launches of lesson 10 (the template across two torchrun "nodes", a rank killed
 on one node with ``--max-restarts 1`` and the job restarting on both from one
-snapshot (issue 22, point 1), who writes checkpoints on a shared disk, an elastic
+snapshot), who writes checkpoints on a shared disk, an elastic
 job and a missing node) are asserted by notebooks/10_multinode.ipynb itself; the
 agreed attempt number with the nodes' restart counts made to differ by
 tests/test_stores.py; the launcher's multi-node failure handling by
@@ -40,7 +40,7 @@ def test_sbatch_parses():
 
 
 def test_sbatch_saves_and_requeues_before_the_time_limit():
-    """Point 4: USR1 120 s before the limit, requeue allowed, a trap that passes it on."""
+    """SLURM: USR1 120 s before the limit, requeue allowed, a trap that passes it on."""
     text = SBATCH.read_text()
     assert "#SBATCH --signal=B:USR1@120" in text and "#SBATCH --requeue" in text
     assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text

@@ -3,7 +3,7 @@
 A lesson's kernel must never touch CUDA (lesson 00's rule): a ``torch.load``
 without ``map_location`` restores each tensor onto the device it was saved
 from, so a file a rank saved from ``cuda:0`` would open a CUDA context on GPU 0
-in the kernel (issue 23 item 10). On this CPU machine nothing shows it at run
+in the kernel. On this CPU machine nothing shows it at run
 time; the source does.
 """
 

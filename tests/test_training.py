@@ -10,7 +10,7 @@ Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
 real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
 that fails, a rank that falls behind — is proven on real launches, all started side by
-side in one module fixture (issue 22); a SIGTERM mid-epoch (exit 75, the rerun bitwise
+side in one module fixture; a SIGTERM mid-epoch (exit 75, the rerun bitwise
 equal) and a loss that diverges (every rank stops, the good snapshots kept) are lesson
 08's own launches, asserted there.
 What one rank shows as well (the speed flags, a resume with a GradScaler, --download)
@@ -395,7 +395,7 @@ def test_a_late_rank_fails_the_job_within_the_timeout(runs):
 
 @pytest.mark.torchrun
 def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
-    """Point 2: rank 0's write really fails (a file-size limit); nobody waits in a barrier."""
+    """rank 0's write really fails (a file-size limit); nobody waits in a barrier."""
     run = runs["failed save"]
     seconds = runs["ended"]["failed save"] - attempt_started(run)
     # every rank raises rank 0's error at once; a rank left in a barrier would wait for the
@@ -410,7 +410,7 @@ def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
 
 @pytest.mark.torchrun
 def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
-    """Point 7: a constant buffer stays bit-exact, an ignored one per rank, a counter rank 0's."""
+    """average_buffers: a constant buffer bit-exact, an ignored one per rank, a counter rank 0's."""
     records = runs["buffers"].records
     assert [r["rank"] for r in records] == [0, 1, 2]
     for r in records:
@@ -462,7 +462,7 @@ def test_pretrain_with_module_prefix(template, tmp_path, one_rank):
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, capsys):
-    """Point 3: 9 samples on 2 ranks, batch 5: the epoch's one step deals out 10 (padding).
+    """9 samples on 2 ranks, batch 5: the epoch's one step deals out 10 (padding).
 
     A snapshot of that step (--save-every 1) holds consumed=10; a crash during the
     evaluation that follows made every resume fail with "consumed must be in [0, 9]".
@@ -494,7 +494,7 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, one_rank):
-    """Points 11, 12, 13, 14, 17: cudnn.benchmark, the log line, --eval-every and best.pt,
+    """What practitioners expect of a loop: cudnn.benchmark, the log line, --eval-every and best.pt,
     the schedule warning on resume, the short collective timeout after the first step."""
     from ddp_tutorial import distributed
 
@@ -652,7 +652,7 @@ class FakeCIFAR10(torch.utils.data.Dataset):
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_download_with_one_rank_then_train_from_the_copy(template, tmp_path, monkeypatch,
                                                           one_rank, capsys):  # fmt: skip
-    """Point 6: --download on one rank fetches CIFAR-10; the next run reads that copy."""
+    """--download on one rank fetches CIFAR-10; the next run reads that copy."""
     import torchvision.datasets
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
@@ -732,7 +732,7 @@ def test_tensorboard_without_the_package_is_refused_before_training(monkeypatch)
 
 
 def test_download_is_refused_on_several_ranks():
-    """Point 6: every rank would download into the same files before init."""
+    """--download with several ranks: every rank would download into the same files before init."""
     from ddp_tutorial.loop import parse_template_args
     from ddp_tutorial.preflight import check_run
 
@@ -743,7 +743,7 @@ def test_download_is_refused_on_several_ranks():
 
 
 def test_each_group_keeps_its_multiple_of_the_schedule(template):
-    """Point 9: per-group LRs were overwritten with one value each step."""
+    """The schedule scales each param group's own LR (not one value for all groups)."""
     head, body = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     peak = 0.1
     opt = torch.optim.SGD([{"params": body.parameters()},
@@ -758,7 +758,7 @@ def test_each_group_keeps_its_multiple_of_the_schedule(template):
 
 
 def test_adamw_without_decay_on_biases_and_norms_and_sgd_selectable(template):
-    """Point 10 (and 16: fused, so GradScaler.step needs no host sync)."""
+    """AdamW without decay on biases and norms, fused (GradScaler.step needs no host sync)."""
     from ddp_tutorial.loop import build_optimizer
 
     model = build_model("cnn", 10, 16)
@@ -776,7 +776,7 @@ def test_adamw_without_decay_on_biases_and_norms_and_sgd_selectable(template):
 
 
 def test_help_says_what_a_resume_loses_with_powersgd(template, capsys):
-    """Point 15: PowerSGD's error feedback is not in the snapshot; --help says so."""
+    """PowerSGD's error feedback is not in the snapshot; --help says so."""
     with pytest.raises(SystemExit):
         template.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -784,7 +784,7 @@ def test_help_says_what_a_resume_loses_with_powersgd(template, capsys):
 
 
 def test_workers_take_each_epochs_seed_so_an_epoch_boundary_resume_is_exact(template):
-    """Point 8: persistent workers draw their seeds once; the per-epoch reseed was a no-op."""
+    """Persistent workers draw their seeds once: the loader's generator is reseeded per epoch."""
     from ddp_tutorial.data import SyntheticImages
 
     class Noisy(SyntheticImages):  # augmentation drawn in the worker, like a random crop
@@ -809,7 +809,7 @@ def test_workers_take_each_epochs_seed_so_an_epoch_boundary_resume_is_exact(temp
 
 
 def test_the_evaluation_loader_takes_workers_and_pinned_memory():
-    """Point 11: exact evaluation with DataLoader workers (and pin_memory on GPUs)."""
+    """Exact evaluation with DataLoader workers (and pin_memory on GPUs)."""
     from ddp_tutorial.data import GaussianBlobs, distributed_evaluate
 
     torch.manual_seed(0)
@@ -820,7 +820,7 @@ def test_the_evaluation_loader_takes_workers_and_pinned_memory():
 
 
 def test_without_out_the_recorder_keeps_nothing_per_step():
-    """Point 18: no per-step clock readings, no sample indices, unless asked."""
+    """The recorder without --out: no per-step clock readings, no sample indices, unless asked."""
     from types import SimpleNamespace
 
     from ddp_tutorial.recorder import Recorder
