@@ -321,6 +321,11 @@ def test_every_gpu_lesson_is_rehearsed_or_says_why_not():
         rehearsal_plan(1)
 
 
+def test_make_test_fast_starts_no_torchrun_no_kernel_and_no_gpu_test():
+    """On a GPU box the gpu tests start torchrun: the edit loop leaves them out too."""
+    assert '-m "not torchrun and not notebook and not gpu"' in _make_n("-B", "test-fast")
+
+
 def test_make_rehearse_runs_three_and_eight_ranks():
     assert "ddp_tutorial.harness.rehearse --ranks 3 8" in _make_n("rehearse")
 
