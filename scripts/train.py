@@ -198,7 +198,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             save(state, snapshots.snapshot_path(".", step).name)
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
-            say(f"{verdict.signal}: saved step {step}, exit {PREEMPTED_EXIT}: requeue")
+            say(f"{verdict.signal}: saved step {step}, exit {PREEMPTED_EXIT}: rerun to resume")
             sys.exit(PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
