@@ -338,9 +338,10 @@ def profiled_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, opt) -> dict
             "kernels": kernel_rows(events) if x.device.type == "cuda" else []}  # fmt: skip
 
 
-def bucket_storages(state: set[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's all_reduce, noting the storage of each bucket it is handed."""
-    state.add(bucket.buffer().untyped_storage().data_ptr())
+def bucket_storages(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all_reduce, noting each bucket it is handed: its storage and its size."""
+    state["storages"].add(bucket.buffer().untyped_storage().data_ptr())
+    state["numels"].append(bucket.buffer().numel())
     return default_hooks.allreduce_hook(None, bucket)
 
 
@@ -361,17 +362,24 @@ def case_overlap(args: argparse.Namespace, info: DistInfo) -> dict:
     out: dict = {"width": width, "knobs": {}}
     for name, options in knobs.items():
         ddp = wrap(overlap_model(args.seed, width), info.device, **options)
-        storages: set[int] = set()
-        ddp.register_comm_hook(storages, bucket_storages)
+        seen: dict = {"storages": set(), "numels": []}
+        ddp.register_comm_hook(seen, bucket_storages)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for _ in range(2):  # the first step builds the real buckets
+        buckets = []  # the elements of each bucket all-reduced, step by step
+        for _ in range(2):  # DDP rebuilds its buckets after a first step (static_graph: two)
+            seen["numels"] = []
             _sgd(ddp, x, y, opt)
+            buckets.append(seen["numels"])
+        seen["numels"] = []
         profiled = profiled_step(ddp, x, y, opt)
+        buckets.append(seen["numels"])
+        seen["numels"] = []  # the timed steps' buckets are not kept
         times = time_steps(lambda d=ddp, o=opt: _sgd(d, x, y, o), args.timing_steps)
-        storages.clear()  # only the buckets of the step whose .grad we look at
+        seen["storages"].clear()  # only the buckets of the step whose .grad we look at
         _sgd(ddp, x, y, opt)
-        views = [p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters()]
+        views = [p.grad.untyped_storage().data_ptr() in seen["storages"] for p in ddp.parameters()]
         out["knobs"][name] = {**profiled, "bucket_cap_mb": options["bucket_cap_mb"],
+                              "bucket_numels": buckets,
                               "step_ms": 1e3 * statistics.median(times),
                               "grads_in_buckets": sum(views), "params": len(views),
                               "weights": flat_params(ddp)}  # fmt: skip
