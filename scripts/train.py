@@ -9,7 +9,8 @@ package holds what you should not rewrite (atomic save, safe load, the resumable
 evaluation, the backend choice) and the recorder the lessons turn on with --out. Rerun with the
 same --checkpoint-dir to resume from the newest snapshot, on any number of ranks. For a week on
 a cluster: a crash restarts from the newest snapshot (torchrun --max-restarts, any node count);
-SIGTERM or SIGUSR1 (preemption, a time limit near) saves the current step and every rank exits
+SIGTERM or SIGUSR1 (preemption, a time limit near; torchrun forwards SIGUSR1 only if listed in
+--signals-to-handle, as train.sbatch does) saves the current step and every rank exits
 75 (EX_TEMPFAIL) - the ranks' status, not the job's: torchrun, signalled too, exits 1, so the
 job script requeues (scripts/slurm/train.sbatch: scontrol requeue from its USR1 trap); and a
 failed save or a loss gone inf/nan stops every rank at once, naming the cause.
