@@ -316,3 +316,18 @@ def test_utilization_thresholds_per_device_kind():
             utilization_plan(bad)
         with pytest.raises(ValueError):
             imbalance_workload(bad)
+
+
+def test_the_busy_floor_is_min_busy_until_the_machine_is_loaded_past_its_cores():
+    """Lesson 06's 'busy' level: ``min_busy`` on a quiet host or with one CPU-bound job beside
+    two ranks on two cores; 60 % of a rank's fair share of the cores when the load is higher."""
+    from ddp_tutorial.lessons.utilization import cpu_busy_floor, machine_load
+
+    assert cpu_busy_floor(40, 2, 0.0) == 40  # no load average (Windows): min_busy
+    assert cpu_busy_floor(40, 2, 3.0) == 40  # share 66 %: 60 % of it is 40 %
+    assert cpu_busy_floor(40, 2, 10.0) == pytest.approx(12.0)  # share 20 %
+    assert cpu_busy_floor(40, 8, 4.0) == 40  # fewer runnable processes than cores
+    with pytest.raises(ValueError, match="cores >= 1"):
+        cpu_busy_floor(40, 0, 1.0)
+    load, cores = machine_load()
+    assert load >= 0 and cores >= 1

@@ -47,8 +47,9 @@ def test_sbatch_saves_and_requeues_before_the_time_limit():
 
 
 FAKE_SRUN = """#!/bin/bash
-# fake srun: a "training" that saves and exits 75 on USR1, as torchrun's ranks do
-trap 'echo "$(date +%s.%N) USR1" >> "$LOG"; exit 75' USR1
+# fake srun: a "training" that saves on USR1 and exits 1, as srun does around a signalled
+# torchrun (its ranks exit 75, torchrun re-raises the signal and exits 1): the trap must requeue
+trap 'echo "$(date +%s.%N) USR1" >> "$LOG"; exit 1' USR1
 echo "started $*" >> "$LOG"
 while true; do sleep 0.05; done
 """

@@ -33,7 +33,7 @@ from ddp_tutorial.harness.processes import run_command
 REPO = Path(__file__).resolve().parents[2]
 # Each GPU lesson with the launches (torchrun / mp.spawn / python subprocesses) its code
 # cells start on a GPU machine, counted from the notebooks (a test keeps this a bound).
-LESSONS = {"03_device_mapping": 7, "04_ddp_wrapping": 4, "05_checkpointing": 6,
+LESSONS = {"03_device_mapping": 8, "04_ddp_wrapping": 4, "05_checkpointing": 6,
            "06_training_and_utilization": 4, "08_fault_tolerance": 6, "09_debugging": 14,
            "10_multinode": 10, "11_speed_tools": 3, "12_beyond_ddp": 4}  # fmt: skip
 GPU_TEST_LAUNCHES = 21  # torchrun launches of `pytest -m gpu`, most with every GPU
