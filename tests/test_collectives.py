@@ -201,6 +201,7 @@ def test_fork_after_cuda_tells_a_poisoned_fork_from_a_missing_gpu():
     nothing, available = fork_after_cuda(1, 120, demos=str(DEMOS), cases=cases)
     assert (nothing["touch"], available["touch"]) == ("nothing", "is_available")
     assert not nothing["initialized"] and not available["initialized"]
+    assert not nothing["bad_fork"] and not available["bad_fork"], "the parent is never a bad fork"
     assert nothing["error"] and REFUSED not in nothing["error"], "no GPU, but not refused"
     assert available["error"]
     if torch.version.cuda:  # a CUDA build asked the CUDA runtime: the fork is poisoned
@@ -223,3 +224,10 @@ def test_fork_after_cuda_on_gpus():
     assert REFUSED in case["is_available", False]["error"]
     assert case["is_available", True]["error"] is None
     assert case["device_count", False]["error"] is None
+    # memory_allocated reads the allocator's (empty) stats; mem_get_info asks the driver
+    assert not case["memory_allocated", False]["initialized"]
+    assert case["memory_allocated", False]["error"] is None
+    assert case["mem_get_info", False]["initialized"]
+    assert REFUSED in case["mem_get_info", False]["error"]
+    # Lightning's check since 2.6.1 asks whether *this* process is a bad fork: never the parent
+    assert not any(c["bad_fork"] for c in reports)
