@@ -404,21 +404,35 @@ def peer_to_peer(indices: Sequence[int]) -> bool | None:
             return None
 
 
-def gpu_memory_report() -> list[dict[str, object]]:
+def gpu_memory_report(problems: list[str] | None = None) -> list[dict[str, object]]:
     """Per physical GPU: memory used and the pids holding a CUDA context on it (NVML).
 
     This is how seed 002's "2 MB on every card" becomes visible: a process
     that touched a GPU it should not have is listed on that GPU. ``[]`` where
     there is no driver. Inside a container NVML may report host pids, so
     callers should not rely on the pids alone; memory used is always there.
+    A device NVML refuses to describe ("Insufficient Permissions" outside the
+    container's cgroup, "Not Supported" on some vGPUs) is left out and said in
+    ``problems``: a report is an observation, and it must not stop a lesson.
     """
     with _nvml() as nvml:
         if nvml is None:
             return []
         rows = []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            if problems is not None:
+                problems.append(f"NVML refused to count the GPUs ({exc})")
+            return []
+        for i in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except nvml.NVMLError as exc:
+                if problems is not None:
+                    problems.append(f"GPU {i}: NVML refused its memory ({exc}); left out")
+                continue
             try:
                 procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except nvml.NVMLError:

@@ -263,6 +263,21 @@ def test_gpu_memory_report_lists_processes_per_gpu(nvml):
     assert report[0]["memory_used_mib"] == 1024.0  # the fake: (index + 1) GiB
 
 
+def test_gpu_memory_report_survives_an_nvml_that_refuses(nvml):
+    """A cgroup-restricted NVML: one device refused, or memory readings refused outright."""
+    nvml([fake_gpu(0), fake_gpu(1), fake_gpu(2)], refused={1: "Insufficient Permissions"})
+    assert [r["physical"] for r in devices.gpu_memory_report()] == [0, 2]
+    problems: list[str] = []
+    report = devices.gpu_memory_report(problems)
+    assert [r["physical"] for r in report] == [0, 2]
+    assert problems == ["GPU 1: NVML refused its memory (Insufficient Permissions); left out"]
+    nvml([fake_gpu(0), fake_gpu(1)], failing={"nvmlDeviceGetMemoryInfo"})
+    problems = []
+    assert devices.gpu_memory_report(problems) == []
+    assert len(problems) == 2 and "Not Supported" in problems[0]
+    assert devices.gpu_memory_report() == []  # no list given: still no exception
+
+
 NO_CUDA_INIT = """
 import json, torch
 calls = []

@@ -60,6 +60,7 @@ def main() -> None:
             state = torch.load(path, map_location=info.device, weights_only=True)
         torch.cuda.synchronize()
         dist.barrier()  # every rank has loaded before anyone looks
+        nvml_problems: list[str] = []  # a cgroup-restricted NVML refuses some GPUs: said, not fatal
         write_rank_record(
             args.out,
             {
@@ -68,7 +69,8 @@ def main() -> None:
                 "device": str(info.device),
                 "loaded_on": str(state["w"].device),
                 "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
-                "nvml": gpu_memory_report(),
+                "nvml": gpu_memory_report(nvml_problems),
+                "nvml_problems": nvml_problems,
             },
         )
         dist.barrier()  # nobody exits (and frees its context) before everyone has looked
