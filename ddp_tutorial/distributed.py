@@ -6,7 +6,7 @@ the one that picks the GPU), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT``. :func:`setup` reads them, chooses a backend,
 binds the rank to its device *before* anything touches CUDA, and initialises
 the process group with a short timeout so that a mistake fails in seconds
-instead of the default ten minutes.
+instead of the default 30 minutes (gloo's; nccl's is 10).
 
 Run without torchrun (``python scripts/x.py``), :func:`setup` makes a world of
 one process: the same script can be stepped through in a debugger.
@@ -109,7 +109,7 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInf
     ``backend``: "auto" (default, or ``$DDP_TUTORIAL_BACKEND``), "gloo" or
     "nccl". ``timeout_s`` (default ``$DDP_TUTORIAL_TIMEOUT``, 60 s) bounds how
     long a collective may wait: a rank that never arrives fails the job in
-    seconds, not in the default 10 minutes. Joining gets longer
+    seconds, not in the default 30 minutes (gloo; 10 on nccl). Joining gets longer
     (``$DDP_TUTORIAL_INIT_TIMEOUT``, 600 s): a slow ``import torch`` on a busy
     shared filesystem is not a bug. On GPUs the rank is bound to
     ``cuda:LOCAL_RANK`` twice over: ``set_device`` (where ``.cuda()`` and

@@ -10,7 +10,7 @@ Bad input is checked here through the template's own ``main()`` in this process:
 it must stop before ``init_process_group``, so no launch is needed to see it (one
 real 2-rank launch shows it on every rank). What a week on a cluster needs — a save
 that fails, a rank that falls behind — is proven on real launches, all started side by
-side in one module fixture; a SIGTERM mid-epoch (exit 75, the rerun bitwise
+side in one module fixture; a SIGTERM mid-epoch (its ranks exit 75, torchrun 1; the rerun bitwise
 equal) and a loss that diverges (every rank stops, the good snapshots kept) are lesson
 08's own launches, asserted there.
 What one rank shows as well (the speed flags, a resume with a GradScaler, --download)
@@ -382,11 +382,11 @@ def test_speed_flags_train_on_two_ranks(runs):
 
 @pytest.mark.torchrun
 def test_a_late_rank_fails_the_job_within_the_timeout(runs):
-    """--timeout 3: rank 1 frozen after step 3; rank 0 gives up in 3 s, not in 10 minutes."""
+    """--timeout 3: rank 1 frozen after step 3; rank 0 gives up in 3 s, not in gloo's 30 minutes."""
     late, run = runs["late"], runs["late rank"]
     assert "stopped" in late, "the run ended before rank 1 could be frozen"
     waited = late["rank 0 ended"] - late["stopped"]
-    # the message is the proof; the bound only tells 3 s from the default 600 s, with room
+    # the message is the proof; the bound only tells 3 s from gloo's default 1800 s, with room
     # for a loaded host (rank 1 is let go at 120 s: a run without the timeout ends there)
     assert run.returncode != 0 and waited < 100, waited
     err = run.rank_log(0, "stderr")

@@ -1,6 +1,6 @@
 """The template's workload in the loops users would write instead: bare DDP, or Lightning Fabric.
 
-Issue 14 asks whether the template (``scripts/train.py``) is as fast as what a
+The question: is the template (``scripts/train.py``) as fast as what a
 practitioner would pick instead, on the same model, data, batch and optimizer.
 This script is the other side of that comparison (``scripts/compare/speed.py``
 interleaves the launches):
