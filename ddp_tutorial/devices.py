@@ -27,6 +27,10 @@ class DeviceError(ValueError):
     """A device specification that CUDA would misread or that names no GPU."""
 
 
+class MigError(DeviceError):
+    """MIG is on for a GPU a launch would use: the machine, not a typo; the CPU plan applies."""
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One physical GPU as NVML reports it."""
@@ -343,7 +347,7 @@ def cuda_visible(env: Mapping[str, str], inventory: Sequence[GpuInfo]) -> list[G
     visible = [by_index[i] for i in logical_to_physical(env.get(VISIBLE_DEVICES_ENV), inventory)]
     mig = [gpu.index for gpu in visible if gpu.mig]
     if mig:
-        raise DeviceError(
+        raise MigError(
             f"MIG mode is on for GPU(s) {mig}: CUDA would show each process a single MIG "
             f"instance, not {len(visible)} GPU(s), so the ranks of a node could not each have "
             f"a GPU. The course needs whole GPUs: set {VISIBLE_DEVICES_ENV} to GPUs without MIG, "
@@ -410,10 +414,8 @@ def gpu_memory_report(problems: list[str] | None = None) -> list[dict[str, objec
     This is how seed 002's "2 MB on every card" becomes visible: a process
     that touched a GPU it should not have is listed on that GPU. ``[]`` where
     there is no driver. Inside a container NVML may report host pids, so
-    callers should not rely on the pids alone; memory used is always there.
-    A device NVML refuses to describe ("Insufficient Permissions" outside the
-    container's cgroup, "Not Supported" on some vGPUs) is left out and said in
-    ``problems``: a report is an observation, and it must not stop a lesson.
+    callers should not rely on the pids alone. A device NVML refuses (cgroup-restricted:
+    "Insufficient Permissions") is left out and said in ``problems``, never raised.
     """
     with _nvml() as nvml:
         if nvml is None:

@@ -435,8 +435,13 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     from ddp_tutorial.devices import visible_gpu_count
     from ddp_tutorial.distributed import choose_backend
+    from ddp_tutorial.harness.gpu_plan import mig_fallback
     from ddp_tutorial.harness.launch import default_nproc
 
+    hide, why = mig_fallback()
+    if hide:  # MIG: every run of the comparison on the CPU, like for like
+        print(f"benchmark: {why}", flush=True)
+        os.environ.update(hide)  # this process and every launch it starts
     n = args.nproc or default_nproc()
     # GPU baselines only where the ranks will be on GPUs (nccl: one GPU per rank); with
     # gloo (asked for, or too few GPUs) everything runs on the CPU, compared like for like.

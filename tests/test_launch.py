@@ -438,3 +438,59 @@ def test_exclusive_gpus_is_read_from_nvml_and_ignored_for_gloo(nvml):
     assert not exclusive_gpus({"CUDA_VISIBLE_DEVICES": "1"})
     nvml([fake_gpu(0), fake_gpu(1)])
     assert not exclusive_gpus({})
+
+
+ENV_RECORD = """
+import json, os, sys
+out, rank = sys.argv[-1], os.environ["RANK"]
+seen = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "DDP_TUTORIAL_BACKEND")}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": int(rank), **seen}, f)
+"""
+
+
+def _mig_machine(nvml, monkeypatch):
+    from conftest import fake_gpu
+
+    for name in ("CUDA_VISIBLE_DEVICES", "DDP_TUTORIAL_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    nvml([fake_gpu(0, mig=True), fake_gpu(1), fake_gpu(2), fake_gpu(3)])
+
+
+def test_a_mig_machine_plans_the_cpu_instead_of_raising(nvml, monkeypatch, tmp_path):
+    """MIG: the course refuses it for ranks, so launches run on the CPU (gloo), saying why."""
+    from ddp_tutorial.devices import DeviceError
+    from ddp_tutorial.harness.gpu_plan import mig_fallback
+    from ddp_tutorial.harness.launch import default_nproc
+    from ddp_tutorial.harness.multinode import node_gpus_here
+
+    _mig_machine(nvml, monkeypatch)
+    assert default_nproc() == 2  # the CPU plan, as lesson 00's report says
+    hide, why = mig_fallback()
+    assert hide == {"CUDA_VISIBLE_DEVICES": "", "DDP_TUTORIAL_BACKEND": "gloo"}
+    assert "MIG mode is on for GPU(s) [0]" in why and "runs on the CPU with gloo" in why
+    spec = LaunchSpec(DEMOS / "hello.py", echo=False)
+    assert spec.command(tmp_path)[spec.command(tmp_path).index("--nproc-per-node") + 1] == "2"
+    with pytest.warns(RuntimeWarning, match="MIG mode is on"):
+        env = spec.child_env()
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DDP_TUTORIAL_BACKEND"] == "gloo"
+    envs, decision = node_gpus_here(2)
+    assert envs == [hide, hide] and "MIG mode is on" in decision
+    # GPUs chosen without MIG are used as they are; a mistyped list is still the user's error
+    assert default_nproc({"CUDA_VISIBLE_DEVICES": "1,2,3"}) == 3
+    assert mig_fallback({"CUDA_VISIBLE_DEVICES": "1,2,3"}) == ({}, "")
+    with pytest.raises(DeviceError, match="appears twice"):
+        default_nproc({"CUDA_VISIBLE_DEVICES": "1,1"})
+
+
+@pytest.mark.torchrun
+def test_a_launch_on_a_mig_machine_runs_its_ranks_on_the_cpu(nvml, monkeypatch, tmp_path,
+                                                             write_script):  # fmt: skip
+    _mig_machine(nvml, monkeypatch)
+    script = write_script("env_record.py", ENV_RECORD)
+    with pytest.warns(RuntimeWarning, match="MIG mode is on"):
+        result = torchrun(script, run_dir=tmp_path / "run", echo=False, timeout=120)
+    assert [r["rank"] for r in result.records] == [0, 1]
+    assert {(r["CUDA_VISIBLE_DEVICES"], r["DDP_TUTORIAL_BACKEND"]) for r in result.records} == {
+        ("", "gloo")
+    }

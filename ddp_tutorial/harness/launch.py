@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,7 @@ from ddp_tutorial.harness.failures import (
     parse_failures,
     tail,
 )
+from ddp_tutorial.harness.gpu_plan import mig_fallback
 from ddp_tutorial.harness.runs import KEEP_RUNS, default_run_dir, prune_runs  # noqa: F401
 from ddp_tutorial.records import read_rank_records
 
@@ -78,9 +80,9 @@ class RunResult:
 
 
 def default_nproc(env: Mapping[str, str] | None = None) -> int:
-    """One process per visible GPU when there are GPUs, else 2 (CPU lessons use 2 ranks)."""
+    """One process per visible GPU when there are GPUs, else 2 (also under MIG: the CPU plan)."""
     merged = {**os.environ, **(env or {})}
-    if settings.backend(merged) == "gloo":
+    if settings.backend(merged) == "gloo" or mig_fallback(merged)[0]:
         return 2
     gpus = visible_gpu_count(merged)
     return gpus if gpus >= 1 else 2
@@ -157,12 +159,16 @@ class LaunchSpec:
     def child_env(self) -> dict[str, str]:
         # PYTHONFAULTHANDLER: a rank killed by SIGABRT or SIGSEGV prints every thread's
         # Python stack, so even a crash inside C++ says where Python was.
-        return {
+        env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "PYTHONFAULTHANDLER": "1",
             **(self.env or {}),
         }
+        hide, why = mig_fallback(env)
+        if hide:  # MIG: the CPU plan, said where the learner sees it
+            warnings.warn(f"{self.name}: {why}", RuntimeWarning, stacklevel=2)
+        return {**env, **hide}
 
 
 class Launch:

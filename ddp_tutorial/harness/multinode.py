@@ -19,6 +19,7 @@ from typing import Any
 from ddp_tutorial.devices import visible_gpus
 from ddp_tutorial.distributed import free_port
 from ddp_tutorial.harness.failures import LaunchError
+from ddp_tutorial.harness.gpu_plan import mig_fallback
 from ddp_tutorial.harness.launch import (
     LaunchSpec,
     RunResult,
@@ -107,6 +108,9 @@ def node_gpus_here(
 ) -> tuple[list[dict[str, str]], str]:
     """:func:`node_gpus` for this machine's GPUs, as processes started with ``env`` see them."""
     merged = {**os.environ, **(env or {})}
+    hide, why = mig_fallback(merged)
+    if hide:  # MIG: every node on the CPU, as one launch would be
+        return [dict(hide) for _ in range(nnodes)], why
     visible = [gpu.uuid for gpu in visible_gpus(merged)]
     per_node = nproc_per_node if nproc_per_node is not None else default_nproc(merged)
     return node_gpus(nnodes, per_node, visible)
