@@ -3,7 +3,7 @@
 Each test pins a GPU-side behaviour that this CPU-only machine can still check:
 the scripts' device discipline (read from their source), the Makefile's
 commands (``make -n``), and that ``make gpu-check`` collects and starts on a
-machine with only torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm.
+machine with only torch, torchvision, pytest, psutil, nvidia-ml-py, matplotlib and tqdm.
 """
 
 from __future__ import annotations
@@ -142,6 +142,37 @@ def test_gpu_check_and_the_plain_runner_start_without_jupyter():
         "print('imported')"
     ))  # fmt: skip
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
+
+
+def _third_party_imports(paths) -> set[str]:
+    """Top-level modules the files import that are neither the standard library nor the course."""
+    found = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"ddp_tutorial", "__future__"}
+
+
+def test_gpu_check_needs_what_the_package_and_scripts_import():
+    """A torch-only GPU box lacks torchvision (lessons 04 and 06: resnet18): gpu-check names it."""
+    from ddp_tutorial.harness.gpu_check import NEEDS
+
+    jupyter_only = {"course.py", "hosted.py"}  # `make run`'s executor: never on a GPU box
+    paths = [p for p in (REPO / "ddp_tutorial").rglob("*.py") if p.name not in jupyter_only]
+    paths += [p for p in (REPO / "scripts").rglob("*.py") if "compare" not in p.parts]
+    assert _third_party_imports(paths) - set(GPU_BOX_LACKS) <= set(NEEDS)
+    assert {"torchvision", "PIL", "numpy"} <= set(NEEDS)
+
+
+def test_gpu_check_stops_at_once_naming_what_is_missing(monkeypatch, capsys):
+    from ddp_tutorial.harness import gpu_check
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # a torch-only box
+    assert gpu_check.main() == 2
+    assert "missing torchvision: pip install torchvision" in capsys.readouterr().err
 
 
 def test_gpu_check_plan_covers_every_gpu_and_the_gpu_lessons():

@@ -1,7 +1,8 @@
 """``make gpu-check``: the one prepared command a GPU owner runs, and the table it prints.
 
-On a machine with GPUs and only torch, pytest, psutil, nvidia-ml-py,
-matplotlib and tqdm (no pip, no Jupyter), it runs, each with a time limit:
+On a machine with GPUs and only what :data:`NEEDS` lists — torch *and
+torchvision* (resnet18, lessons 04 and 06), pytest, psutil, nvidia-ml-py,
+matplotlib, numpy, pillow, tqdm; no pip, no Jupyter — it runs, each with a time limit:
 
 1. the ``gpu``-marked tests (``pytest -m gpu``);
 2. ``scripts/demos/hello.py`` with nccl across *every* visible GPU — with two or
@@ -22,6 +23,7 @@ count, so that this machine (no GPU) can check it for 1, 2 and 8 GPUs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -36,6 +38,11 @@ REPO = Path(__file__).resolve().parents[2]
 LESSONS = {"03_device_mapping": 8, "04_ddp_wrapping": 4, "05_checkpointing": 6,
            "06_training_and_utilization": 4, "08_fault_tolerance": 6, "09_debugging": 14,
            "10_multinode": 10, "11_speed_tools": 3, "12_beyond_ddp": 4}  # fmt: skip
+# What the check imports, by module: the pip name where it differs. A test keeps this the
+# union of the package's and the scripts' third-party imports (less the Jupyter stack).
+NEEDS = {"torch": "torch", "torchvision": "torchvision", "pytest": "pytest", "psutil": "psutil",
+         "pynvml": "nvidia-ml-py", "matplotlib": "matplotlib", "numpy": "numpy",
+         "PIL": "pillow", "tqdm": "tqdm"}  # fmt: skip
 GPU_TEST_LAUNCHES = 21  # torchrun launches of `pytest -m gpu`, most with every GPU
 COLD_COMPILE_S = {"11_speed_tools": 90.0}  # inductor's first compile on a fresh machine
 
@@ -113,11 +120,10 @@ def main() -> int:
     from ddp_tutorial.devices import DeviceError, visible_gpu_count
     from ddp_tutorial.records import format_table
 
-    try:
-        import pynvml  # noqa: F401 - how the course counts GPUs without a CUDA context
-    except ImportError:
-        print("gpu-check: the module pynvml is missing: pip install nvidia-ml-py (the course "
-              "counts GPUs through NVML, without touching CUDA)", file=sys.stderr)  # fmt: skip
+    missing = [pip for module, pip in NEEDS.items() if importlib.util.find_spec(module) is None]
+    if missing:  # pynvml: how the course counts GPUs without a CUDA context
+        print(f"gpu-check: missing {', '.join(missing)}: pip install {' '.join(missing)} "
+              "(torchvision: resnet18; nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
         return 2
     try:
         gpus = visible_gpu_count()
