@@ -286,7 +286,7 @@ def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     assert gpu_check.main() == 2
-    assert "the module pynvml is missing: pip install nvidia-ml-py" in capsys.readouterr().err
+    assert "missing nvidia-ml-py: pip install nvidia-ml-py" in capsys.readouterr().err
 
 
 # -- make rehearse: GPU world sizes on the CPU ---------------------------------------------
