@@ -138,6 +138,40 @@ def test_shell_command_is_what_a_user_types():
 # -- GPU paths (make gpu-check) ----------------------------------------------------
 
 
+def check_syncbn(records: list[dict]) -> None:
+    """What a bare SyncBatchNorm does on these ranks (``syncbn_collectives`` in ddp_anatomy.py).
+
+    On 2+ ranks its forward all-gathers (batch sizes differ), its backward
+    all-reduces. On one rank torch skips the sync (``need_sync = world_size > 1``)
+    and runs plain batch_norm: no collective at all. Either way the running mean
+    is the mean over every rank's rows.
+    """
+    for rec in records:
+        c = rec["batchnorm"]["syncbn_collectives"]
+        if len(records) > 1:
+            assert c["forward"] and all(n.startswith("all_gather") for n in c["forward"])
+            assert c["backward"] == ["all_reduce"]
+        else:
+            assert (c["forward"], c["backward"]) == ([], []), "a world of one never syncs"
+        torch.testing.assert_close(vec(c["running_mean"]), vec(c["global_mean"]))
+
+
+def test_the_syncbn_check_asserts_what_one_rank_does():
+    """One GPU: the path torch takes is plain batch_norm, which the CPU runs too."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+
+    anatomy = load_script("demos/ddp_anatomy.py")
+    one = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    recorded = anatomy.syncbn_collectives(one)  # as the rank record holds it: lists, not tensors
+    recorded = {k: v.tolist() if torch.is_tensor(v) else v for k, v in recorded.items()}
+    record = {"batchnorm": {"syncbn_collectives": recorded}}
+    check_syncbn([record])
+    with pytest.raises(AssertionError):  # the 2-rank claim (all-gathers) on what one rank did
+        check_syncbn([record, record])
+
+
 @pytest.mark.gpu
 def test_anatomy_on_gpus_syncbn_and_device_ids(tmp_path):
     n = gpu_count()
@@ -151,11 +185,7 @@ def test_anatomy_on_gpus_syncbn_and_device_ids(tmp_path):
     means = [vec(r["batchnorm"]["syncbn_running_mean"]) for r in result.records]
     for m in means[1:]:
         torch.testing.assert_close(m, means[0])  # one set of statistics for all ranks
-    for rec in result.records:  # forward all-gathers (counts differ), backward all-reduces
-        c = rec["batchnorm"]["syncbn_collectives"]
-        assert c["forward"] and all(n.startswith("all_gather") for n in c["forward"])
-        assert c["backward"] == ["all_reduce"]
-        torch.testing.assert_close(vec(c["running_mean"]), vec(c["global_mean"]))
+    check_syncbn(result.records)
     for rec in result.records:  # buffers: each spelling, synced when it says
         b = rec["buffers"]
         assert b["broadcast_buffers=False"]["future_warning"] is not None
