@@ -112,8 +112,22 @@ def test_shm(monkeypatch, tmp_path):
 
 
 NAMES = ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "cuda build", "topology", "backends",
-         "port", "network", "interfaces", "threads", "shm", "plan", "gloo all_reduce",
+         "port", "network", "interfaces", "threads", "shm", "plan", "compiler", "gloo all_reduce",
          "nccl all_reduce"]  # fmt: skip
+
+
+def test_missing_compilers_and_headers_warn_what_torch_compile_needs(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
+    monkeypatch.setattr(doctor.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    finding = doctor.check_compiler({})
+    assert finding.status == "warn" and "torch.compile cannot build kernels" in finding.detail
+    for need in ("C++ compiler (g++", "C compiler ($CC", f"Python headers ({tmp_path}"):
+        assert need in finding.detail
+    assert "build-essential python3-dev" in finding.fix
+    assert exit_code([finding]) == 0, "a warning: training without compile still runs"
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: f"/usr/bin/{name}")
+    (tmp_path / "Python.h").write_text("")
+    assert doctor.check_compiler({"CC": "cc"}).status == "ok"
 
 
 def test_static_checks_are_healthy_here():
@@ -222,9 +236,12 @@ def test_nccl_probe_on_gpus():
 
 
 def _cuda_build(monkeypatch, built, available=True, count=8):
+    def fork_trap():
+        raise AssertionError("torch.cuda.is_available() in the doctor's process (the kernel)")
+
     monkeypatch.setattr(torch.version, "cuda", built)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_available", fork_trap)
+    monkeypatch.setattr(checks, "torch_gpu_count", lambda env: count if available else 0)
     return checks.check_cuda_build({})
 
 

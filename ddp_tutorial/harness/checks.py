@@ -129,7 +129,8 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if major > driver[0]:
         return Finding("cuda build", "fail", found + ": torch will see no GPU",
                        "update the driver, or " + fix)  # fmt: skip
-    if not torch.cuda.is_available():  # the driver API answers without a context
+    seen = torch_gpu_count(env)
+    if not seen:
         return Finding("cuda build", "fail", found + ", yet torch sees no GPU",
                        "check the driver (nvidia-smi) and the container's GPU access")  # fmt: skip
     unsupported = gpus_without_kernels(env, torch.cuda.get_arch_list())
@@ -141,7 +142,15 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if (major, minor) > driver:
         return Finding("cuda build", "warn", found + ": runs by minor-version compatibility; "
                        "kernels that need the newer driver (PTX JIT) fail", fix)  # fmt: skip
-    return Finding("cuda build", "ok", f"{found}; torch sees {torch.cuda.device_count()} GPU(s)")
+    return Finding("cuda build", "ok", f"{found}; torch sees {seen} GPU(s)")
+
+
+def torch_gpu_count(env: Mapping[str, str]) -> int:
+    """GPUs torch sees, asked in a process of its own: ``is_available()`` here poisons forks."""
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(env), capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
 
 
 def gpus_without_kernels(env: Mapping[str, str], arch_list: list[str]) -> str:
@@ -170,13 +179,9 @@ def check_visible_devices(env: Mapping[str, str]) -> Finding:
     try:
         entries = parse_visible_devices(value)
     except DeviceError as exc:
-        return Finding(
-            VISIBLE_DEVICES_ENV,
-            "fail",
-            str(exc),
-            "set it in the launcher's environment to a comma list of distinct GPU ids, "
-            "e.g. CUDA_VISIBLE_DEVICES=0,1 torchrun ...",
-        )
+        return Finding(VISIBLE_DEVICES_ENV, "fail", str(exc), "set it in the launcher's "
+                       "environment to a comma list of distinct GPU ids, e.g. "
+                       "CUDA_VISIBLE_DEVICES=0,1 torchrun ...")  # fmt: skip
     if entries is None:
         return Finding(VISIBLE_DEVICES_ENV, "ok", "unset: every GPU is visible")
     if entries == []:

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
+from pathlib import Path
 
 from ddp_tutorial import settings
 from ddp_tutorial.harness.checks import (
@@ -107,6 +111,32 @@ def check_nccl(env: Mapping[str, str], gpus: int, timeout: float = PROBE_TIMEOUT
     return _probe_launch("nccl", gpus, env, timeout)
 
 
+def check_compiler(env: Mapping[str, str]) -> Finding:
+    """What ``torch.compile`` (inductor) needs to build kernels: compilers and Python's headers.
+
+    On the CPU inductor compiles C++ with ``$CXX`` or g++ (clang++ on macOS); on
+    a GPU Triton builds its launcher with ``$CC``, gcc or clang against Python.h.
+    Without them the first compiled call fails (lesson 11), while training without
+    compile still runs: a warning, not a failure.
+    """
+    cxx = env.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    cc = env.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = []
+    if not shutil.which(cxx):
+        missing.append(f"C++ compiler ({cxx}: inductor on the CPU)")
+    if not (cc and shutil.which(cc)):
+        missing.append("C compiler ($CC, gcc or clang: Triton on a GPU)")
+    if not header.is_file():
+        missing.append(f"Python headers ({header}: Triton's launcher)")
+    if missing:
+        return Finding("compiler", "warn", "torch.compile cannot build kernels: no "
+                       + "; no ".join(missing),
+                       "apt install build-essential python3-dev (or your system's compiler and "
+                       "Python development package), or train without --compile")  # fmt: skip
+    return Finding("compiler", "ok", f"{shutil.which(cxx)}, {shutil.which(cc)}, {header}")
+
+
 # --------------------------------------------------------------------------- all of it
 
 
@@ -146,6 +176,7 @@ def run_checks(
     add(check_threads(env, gpus or 2))
     add(check_shm())
     add(check_plan(env))
+    add(check_compiler(env))
     if launch:
         add(check_gloo(env, timeout))
         add(check_nccl(env, gpus, timeout))
