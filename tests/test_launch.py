@@ -428,6 +428,52 @@ def test_launches_run_one_after_another_on_exclusive_process_gpus(tmp_path, writ
     assert a["end"] <= b["start"], "the second launch waited for the first"
 
 
+STAMPS_PER_RANK = """
+import json, os, sys, time
+start = time.time()
+time.sleep(1.5)
+rank = os.environ["RANK"]
+with open(os.path.join(sys.argv[-1], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": int(rank), "start": start, "end": time.time()}, f)
+"""
+
+
+def _lesson_helper(notebook: str, name: str, **names) -> object:
+    """The function ``name`` as a lesson's code cell defines it, with that cell's imports."""
+    import ast
+    import json
+
+    from conftest import REPO
+
+    cells = json.loads((REPO / "notebooks" / notebook).read_text())["cells"]
+    for cell in cells:
+        tree = ast.parse("".join(cell["source"])) if cell["cell_type"] == "code" else None
+        defs = [n for n in (tree.body if tree else []) if getattr(n, "name", None) == name]
+        if defs:
+            imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+            code = compile(ast.Module([*imports, *defs], type_ignores=[]), notebook, "exec")
+            exec(code, names)
+            return names[name]
+    raise LookupError(f"{notebook} defines no {name}()")
+
+
+@pytest.mark.torchrun
+def test_lesson_08_runs_take_turns_on_exclusive_process_gpus(nvml, monkeypatch, tmp_path,
+                                                             write_script):  # fmt: skip
+    """Lesson 08 starts its runs side by side; on EXCLUSIVE_PROCESS GPUs they must take turns."""
+    from conftest import fake_gpu
+
+    for name in ("CUDA_VISIBLE_DEVICES", "DDP_TUTORIAL_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    nvml([fake_gpu(0, exclusive=True), fake_gpu(1, exclusive=True)])  # the ranks never see it
+    launch = _lesson_helper("08_fault_tolerance.ipynb", "launch", TIMEOUT_S=120)
+    script = write_script("stamps.py", STAMPS_PER_RANK)
+    first, second = (launch(script, n, run=tmp_path / n) for n in "ab")
+    a_end = max(r["end"] for r in first.wait().records)
+    b_start = min(r["start"] for r in second.wait().records)
+    assert a_end <= b_start, "the second launch started before the first had ended"
+
+
 def test_exclusive_gpus_is_read_from_nvml_and_ignored_for_gloo(nvml):
     from conftest import fake_gpu
     from ddp_tutorial.harness.launch import exclusive_gpus
