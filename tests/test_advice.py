@@ -57,8 +57,7 @@ def test_hosted_notebooks_are_recognised():
 
 def _fake_cuda_build(monkeypatch, gpus: int, arch: list[str], cuda: str = "12.4") -> None:
     monkeypatch.setattr(torch.version, "cuda", cuda)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(checks, "torch_gpu_count", lambda env: gpus)  # asked in its own process
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch)
 
 
