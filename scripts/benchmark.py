@@ -524,11 +524,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             )
         },  # fmt: skip
     }
-    if n > 1:
-        sweep = result["allreduce"]
-        best = [r["best_seconds"] for r in sweep]
-        fit = perf.fit_ring_model([r["bytes"] for r in sweep], best, n)
-        result["ring_fit"] = fit
+    result.update(perf.fit_ring_sweep(result["allreduce"], n))  # None, and why, on one process
     if template is not None:
         bare = world_n["with_loader"]["samples_per_sec"]
         result["template"] = {
@@ -567,7 +563,9 @@ def report(result: dict[str, Any]) -> str:
             f"DDP's cost per step  {f['diff_ms_p50']:.2f} ms (quartiles {f['diff_ms_p25']:.2f} to "
             f"{f['diff_ms_p75']:.2f}; {f['pairs']} interleaved plain/DDP step pairs)"
         )
-    if "ring_fit" in result:
+    if result.get("ring_fit_skipped"):
+        lines.append(f"ring model fit       skipped: {result['ring_fit_skipped']}")
+    if result.get("ring_fit"):
         fit = result["ring_fit"]
         lines.append(
             f"ring model fit       2(N-1)alpha = {fit['latency_s'] * 1e6:.0f} us at N = "

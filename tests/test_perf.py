@@ -44,6 +44,20 @@ def test_ring_model_recovers_alpha_and_bandwidth():
         perf.fit_ring_model(sizes, times, 1)  # one rank sends nothing: no latency to fit
 
 
+def test_one_process_has_no_ring_to_fit_and_says_so():
+    """One GPU: lesson 07's benchmark runs one rank; the fit is skipped with the reason."""
+    alpha, bandwidth = 50e-6, 2e9
+    sweep = [{"bytes": s, "best_seconds": perf.ring_time(s, 2, alpha, bandwidth) + 1e-6}
+             for s in (2**10, 2**14, 2**18)]  # fmt: skip
+    one = perf.fit_ring_sweep(sweep, 1)
+    assert one["ring_fit"] is None and one["ring_fit_skipped"].startswith(
+        "no ring with one process"
+    )
+    two = perf.fit_ring_sweep(sweep, 2)
+    assert two["ring_fit_skipped"] == "" and two["ring_fit"]["world_size"] == 2
+    assert two["ring_fit"]["bandwidth_Bps"] == pytest.approx(bandwidth, rel=0.05)
+
+
 def test_the_ring_latency_grows_with_n_and_its_bandwidth_term_stays_below_2s_over_b():
     alpha, bandwidth = 1e-5, 1e9
     tiny = [perf.ring_time(8, n, alpha, bandwidth) for n in (2, 4, 8, 64)]

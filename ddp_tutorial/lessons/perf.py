@@ -165,6 +165,20 @@ def fit_ring_model(
     }
 
 
+def fit_ring_sweep(sweep: Sequence[dict[str, float]], world_size: int) -> dict[str, Any]:
+    """The benchmark's ``ring_fit`` from its all_reduce sweep, or why there is none.
+
+    ``{"ring_fit": fit, "ring_fit_skipped": ""}`` on 2+ ranks; on one process
+    (one GPU) ``{"ring_fit": None, "ring_fit_skipped": why}``: an all_reduce over
+    one rank sends nothing, so there is no ring, no latency and no bandwidth to fit.
+    """
+    if world_size == 1:
+        why = "no ring with one process: an all_reduce over one rank sends nothing, so there "
+        return {"ring_fit": None, "ring_fit_skipped": why + "is no latency or bandwidth to fit"}
+    sizes, best = [r["bytes"] for r in sweep], [r["best_seconds"] for r in sweep]
+    return {"ring_fit": fit_ring_model(sizes, best, world_size), "ring_fit_skipped": ""}
+
+
 def clock(device: torch.device | None = None) -> float:
     """``time.perf_counter()`` once the device has finished its queued work.
 
