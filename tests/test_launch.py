@@ -506,12 +506,14 @@ def _mig_machine(nvml, monkeypatch):
 def test_a_mig_machine_plans_the_cpu_instead_of_raising(nvml, monkeypatch, tmp_path):
     """MIG: the course refuses it for ranks, so launches run on the CPU (gloo), saying why."""
     from ddp_tutorial.devices import DeviceError
-    from ddp_tutorial.harness.gpu_plan import mig_fallback
+    from ddp_tutorial.harness.gpu_plan import launch_gpu_count, mig_fallback
     from ddp_tutorial.harness.launch import default_nproc
     from ddp_tutorial.harness.multinode import node_gpus_here
 
     _mig_machine(nvml, monkeypatch)
     assert default_nproc() == 2  # the CPU plan, as lesson 00's report says
+    assert launch_gpu_count() == 0  # what the lessons' GPU branches ask: none, they run on the CPU
+    assert launch_gpu_count({"CUDA_VISIBLE_DEVICES": "1,2,3"}) == 3
     hide, why = mig_fallback()
     assert hide == {"CUDA_VISIBLE_DEVICES": "", "DDP_TUTORIAL_BACKEND": "gloo"}
     assert "MIG mode is on for GPU(s) [0]" in why and "runs on the CPU with gloo" in why

@@ -28,3 +28,13 @@ def mig_fallback(env: Mapping[str, str] | None = None) -> tuple[dict[str, str], 
         hide = {settings.VISIBLE_DEVICES_ENV: "", settings.BACKEND_ENV: "gloo"}
         return hide, f"{exc} This launch runs on the CPU with gloo."
     return {}, ""
+
+
+def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """GPUs the lessons' launches compute on: what a lesson's GPU branch asks for.
+
+    The visible count, but 0 on a MIG machine, whose launches run on the CPU
+    (:func:`mig_fallback`), where :func:`~ddp_tutorial.devices.visible_gpu_count` raises.
+    """
+    merged = {**os.environ, **(env or {})}
+    return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
