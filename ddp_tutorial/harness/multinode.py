@@ -1,11 +1,12 @@
 """Several torchrun "nodes" of one job on this machine: the multi-node lessons without a cluster.
 
 Each node is the command you would type on one machine of a real cluster:
-``torchrun --nnodes N --node-rank i --rdzv-backend c10d --rdzv-endpoint
-host:port --rdzv-id JOB …``. :func:`rendezvous_args` builds those flags (the
-one place they are written), :func:`rendezvous_node` describes one such node
-as a :class:`~ddp_tutorial.harness.launch.LaunchSpec`, and :func:`multinode`
-starts all nodes of a job together through
+``torchrun --nnodes N --rdzv-backend c10d --rdzv-endpoint host:port --rdzv-id JOB …``
+(plus ``--node-rank i``, which c10d ignores: lesson 10 shows its warning).
+:func:`rendezvous_args` builds those flags (the one place they are written),
+:func:`rendezvous_node` describes one such node as a
+:class:`~ddp_tutorial.harness.launch.LaunchSpec`, and :func:`multinode` starts all
+nodes of a job together through
 :func:`~ddp_tutorial.harness.launch.run_together`.
 """
 
