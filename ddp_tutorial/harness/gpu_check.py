@@ -15,7 +15,7 @@ matplotlib, numpy, pillow, tqdm; no pip, no Jupyter — it runs, each with a tim
 
 then prints one row per step and exits non-zero if any failed. Every step
 has a limit that grows with the GPUs and the launches it starts
-(:func:`lesson_limit_s`: the lessons take 12-65 s each on a quiet 2-core CPU, and
+(:func:`lesson_limit_s`: the lessons take 13-68 s each on a quiet 2-core CPU, and
 each launch's start-up is estimated, not measured: no GPU has run this yet).
 :func:`plan` is what it would do on a machine, a pure function of the GPU
 count, so that this machine (no GPU) can check it for 1, 2 and 8 GPUs.
