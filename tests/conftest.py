@@ -422,3 +422,20 @@ def world_of_one():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def exercise_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every registered exercise case (tests/exercise_cases.py), checked in one batch.
+
+    The untouched stubs are launched too (``force``): a stub must run to the end and fail
+    with a named mistake, not crash.
+    """
+    from exercise_cases import REGISTERED
+
+    from ddp_tutorial.harness.exercise_check import check_files
+
+    folder = tmp_path_factory.mktemp("exercises")
+    pairs = [(case.spec, case.write(folder)) for case in REGISTERED]
+    verdicts = check_files(pairs, force=True)
+    return {str(case): v for case, v in zip(REGISTERED, verdicts, strict=True)}

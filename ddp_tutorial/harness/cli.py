@@ -4,6 +4,7 @@
 ``ddp-tutorial course``  execute the notebooks into build/ and print a table
 ``ddp-tutorial strip``   remove notebook outputs before committing
 ``ddp-tutorial doctor``  check this machine before training (exit status 1 if something blocks it)
+``ddp-tutorial check NN`` check your answers to lesson NN's exercises (1: a mistake, named)
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return exit_code(findings)
 
 
+def _check(args: argparse.Namespace) -> int:
+    from ddp_tutorial.harness.exercise_check import main
+
+    return main(args.lesson, args.files, solution=args.solution)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddp-tutorial", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--timeout", type=float, default=90.0, help="seconds per probe launch")
     doctor.set_defaults(func=_doctor)
+    check = sub.add_parser("check", help="check your answers to a lesson's exercises")
+    check.add_argument("lesson", help="the lesson (01) or one exercise by name (01_ring_average)")
+    check.add_argument("files", nargs="*", help="your files (default: scripts/exercises/...)")
+    check.add_argument("--solution", action="store_true", help="check the reference answers")
+    check.set_defaults(func=_check)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""What an exercise is, where its files live, and whether the learner has started it.
+
+Kept free of torch and of the host side: the runner (in every rank) and the checker (in
+the notebook kernel) both read these definitions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+EXERCISE_DIR = Path(__file__).resolve().parents[2] / "scripts" / "exercises"
+SOLUTION_DIR = EXERCISE_DIR / "solutions"
+BEGIN, END = "# YOUR CODE", "# END YOUR CODE"
+
+Record = dict[str, Any]
+# rank side: (the learner's module, this rank's context) -> what the judge reads
+RunFn = Callable[[ModuleType, "Context"], Record]
+# host side: every rank's record (rank order) -> None when right, else the named mistake
+JudgeFn = Callable[[list[Record]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rank knows while it runs one candidate file."""
+
+    rank: int
+    world_size: int
+    out: Path  # this candidate's folder in the run directory (a script's --out)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: a stub the learner edits, a reference answer, a run and a judge.
+
+    ``kind="functions"``: the runner starts the process group, imports the file and calls
+    ``run(module, ctx)`` on every rank. ``kind="script"``: the runner executes the file as
+    ``__main__`` with ``--out DIR`` (and ``args``), as torchrun would, and ``run`` (if any)
+    reads what it left behind. ``judge`` sees every rank's record, on the host.
+    ``teaches``: where the lesson explains it, quoted in every hint.
+    """
+
+    name: str  # the file's stem: scripts/exercises/{name}.py
+    lesson: str  # "00" ... "12"
+    title: str
+    teaches: str  # e.g. 'lesson 01, "The collectives"'
+    judge: JudgeFn
+    run: RunFn | None = None
+    kind: str = "functions"
+    nproc: int = 2
+    args: tuple[str, ...] = ()
+    errors: tuple[tuple[str, str], ...] = ()  # (text in a rank's error or output, the mistake)
+    collective_timeout_s: float = 10.0  # a rank that waits this long for a peer fails, named
+    launch_timeout_s: float = 90.0
+
+    @property
+    def stub(self) -> Path:
+        return EXERCISE_DIR / f"{self.name}.py"
+
+    @property
+    def solution(self) -> Path:
+        return SOLUTION_DIR / f"{self.name}.py"
+
+    def hint(self, mistake: str) -> str:
+        """A mistake, with where the lesson teaches the point."""
+        return f"{mistake} ({self.teaches})"
+
+
+def your_code_blocks(text: str) -> list[str]:
+    """The learner's blocks: the lines between ``# YOUR CODE`` and ``# END YOUR CODE``."""
+    pattern = re.compile(rf"^[ \t]*{re.escape(BEGIN)}\b.*?\n(.*?)^[ \t]*{re.escape(END)}\b",
+                         re.S | re.M)  # fmt: skip
+    return pattern.findall(text)
+
+
+def not_started(text: str) -> bool:
+    """True for an untouched stub: every ``# YOUR CODE`` block holds no code yet.
+
+    Only comments, ``pass`` and ``...`` count as empty, so the notebook can say "not
+    started yet" without a launch. A file without the markers counts as started.
+    """
+    blocks = your_code_blocks(text)
+    if not blocks:
+        return False
+    for block in blocks:
+        for line in block.splitlines():
+            code = line.split("#", 1)[0].strip()
+            if code not in ("", "pass", "..."):
+                return False
+    return True
+
+
+def lesson_modules() -> list[ModuleType]:
+    """Every ``lessonNN`` module of this package, in lesson order."""
+    found = pkgutil.iter_modules([str(Path(__file__).parent)])
+    names = sorted(m.name for m in found if m.name.startswith("lesson"))
+    return [importlib.import_module(f"ddp_tutorial.exercises.{n}") for n in names]
+
+
+def all_exercises() -> list[Exercise]:
+    """Every exercise of every lesson, in lesson order."""
+    return [ex for module in lesson_modules() for ex in module.EXERCISES]
+
+
+def find(key: str) -> list[Exercise]:
+    """A lesson's exercises ("01" or "1") or one exercise by name ("01_ring_average")."""
+    exercises = all_exercises()
+    if key.isdigit():
+        found = [ex for ex in exercises if ex.lesson == f"{int(key):02d}"]
+    else:
+        found = [ex for ex in exercises if ex.name == Path(key).stem]
+    if not found:
+        known = ", ".join(sorted({ex.lesson for ex in exercises}))
+        raise LookupError(f"no exercise {key!r}: lessons with exercises are {known}; "
+                          "or name one by its file, e.g. 01_ring_average")  # fmt: skip
+    return found

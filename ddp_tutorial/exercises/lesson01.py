@@ -1,0 +1,161 @@
+"""Lesson 01's exercises: collectives built by hand.
+
+``01_ring_average``: the mean over ranks from point-to-point sends around a ring (3 ranks, so
+that a neighbour is not everyone). ``01_gather_uneven``: all_gather of tensors whose lengths
+differ by rank. Each ``run`` records, on its rank, what the learner's function returned and
+which calls it made; each ``judge`` names the first mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_gather_object",
+               "all_reduce_coalesced", "scatter", "gather")  # fmt: skip
+POINT_TO_POINT = ("send", "isend", "recv", "irecv")
+
+
+@contextmanager
+def watched(calls: list[tuple[str, Any]]) -> Iterator[None]:
+    """Record each collective and send/recv (name, peer) while the learner's code runs."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
+
+    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+            calls.append((name, peer if name in POINT_TO_POINT else None))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name, real in saved.items():
+        setattr(dist, name, spy(name, real))
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def _values(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().tolist()
+    if isinstance(x, list | tuple):
+        return [_values(v) for v in x]
+    return repr(x)
+
+
+def ring_input(rank: int) -> torch.Tensor:
+    return torch.tensor([rank + 1.0, 10.0 * (rank + 1), -(rank**2)])
+
+
+def run_ring(module: ModuleType, ctx: Context) -> Record:
+    calls: list[tuple[str, Any]] = []
+    mine = ring_input(ctx.rank)
+    with watched(calls):
+        got = module.ring_average(mine.clone())
+    return {"got": _values(got), "calls": calls}
+
+
+def judge_ring(records: list[Record]) -> str | None:
+    n = len(records)
+    inputs = [ring_input(r) for r in range(n)]
+    mean, total = torch.stack(inputs).mean(0), torch.stack(inputs).sum(0)
+    for rank, rec in enumerate(records):
+        used = sorted({name for name, _ in rec["calls"] if name in COLLECTIVES})
+        if used:
+            return (
+                f"rank {rank} called dist.{used[0]}: build the average from dist.send/recv "
+                "(or isend/irecv) only - each rank passes a running sum to the next"
+            )
+        neighbours = ((rank + 1) % n, (rank - 1) % n)
+        far = [p for _, p in rec["calls"] if p is not None and p not in neighbours]
+        if far:
+            return (f"rank {rank} talked to rank {far[0]}: in a ring, rank r sends only to "
+                    "(r + 1) % world_size and receives only from (r - 1) % world_size")  # fmt: skip
+        got = rec["got"]
+        if not isinstance(got, list) or len(got) != len(mean):
+            return (
+                f"rank {rank}'s ring_average returned {got!r}, not a tensor of {len(mean)} numbers"
+            )
+        got_t = torch.tensor(got, dtype=torch.float32)
+        if torch.allclose(got_t, inputs[rank]):
+            return f"rank {rank} returned its own tensor: nothing from the other ranks was added"
+        if torch.allclose(got_t, total):
+            return f"rank {rank} returned the sum {got}: divide by the world size for the mean"
+        if not torch.allclose(got_t, mean):
+            return (
+                f"rank {rank} returned {got}, expected the mean {mean.tolist()}: after "
+                "world_size - 1 steps every rank must hold every rank's contribution once"
+            )
+    return None
+
+
+LENGTHS = (3, 1, 4, 2)
+
+
+def uneven_input(rank: int) -> torch.Tensor:
+    return torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.float32) + 100 * rank
+
+
+def run_gather(module: ModuleType, ctx: Context) -> Record:
+    calls: list[tuple[str, Any]] = []
+    with watched(calls):
+        got = module.gather_uneven(uneven_input(ctx.rank))
+    return {"got": _values(got), "calls": [name for name, _ in calls]}
+
+
+def judge_gather(records: list[Record]) -> str | None:
+    n = len(records)
+    want = [uneven_input(r).tolist() for r in range(n)]
+    for rank, rec in enumerate(records):
+        if "all_gather_object" in rec["calls"]:
+            return ("all_gather_object pickles on the CPU (and copies through the GPU on nccl): "
+                    "gather the tensors with dist.all_gather")  # fmt: skip
+        got = rec["got"]
+        if not isinstance(got, list) or len(got) != n:
+            return f"rank {rank} returned {got!r}: expected a list of {n} tensors, one per rank"
+        for src, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g == w:
+                continue
+            if isinstance(g, list) and len(g) > len(w) and g[: len(w)] == w:
+                return (
+                    f"on rank {rank}, rank {src}'s tensor still has its padding ({len(g)} "
+                    f"values, not {len(w)}): trim each to the length its rank sent"
+                )
+            if isinstance(g, list) and len(g) != len(w):
+                return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
+                        "gather every rank's length first, then trim each to its own")  # fmt: skip
+            return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
+    return None
+
+
+_UNEVEN_ERRORS = (
+    ("Received data size", "the ranks sent tensors of different lengths to one all_gather: "
+     "every rank must send the same shape - gather the lengths, pad to the longest, trim"),
+    ("EnforceNotMet", "the ranks sent tensors of different lengths to one all_gather: "
+     "every rank must send the same shape - gather the lengths, pad to the longest, trim"),
+)  # fmt: skip
+
+EXERCISES = [
+    Exercise(
+        name="01_ring_average", lesson="01", nproc=3, run=run_ring, judge=judge_ring,
+        title="the mean over ranks, from point-to-point sends around a ring",
+        teaches='lesson 01, "The collectives": all_reduce',
+    ),
+    Exercise(
+        name="01_gather_uneven", lesson="01", run=run_gather, judge=judge_gather,
+        title="all_gather of tensors whose lengths differ by rank",
+        teaches='lesson 01, "all_gather": every rank must send the same shape',
+        errors=_UNEVEN_ERRORS,
+    ),
+]  # fmt: skip

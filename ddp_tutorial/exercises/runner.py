@@ -1,0 +1,150 @@
+"""What torchrun starts to check exercises: every candidate file, one after the other.
+
+    torchrun --standalone --nproc-per-node 2 -m ddp_tutorial.exercises.runner \\
+        --out RUN_DIR --candidate 01_ring_average=scripts/exercises/01_ring_average.py ...
+
+Several candidates share one launch (torchrun's start-up costs seconds; a candidate, a
+fraction of one). For each, every rank writes ``RUN_DIR/c{i}/status-rank{r}.json``: ok or the
+error, the line of the learner's file it came from, and what the exercise's ``run`` recorded.
+Each candidate gets a process group of its own, under its own key prefix in torchrun's store
+(a group made again under the same keys can read the last one's addresses and hang), and a
+short collective timeout: a rank left waiting by a peer fails in seconds, named. After each
+candidate the ranks meet in the store before the next begins, so a wrong answer — even one
+that hangs — costs only itself; only a rank that dies (gloo aborts the process on some
+mistakes) ends the batch, and the checker launches the rest again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_tutorial.exercises.core import Context, Exercise, find
+from ddp_tutorial.records import write_json
+
+
+def load(path: Path, tag: str) -> ModuleType:
+    """Import the learner's file under a name of its own (two candidates never collide)."""
+    spec = importlib.util.spec_from_file_location(f"exercise_{tag}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def where(exc: BaseException, path: Path) -> str:
+    """``line N: code`` of the deepest frame in the learner's file, else the deepest frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if Path(f.filename).resolve() == path.resolve()]
+    frame = (mine or frames or [None])[-1]
+    if frame is None:
+        return ""
+    name = "your file" if mine else Path(frame.filename).name
+    return f"{name}, line {frame.lineno}: {(frame.line or '').strip()}"
+
+
+@functools.cache
+def agent_store() -> dist.Store:
+    """A client of torchrun's store (``MASTER_ADDR:MASTER_PORT``), shared by every candidate."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+
+
+def init_kwargs(ex: Exercise, ctx: Context) -> dict[str, Any]:
+    """A fresh group under this candidate's own prefix, its timeout capped (a hang is named in
+    seconds, not after gloo's 30 minutes)."""
+    return {"store": dist.PrefixStore(ctx.out.name, agent_store()), "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "timeout": datetime.timedelta(seconds=ex.collective_timeout_s)}  # fmt: skip
+
+
+def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
+    """Run the learner's script as ``__main__``, as torchrun does; ``ex.run`` reads its files."""
+    original = dist.init_process_group
+
+    def init(backend: Any = None, init_method: Any = None, **kwargs: Any) -> None:
+        if init_method in (None, "env://") and "store" not in kwargs:
+            kwargs = {**kwargs, **init_kwargs(ex, ctx)}  # what env:// would do, isolated
+        original(backend, **kwargs)
+
+    argv = sys.argv
+    sys.argv = [str(path), *ex.args, "--out", str(ctx.out)]
+    dist.init_process_group = init
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = argv
+        dist.init_process_group = original
+        left_open = dist.is_initialized()
+        if left_open:
+            dist.destroy_process_group()
+    return {"left_group_open": left_open, **(ex.run(None, ctx) if ex.run else {})}  # type: ignore[arg-type]
+
+
+def run_functions(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
+    """Import the learner's file and call the exercise's ``run`` in a process group of our own."""
+    module = load(path, tag)
+    assert ex.run is not None, f"{ex.name}: a functions exercise needs run()"
+    return ex.run(module, ctx)
+
+
+def one(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
+    """Run one candidate on this rank; never raises (the record says what went wrong)."""
+    record: dict[str, Any] = {"exercise": ex.name, "file": str(path), "status": "ok"}
+    try:
+        if ex.kind == "script":
+            record["result"] = run_script(ex, path, ctx)
+        else:
+            dist.init_process_group("gloo", **init_kwargs(ex, ctx))
+            record["result"] = run_functions(ex, path, ctx, tag)
+    except BaseException as exc:  # the learner's code may raise anything, SystemExit included
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}".strip(),
+                      where=where(exc, path))  # fmt: skip
+    return record
+
+
+def agree(ctx: Context, status: str) -> list[str]:
+    """Wait for every rank to finish this candidate, through torchrun's store (the learner's
+    group may be gone or out of step); every rank's status."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = agent_store()
+    store.set(f"{ctx.out.name}/status/{ctx.rank}", status)
+    keys = [f"{ctx.out.name}/status/{r}" for r in range(ctx.world_size)]
+    store.wait(keys)
+    return [store.get(k).decode() for k in keys]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the run directory")
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=FILE",
+                        help="an exercise and the file to check for it (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for i, pair in enumerate(args.candidate):
+        name, _, file = pair.partition("=")
+        (ex,) = find(name)
+        ctx = Context(rank=rank, world_size=world, out=args.out / f"c{i}")
+        record = one(ex, Path(file), ctx, tag=f"{i}")
+        write_json(ctx.out / f"status-rank{rank}.json", {"rank": rank, **record})
+        agree(ctx, record["status"])
+
+
+if __name__ == "__main__":
+    main()

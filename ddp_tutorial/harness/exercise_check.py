@@ -1,0 +1,172 @@
+"""``ddp-tutorial check NN``: run the learner's exercise files under torchrun and name the mistake.
+
+The same from a shell and from a notebook cell. An untouched stub is recognised without a
+launch ("not started yet"), so an unfinished exercise costs a lesson no time and never stops
+``make run``. Files that are started go to the rank side (``ddp_tutorial.exercises.runner``)
+in as few launches as possible: one per world size, plus one more after a candidate whose
+rank died (gloo aborts the process on some mistakes), for the candidates after it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_tutorial import settings
+from ddp_tutorial.exercises.core import BEGIN, END, Exercise, Record, find, not_started
+from ddp_tutorial.harness.launch import torchrun
+from ddp_tutorial.harness.runs import default_run_dir
+from ddp_tutorial.records import read_rank_records
+
+HANG_WORDS = ("timed out", "Timed out", "Connection closed by peer", "Connection reset")
+
+
+@dataclass
+class ExerciseVerdict:
+    """One exercise checked on one file."""
+
+    exercise: Exercise
+    file: Path
+    passed: bool
+    message: str
+    started: bool = True
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        mark = "PASS" if self.passed else ("TODO" if not self.started else "FAIL")
+        return f"{mark}  {self.exercise.name} ({self.file}): {self.message}"
+
+
+def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
+    """The first failing rank's error, named: a known mistake, a hang, or the line it came from."""
+    bad = [r for r in records if r.get("status") != "ok"]
+    said = "\n".join([r.get("error", "") for r in bad] + [output])
+    for text, mistake in ex.errors:
+        if text in said:
+            return ex.hint(mistake)
+    if not bad:
+        missing = sorted(set(range(ex.nproc)) - {r["rank"] for r in records})
+        return f"rank {missing[0] if missing else '?'} never reported: it crashed or hung"
+    first = min(bad, key=lambda r: (not any(w in r["error"] for w in HANG_WORDS), r["rank"]))
+    where = f" at {first['where']}" if first.get("where") else ""
+    if any(w in first["error"] for w in HANG_WORDS):
+        others = [r["rank"] for r in records if r.get("status") == "ok"]
+        return ex.hint(
+            f"rank {first['rank']} waited{where} for a peer that never came"
+            + (f" (rank {others[0]} had finished)" if others else "")
+            + ": every rank must call the same collectives, and each send needs its recv, in "
+            "the same order - is one under `if rank == ...`?"
+        )
+    return ex.hint(f"rank {first['rank']} raised {first['error'].splitlines()[0]}{where}")
+
+
+def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, str]:
+    """(passed, message) from every rank's record of one candidate (``output``: the launch's)."""
+    if len(records) < ex.nproc or any(r.get("status") != "ok" for r in records):
+        return False, explain_error(ex, records, output)
+    mistake = ex.judge([r.get("result", {}) for r in sorted(records, key=lambda r: r["rank"])])
+    return (True, "right") if mistake is None else (False, ex.hint(mistake))
+
+
+def _launch(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[list[list[Record]], str]:
+    """One torchrun for a batch of the same world size: each candidate's records (maybe none)
+    and the launch's output (where a rank that died without a record left its last words)."""
+    nproc = batch[0][0].nproc
+    args = [a for ex, path in batch for a in ("--candidate", f"{ex.name}={path.resolve()}")]
+    run_dir = default_run_dir("exercise_check")
+    timeout = sum(ex.launch_timeout_s for ex, _ in batch)
+    # CPU and gloo everywhere: the same check on a laptop and a GPU box
+    env = {settings.VISIBLE_DEVICES_ENV: "", "OMP_NUM_THREADS": "1"}
+    result = torchrun("ddp_tutorial.exercises.runner", *args, module=True, nproc=nproc, env=env,
+                      run_dir=run_dir, timeout=timeout, check=False, echo=echo)  # fmt: skip
+    records = [read_rank_records(run_dir / f"c{i}", "status-rank*.json") for i in range(len(batch))]
+    return records, result.output
+
+
+def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
+                force: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
+    """Verdicts for (exercise, file) pairs, in order; untouched stubs without a launch
+    (``force``: launch them too - the tests prove that every stub runs)."""
+    verdicts: dict[int, ExerciseVerdict] = {}
+    todo: dict[int, list[int]] = {}  # world size -> indexes still to run
+    for i, (ex, path) in enumerate(pairs):
+        if not path.is_file():
+            verdicts[i] = ExerciseVerdict(ex, path, False, f"no such file: {path}")
+        elif not force and not_started(path.read_text()):
+            verdicts[i] = ExerciseVerdict(ex, path, False, started=False, message=(
+                f"not started yet: write your lines between `{BEGIN}` and `{END}` in {path}, "
+                f"then run `ddp-tutorial check {ex.lesson}` ({ex.teaches})"))  # fmt: skip
+        else:
+            todo.setdefault(ex.nproc, []).append(i)
+    for indexes in todo.values():
+        while indexes:
+            begun = time.perf_counter()
+            results, output = _launch([pairs[i] for i in indexes], echo)
+            seconds = time.perf_counter() - begun
+            ran = 0
+            for i, records in zip(indexes, results, strict=True):
+                if not records:
+                    break  # the batch stopped before this one: launch the rest again
+                ex, path = pairs[i]
+                passed, message = judge(ex, records, output)
+                verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=seconds)
+                ran += 1
+            if ran == 0:  # the launch itself failed before the first candidate
+                ex, path = pairs[indexes[0]]
+                verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, seconds=seconds,
+                    message="the launch failed before your code ran: run it in a shell, "
+                    f"torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
+                ran = 1
+            indexes = indexes[ran:]
+    return [verdicts[i] for i in range(len(pairs))]
+
+
+def check(key: str, files: Sequence[str | Path] = (), solution: bool = False,
+          echo: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
+    """Check lesson ``key``'s exercises (or one exercise by name) on the learner's files.
+
+    ``files``: the files to check (each matched to its exercise by name; a single file for a
+    lesson with one exercise may have any name); default: the stubs in scripts/exercises/,
+    or the reference answers with ``solution``.
+    """
+    exercises = find(key)
+    if not files:
+        pairs = [(ex, ex.solution if solution else ex.stub) for ex in exercises]
+    else:
+        by_name = {ex.name: ex for ex in exercises}
+        pairs = []
+        for f in map(Path, files):
+            ex = by_name.get(f.stem) or (exercises[0] if len(exercises) == 1 else None)
+            if ex is None:
+                names = ", ".join(by_name)
+                raise LookupError(f"{f}: which exercise? name the file after one of {names}")
+            pairs.append((ex, f))
+    return check_files(pairs, echo=echo)
+
+
+def show(key: str, **options: Any) -> list[ExerciseVerdict]:
+    """The notebook's check cell: print each verdict; never raise (a lesson must go on)."""
+    try:
+        verdicts = check(key, **options)
+    except Exception as exc:  # a broken exercise file must not stop the lesson
+        print(f"ddp-tutorial check {key}: {type(exc).__name__}: {exc}")
+        return []
+    for v in verdicts:
+        print(v.line())
+    return verdicts
+
+
+def main(key: str, files: Sequence[str], solution: bool = False) -> int:
+    """``ddp-tutorial check``: 0 when every exercise passes, 1 with the named mistakes."""
+    try:
+        verdicts = check(key, files, solution=solution, echo=False)
+    except LookupError as exc:
+        print(f"ddp-tutorial check: {exc}", file=sys.stderr)
+        return 2
+    for v in verdicts:
+        print(v.line())
+    return 0 if all(v.passed for v in verdicts) else 1

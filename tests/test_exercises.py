@@ -1,0 +1,79 @@
+"""The exercises' machinery: every stub and solution, the check command, the notebooks' cells.
+
+Each lesson's wrong answers live in ``tests/test_exercises_NN.py``; here, for every exercise:
+the reference solution passes, the untouched stub runs to the end and fails with a named
+mistake (no traceback), and without a launch is recognised as "not started yet".
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+from conftest import REPO
+from ddp_tutorial.exercises.core import all_exercises, find, not_started, your_code_blocks
+from ddp_tutorial.harness import exercise_check
+
+EXERCISES = all_exercises()
+CASES = register(
+    [Case(ex.name, "solution", None) for ex in EXERCISES]
+    + [Case(ex.name, "stub", "", stub=True) for ex in EXERCISES]
+)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_solutions_pass_and_stubs_run_and_fail_with_a_named_mistake(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
+    if case.stub:  # it ran: a wrong answer, named, not a crash of the stub itself
+        message = exercise_verdicts[str(case)].message
+        assert " raised " not in message and "never reported" not in message, message
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_every_exercise_has_a_stub_to_edit_and_a_solution(ex):
+    stub, solution = ex.stub.read_text(), ex.solution.read_text()
+    assert your_code_blocks(stub), f"{ex.stub.name}: no `# YOUR CODE` ... `# END YOUR CODE` block"
+    assert not_started(stub), f"{ex.stub.name}: its YOUR CODE blocks must hold no code yet"
+    assert not not_started(solution), f"{ex.solution.name}: the answer must fill the blocks"
+    assert ex.teaches.startswith(f"lesson {ex.lesson}") or "lesson" in ex.teaches
+    assert f"ddp-tutorial check {ex.lesson}" in stub, "the stub says how to check it"
+
+
+def test_not_started_sees_only_code_as_a_start():
+    block = "x = 1\n    # YOUR CODE: do it\n    {}\n    # END YOUR CODE\n"
+    assert not_started(block.format("# a comment\n    pass\n    ..."))
+    assert not not_started(block.format("y = x  # mine"))
+    assert not not_started("x = 1\n"), "a file without the markers counts as started"
+
+
+def test_an_untouched_stub_is_named_without_a_launch(capsys):
+    assert exercise_check.main("01", []) == 1
+    out = capsys.readouterr().out
+    assert out.count("TODO") == len(find("01")) and "not started yet" in out
+    assert "lesson 01" in out
+
+
+def test_unknown_lessons_and_files_get_a_clear_error(capsys, tmp_path):
+    assert exercise_check.main("99", []) == 2
+    assert "lessons with exercises are" in capsys.readouterr().err
+    other = tmp_path / "mine.py"
+    other.write_text("x = 1\n")
+    if len(find("01")) > 1:
+        assert exercise_check.main("01", [str(other)]) == 2
+        assert "which exercise?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lesson", sorted({ex.lesson for ex in EXERCISES}))
+def test_each_lesson_with_exercises_has_a_your_turn_section_and_check_cell(lesson):
+    (path,) = REPO.glob(f"notebooks/{lesson}_*.ipynb")
+    cells = json.loads(path.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    turn = [i for i, t in enumerate(text) if t.startswith("## Your turn")]
+    assert turn, f"{path.name}: no '## Your turn' section"
+    after = "\n".join(text[turn[0] :])
+    for ex in find(lesson):
+        assert f"scripts/exercises/{ex.name}.py" in after, f"{path.name} does not name {ex.name}"
+    assert f'show("{lesson}")' in after, f"{path.name}: no check cell (exercise_check.show)"
