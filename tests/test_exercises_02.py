@@ -1,0 +1,44 @@
+"""Lesson 02's exercises: plausible wrong answers, each named in the lesson's words.
+
+Each case is a small edit of the reference solution (scripts/exercises/solutions/02_*.py);
+the session fixture checks them all in one batched launch per world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+ACC, F1 = "02_exact_accuracy", "02_macro_f1"
+SPLIT = "shard = Subset(dataset, range(rank, len(dataset), world))"
+PADDED = (
+    "shard = Subset(dataset, list(torch.utils.data.DistributedSampler(dataset, shuffle=False)))"
+)
+REDUCE_COUNTS = "dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not"
+SCORE = "score = per_class.mean().item()"
+MICRO = "score = (2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum())).item()"
+
+CASES = register(
+    [
+        Case(ACC, "padded-sampler-counts-a-sample-twice", "evaluated twice",
+             edits=((SPLIT, PADDED),)),
+        Case(ACC, "drop-last-skips-the-remainder", "never evaluated",
+             edits=((SPLIT, PADDED.replace("shuffle=False", "shuffle=False, drop_last=True")),)),
+        Case(ACC, "no-all-reduce-each-rank-its-own-shard", "each rank counted only its own shard",
+             edits=(("dist.all_reduce(sums)", "pass  # dist.all_reduce(sums)"),)),
+        Case(F1, "mean-of-the-ranks-f1", "the mean of the ranks' own F1s",
+             edits=((REDUCE_COUNTS, "pass"),
+                    (SCORE, "mine = per_class.mean().reshape(1)\n    dist.all_reduce(mine)\n"
+                            "    score = mine.item() / dist.get_world_size()"))),
+        Case(F1, "no-all-reduce-own-shard-only", "the F1 of its own shard only",
+             edits=((REDUCE_COUNTS, "pass"),)),
+        Case(F1, "micro-instead-of-macro", "the micro F1",
+             edits=((SCORE, MICRO),)),
+    ]
+)  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
