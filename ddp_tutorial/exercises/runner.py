@@ -93,6 +93,7 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
         left_open = dist.is_initialized()
         if left_open:
             dist.destroy_process_group()
+        meet(ctx, "script-done")  # every rank's files are written before any rank reads them
     return {"left_group_open": left_open, **(ex.run(None, ctx) if ex.run else {})}  # type: ignore[arg-type]
 
 
@@ -118,16 +119,21 @@ def one(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
     return record
 
 
+def meet(ctx: Context, what: str, value: str = "") -> list[str]:
+    """Wait in torchrun's store until every rank has said ``what``; what each said."""
+    store = agent_store()
+    store.set(f"{ctx.out.name}/{what}/{ctx.rank}", value)
+    keys = [f"{ctx.out.name}/{what}/{r}" for r in range(ctx.world_size)]
+    store.wait(keys)
+    return [store.get(k).decode() for k in keys]
+
+
 def agree(ctx: Context, status: str) -> list[str]:
     """Wait for every rank to finish this candidate, through torchrun's store (the learner's
     group may be gone or out of step); every rank's status."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = agent_store()
-    store.set(f"{ctx.out.name}/status/{ctx.rank}", status)
-    keys = [f"{ctx.out.name}/status/{r}" for r in range(ctx.world_size)]
-    store.wait(keys)
-    return [store.get(k).decode() for k in keys]
+    return meet(ctx, "status", status)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,116 @@
+"""Lesson 00's exercise: a single-process loop turned into DDP (a script, as torchrun runs it).
+
+``00_convert_loop``: the learner's script writes ``model.pt`` and a report per process (the
+samples it trained on, per epoch; its rank; whether it wrote). Rank 0 reads them all and trains
+the reference, one process on the global batch, to compare the weights with.
+"""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+SAMPLES, BATCH, EPOCHS, LR, SEED = 256, 16, 2, 0.05, 0  # the stub's defaults
+
+
+def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
+    """What one process trains with the global batch (lesson 00's proof: the same weights)."""
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(SAMPLES, 20, generator=g)
+    y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)
+    generator = torch.Generator()
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH * world_size,
+                        sampler=RandomSampler(range(SAMPLES), generator=generator))  # fmt: skip
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for epoch in range(EPOCHS):
+        generator.manual_seed(SEED + epoch)
+        for xb, yb in loader:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def run_convert(_: ModuleType | None, ctx: Context) -> Record:
+    """On rank 0: every process's report, the saved keys, and the gap to the reference."""
+    if ctx.rank != 0:
+        return {}
+    reports = [json.loads(p.read_text()) for p in sorted(ctx.out.glob("report-*.json"))]
+    record: Record = {"reports": reports, "saved": None}
+    model = ctx.out / "model.pt"
+    if model.is_file():
+        state = torch.load(model, map_location="cpu", weights_only=True)
+        record["saved"] = sorted(state)
+        plain = {k.removeprefix("module."): v for k, v in state.items()}
+        want = reference_weights(ctx.world_size)
+        if set(plain) == set(want):
+            record["gap"] = max((plain[k] - want[k]).abs().max().item() for k in want)
+    return record
+
+
+def judge_convert(records: list[Record]) -> str | None:
+    first, n = records[0], len(records)
+    reports = first["reports"]
+    if len(reports) != n:
+        return f"{len(reports)} reports for {n} processes: keep the lines that write report-*.json"
+    ranks, worlds = sorted(r["rank"] for r in reports), sorted({r["world_size"] for r in reports})
+    if ranks != list(range(n)) or worlds != [n]:
+        return (
+            f"the processes reported ranks {ranks} of world sizes {worlds}, not 0..{n - 1} of "
+            f"{n}: call dist.init_process_group and read RANK and WORLD_SIZE from torchrun's "
+            "environment"
+        )
+    reports.sort(key=lambda r: r["rank"])
+    for epoch in range(EPOCHS):
+        shards = [r["seen"][epoch] for r in reports]
+        if len(set(shards[0]) & set(shards[1])) == len(shards[0]):
+            return ("rank 1 trained on the same samples as rank 0: the DataLoader has no "
+                    "DistributedSampler (each process must get its own share)")  # fmt: skip
+        every = sorted(i for shard in shards for i in shard)
+        if every != list(range(SAMPLES)):
+            return f"epoch {epoch} did not train every sample exactly once across the processes"
+    for r in reports:
+        if r["seen"][0] == r["seen"][1]:
+            return (f"rank {r['rank']} saw its samples in the same order in every epoch: call "
+                    "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
+    writers = [r["rank"] for r in reports if r["wrote"]]
+    if len(writers) != 1:
+        return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
+                "(`if rank == 0`); concurrent writers corrupt the file")  # fmt: skip
+    if first["saved"] is None:
+        return "no model.pt was written"
+    if any(k.startswith("module.") for k in first["saved"]):
+        return ("the saved keys start with 'module.' (DDP's wrapper): save "
+                "model.module.state_dict(), the plain model inside")  # fmt: skip
+    if first.get("gap") is None or first["gap"] > 1e-5:
+        return (f"the weights differ from one process on the global batch (by "
+                f"{first.get('gap', float('nan')):.2g}): wrap the model in DDP, so that "
+                "backward() averages the gradients, and keep --batch-size per process")  # fmt: skip
+    if any(r.get("left_group_open") for r in records):
+        return "the process group was left open: end with dist.destroy_process_group()"
+    return None
+
+
+ERRORS = (
+    ("model.pt.tmp", "two processes wrote model.pt at once (one renamed the other's temporary "
+     "file away): only rank 0 must save (`if rank == 0`)"),
+    ("Default process group has not been initialized", "a dist call before the process group "
+     "exists: call dist.init_process_group first, in every process"),
+)  # fmt: skip
+
+EXERCISES = [
+    Exercise(
+        name="00_convert_loop", lesson="00", kind="script", run=run_convert,
+        judge=judge_convert, title="a single-process training loop, turned into DDP",
+        teaches='lesson 00, "Every changed line, once"', collective_timeout_s=20.0, errors=ERRORS,
+    ),
+]  # fmt: skip

@@ -1,0 +1,36 @@
+"""Lesson 00's exercise: wrong conversions of the loop, each named (edits of the solution)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+EX = "00_convert_loop"
+CASES = register([
+    Case(EX, "no-set-epoch", "sampler.set_epoch(epoch)",
+         edits=(("        sampler.set_epoch(epoch)\n", ""),)),
+    Case(EX, "every-rank-saves", "only rank 0 must save",
+         edits=(("writer, state = rank == 0,", "writer, state = True,"),)),
+    Case(EX, "saves-the-wrapper", "model.module.state_dict()",
+         edits=(("model.module.state_dict()", "model.state_dict()"),)),
+    Case(EX, "no-sampler", "the DataLoader has no DistributedSampler",
+         edits=(("    sampler = DistributedSampler(train_set, seed=args.seed)\n", ""),
+                ("        sampler.set_epoch(epoch)\n", ""))),
+    Case(EX, "not-wrapped", "wrap the model in DDP",
+         edits=(("    model = DDP(model)\n", ""),
+                ("model.module.state_dict()", "model.state_dict()"))),
+    Case(EX, "global-batch-halved", "keep --batch-size per process",
+         edits=(("batch_size=args.batch_size,", "batch_size=args.batch_size // world_size,"),)),
+    Case(EX, "group-left-open", "dist.destroy_process_group()",
+         edits=(("    dist.destroy_process_group()\n", ""),)),
+    Case(EX, "no-init", "dist.init_process_group",
+         edits=(('    dist.init_process_group("gloo")\n', ""),
+                ('rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])',
+                 "rank, world_size = 0, 1"))),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_conversions_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
