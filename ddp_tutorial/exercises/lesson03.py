@@ -1,0 +1,119 @@
+"""Lesson 03's exercise: which GPU is this rank's, by its logical and its physical id.
+
+``03_rank_gpu``: given the environment a rank sees (``RANK``, ``LOCAL_RANK``, maybe
+``CUDA_VISIBLE_DEVICES``), return the torch device the rank must use and the physical GPU
+(``nvidia-smi``'s number) behind it. ``run`` calls the learner's function with the
+environments of ranks on one- and two-node GPU jobs (and with the rank's own, torchrun's,
+where it sets no ``CUDA_VISIBLE_DEVICES``); ``judge`` names the first wrong pick.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+# (where, the environment a rank sees); nodes have 4 GPUs unless CUDA_VISIBLE_DEVICES says
+SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("one node, rank 2", {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"}),
+    ("node 1 of 2, rank 3", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                             "GROUP_RANK": "1"}),
+    ("one node, CUDA_VISIBLE_DEVICES=5,6,7, rank 1",
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "CUDA_VISIBLE_DEVICES": "5,6,7"}),
+    ("node 1 of 2, CUDA_VISIBLE_DEVICES=6,7, rank 3",
+     {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
+      "CUDA_VISIBLE_DEVICES": "6,7"}),
+    ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 0",
+     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "7,5"}),
+    ("one node, CUDA_VISIBLE_DEVICES=' 2, 3', rank 1",
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": " 2, 3"}),
+)  # fmt: skip
+
+
+def expected(env: dict[str, str]) -> tuple[int, int]:
+    """(logical index, physical id): cuda:LOCAL_RANK, and the LOCAL_RANK-th card listed."""
+    local = int(env["LOCAL_RANK"])
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    return local, local if listed is None else int(listed.split(",")[local])
+
+
+def _answer(got: Any) -> dict[str, Any]:
+    if not (isinstance(got, tuple | list) and len(got) == 2):
+        return {"bad": repr(got)}
+    device, physical = got
+    if not isinstance(device, torch.device):
+        return {"bad": f"a device {device!r} that is not a torch.device"}
+    return {"type": device.type, "index": device.index, "physical": physical
+            if isinstance(physical, int) else repr(physical)}  # fmt: skip
+
+
+def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, str]) -> Record:
+    """One scenario's answer; an exception is recorded, so that the judge can name an earlier
+    scenario's mistake first (a global-RANK index can overrun a later list)."""
+    try:
+        return {"where": where, "env": env, **_answer(module.rank_gpu(sees))}
+    except Exception as exc:  # the learner's code may raise anything
+        return {"where": where, "env": env, "bad": f"an error: {type(exc).__name__}: {exc}"}
+
+
+def run_gpu(module: ModuleType, ctx: Context) -> Record:
+    answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:  # this rank's own environment, from torchrun
+        own = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, dict(os.environ)))
+    return {"answers": answers}
+
+
+def judge_gpu(records: list[Record]) -> str | None:
+    for rec in records:
+        for a in rec["answers"]:
+            where, env = a["where"], a["env"]
+            index, physical = expected(env)
+            if "bad" in a:
+                return (f"{where}: rank_gpu returned {a['bad']}, expected (cuda:{index}, "
+                        f"{physical}): a (torch.device, int) pair")  # fmt: skip
+            listed = env.get("CUDA_VISIBLE_DEVICES")
+            local, global_ = int(env["LOCAL_RANK"]), int(env["RANK"])
+            if a["type"] != "cuda":
+                return (f"{where}: the device is {a['type']!r}; a rank of a GPU job uses "
+                        f"torch.device('cuda', {index})")  # fmt: skip
+            if a["index"] != index:
+                if a["index"] == global_ and global_ != local:
+                    return (
+                        f"{where}: you picked cuda:{global_}, the global RANK; GPUs are numbered "
+                        f"per node, and this rank is LOCAL_RANK {local} there: use "
+                        f"cuda:LOCAL_RANK (on the second node cuda:RANK names a GPU that does "
+                        "not exist)"
+                    )
+                if listed is not None and a["index"] == physical:
+                    return (
+                        f"{where}: you picked cuda:{physical}, the physical id; inside the "
+                        f"process CUDA renumbers the listed cards from 0 in the order written, so "
+                        f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK"
+                    )
+                return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
+            if a["physical"] != physical:
+                if listed is not None and a["physical"] == local:
+                    return (
+                        f"{where}: you said physical GPU {local}, the LOCAL_RANK; with "
+                        f"CUDA_VISIBLE_DEVICES={listed.strip()!r} cuda:{local} is the card listed "
+                        f"at position {local}: physical GPU {physical}"
+                    )
+                if listed is not None and a["physical"] == global_:
+                    return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
+                            f"card listed at position LOCAL_RANK: {physical}")  # fmt: skip
+                return f"{where}: you said physical GPU {a['physical']}, expected {physical}"
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu,
+        title="this rank's device, and the physical GPU behind it",
+        teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
+    ),
+]  # fmt: skip

@@ -1,0 +1,35 @@
+"""Lesson 03's exercise: plausible wrong answers, each named in the lesson's words.
+
+Each case is a small edit of the reference solution (scripts/exercises/solutions/03_rank_gpu.py);
+the session fixture checks them all in one batched launch per world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+GPU = "03_rank_gpu"
+LOCAL = 'local_rank = int(env["LOCAL_RANK"])'
+DEVICE = 'device = torch.device("cuda", local_rank)'
+PHYSICAL = 'physical = local_rank if listed is None else int(listed.split(",")[local_rank])'
+
+CASES = register(
+    [
+        Case(GPU, "global-rank-as-device", "the global RANK",
+             edits=((LOCAL, 'local_rank = int(env["RANK"])'),)),
+        Case(GPU, "physical-id-as-device", "the physical id",
+             edits=((DEVICE, "device = None"),
+                    (PHYSICAL, PHYSICAL + '\n    device = torch.device("cuda", physical)'))),
+        Case(GPU, "ignores-cuda-visible-devices", "the LOCAL_RANK",
+             edits=((PHYSICAL, "physical = local_rank"),)),
+        Case(GPU, "sorted-list", "expected 7",
+             edits=(('listed.split(",")', 'sorted(listed.split(","), key=int)'),)),
+    ]
+)  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
