@@ -1,0 +1,245 @@
+"""Lesson 04's exercises: gradient accumulation under DDP, and BatchNorm buffers before evaluating.
+
+``04_accumulate_no_sync``: one optimizer step over k micro-batches of a DDP model, all but the
+last under ``model.no_sync()``, each loss divided by k. Checked against one process trained on
+the global batch, and by counting the all_reduces each step makes (DDP's reduction goes through
+``dist.all_reduce`` here: a comm hook that is DDP's own, so the count sees every sync).
+``04_average_buffers``: every rank's BatchNorm buffers made the same before evaluating. Each
+rank's model has run its own batches, so its running statistics differ; after the learner's
+function every rank must hold the same ones (the mean over the ranks, or rank 0's).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted all_reduces"'
+BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
+
+K, MICRO, STEPS, LR, FEATURES, CLASSES = 3, 4, 2, 0.5, 8, 3
+
+
+@contextmanager
+def counted(name: str, calls: list[str]) -> Iterator[None]:
+    """Append ``name`` to ``calls`` each time ``dist.<name>`` runs inside the block."""
+    real = getattr(dist, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    setattr(dist, name, call)
+    try:
+        yield
+    finally:
+        setattr(dist, name, real)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def _global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch, the same on every rank: world x K micro-batches of MICRO rows."""
+    gen = torch.Generator().manual_seed(40 + step)
+    x = torch.randn(world * K * MICRO, FEATURES, generator=gen)
+    return x, torch.randint(0, CLASSES, (x.shape[0],), generator=gen)
+
+
+def _flat(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def run_accumulate(module: ModuleType, ctx: Context) -> Record:
+    """STEPS steps of the learner's accumulation_step on a DDP model; the one-process reference."""
+    model = DDP(_mlp())
+    model.register_comm_hook(None, default_hooks.allreduce_hook)  # DDP's own, via dist.all_reduce
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _mlp()  # one process, the whole global batch, a plain SGD step
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    params, ref_params, calls_per_step = [_flat(model.module)], [_flat(reference)], []
+    for step in range(STEPS):
+        x, y = _global_batch(step, ctx.world_size)
+        rows = slice(ctx.rank * K * MICRO, (ctx.rank + 1) * K * MICRO)  # this rank's shard
+        micro = list(zip(x[rows].split(MICRO), y[rows].split(MICRO), strict=True))
+        calls: list[str] = []
+        with counted("all_reduce", calls):
+            module.accumulation_step(model, optimizer, micro, F.cross_entropy)
+        calls_per_step.append(len(calls))
+        params.append(_flat(model.module))
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_params.append(_flat(reference))
+    return {"params": params, "reference": ref_params, "calls_per_step": calls_per_step}
+
+
+def judge_accumulate(records: list[Record]) -> str | None:
+    T = torch.tensor
+    first = records[0]
+    start, ref = T(first["params"][0]), [T(p) for p in first["reference"]]
+    if all(torch.equal(T(r["params"][-1]), start) for r in records):
+        return ("the weights did not change: no backward ran, so optimizer.step() had no "
+                "gradient - run forward and backward on every micro-batch")  # fmt: skip
+    for rank, rec in enumerate(records):
+        if 0 in rec["calls_per_step"]:
+            return (
+                f"rank {rank}'s step {rec['calls_per_step'].index(0)} made no all_reduce: every "
+                "micro-batch ran under no_sync(), the last one too, so the ranks never averaged "
+                "their gradients and now hold different weights - run the last micro-batch "
+                "outside no_sync()"
+            )
+    for rank, rec in enumerate(records[1:], start=1):
+        if not torch.equal(T(rec["params"][-1]), T(first["params"][-1])):
+            return f"rank {rank}'s weights differ from rank 0's: were the gradients averaged?"
+    step1, ref1 = T(first["params"][1]) - start, ref[1] - start
+    if torch.allclose(step1, K * ref1, rtol=1e-3, atol=1e-6):
+        return (
+            f"the first update is {K} times one process's on the global batch: the {K} "
+            f"micro-batches' gradients add up, so divide each micro-batch's loss by k = {K}"
+        )
+    gap = (T(first["params"][-1]) - ref[-1]).abs().max().item()
+    if not torch.allclose(T(first["params"][-1]), ref[-1], rtol=1e-4, atol=1e-5):
+        return (
+            f"after {STEPS} steps the weights differ from one process trained on the global "
+            f"batch (max |diff| {gap:.2e}): zero the gradients once, add up the {K} "
+            "micro-batches' gradients (each loss / k), then one optimizer.step()"
+        )
+    calls = max(c for r in records for c in r["calls_per_step"])
+    if calls > 1:
+        return (
+            f"{calls} all_reduces per step for {K} micro-batches: the weights are right, but "
+            f"{calls - 1} of them are wasted communication - run the forward and the backward "
+            "of all but the last micro-batch inside `with model.no_sync():` (the forward too: "
+            "DDP decides in forward whether the backward sends)"
+        )
+    return None
+
+
+# -- 04_average_buffers ------------------------------------------------------------------------
+
+BN_ROWS, BN_BATCHES = 8, 3
+
+
+def bn_net() -> nn.Module:
+    """Two BatchNorm layers (1-D and 2-D): every one of them must be made the same."""
+    torch.manual_seed(7)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, CLASSES),
+    )  # fmt: skip
+
+
+def _rank_images(rank: int, batch: int) -> torch.Tensor:
+    """Rank r's images: brighter and wider-spread the higher the rank (its own statistics)."""
+    gen = torch.Generator().manual_seed(100 * rank + batch)
+    return torch.randn(BN_ROWS, 1, 6, 6, generator=gen) * (1 + rank) + 2.0 * rank
+
+
+def _buffers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: {"dtype": str(b.dtype), "values": b.detach().reshape(-1).tolist()}
+            for name, b in model.named_buffers()}  # fmt: skip
+
+
+def run_buffers(module: ModuleType, ctx: Context) -> Record:
+    """Each rank trains BatchNorm on its own images, then calls the learner's function."""
+    model = bn_net()
+    for batch in range(BN_BATCHES):  # train mode: the running statistics follow this rank's data
+        model(_rank_images(ctx.rank, batch))
+    before = _buffers(model)
+    params = copy.deepcopy(list(model.parameters()))
+    calls: list[str] = []
+    with counted("all_reduce", calls), counted("broadcast", calls):
+        module.average_buffers(model)
+    model.eval()
+    with torch.no_grad():
+        probe = model(torch.linspace(-1, 3, 2 * 36).reshape(2, 1, 6, 6))
+    same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    return {"before": before, "after": _buffers(model), "probe": probe.tolist(),
+            "calls": calls, "params_unchanged": same_params}  # fmt: skip
+
+
+def judge_buffers(records: list[Record]) -> str | None:
+    T = torch.tensor
+    n = len(records)
+    names = list(records[0]["before"])
+    stats = [k for k in names if not k.endswith("num_batches_tracked")]
+    if all(r["after"] == r["before"] for r in records):
+        return ("the buffers were not touched: each rank still holds the running statistics of "
+                "its own batches, so the ranks would evaluate different models")  # fmt: skip
+    for name in names:
+        if name.endswith("num_batches_tracked"):
+            dtypes = {r["after"][name]["dtype"] for r in records}
+            if dtypes != {"torch.int64"}:
+                return (
+                    f"{name} became {sorted(dtypes)[0]}: it is an integer counter (int64), the "
+                    "same on every rank - average only the floating-point buffers "
+                    "(running_mean, running_var) and leave the counter alone"
+                )
+            if any(r["after"][name] != r["before"][name] for r in records):
+                return (f"{name} changed ({records[0]['before'][name]['values']} -> "
+                        f"{records[0]['after'][name]['values']}): it counts the batches each "
+                        "rank saw, the same on every rank - leave it alone")  # fmt: skip
+    differ = [k for k in stats if any(r["after"][k] != records[0]["after"][k] for r in records)]
+    if differ:
+        kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
+        layers = sorted({k.rsplit(".", 1)[0] for k in differ})
+        return (
+            f"{' and '.join(kinds)} still differ between the ranks (layer(s) {', '.join(layers)}): "
+            "every BatchNorm statistic of every layer must be made the same - running_mean "
+            "and running_var (loop over model.buffers() or named_buffers())"
+        )
+    for name in stats:
+        before = torch.stack([T(r["before"][name]["values"]) for r in records])
+        after = T(records[0]["after"][name]["values"])
+        if torch.allclose(after, before.mean(0), rtol=1e-5, atol=1e-6):
+            continue
+        if torch.allclose(after, before[0], rtol=1e-6, atol=1e-7):
+            continue  # a broadcast from rank 0: the same on every rank too
+        if torch.allclose(after, before.sum(0), rtol=1e-5, atol=1e-6):
+            return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
+                    "world size for the mean")  # fmt: skip
+        return (f"{name} is the same on every rank but neither the mean over the ranks nor "
+                "rank 0's: all_reduce (SUM) then divide by the world size")  # fmt: skip
+    if not all(r["params_unchanged"] for r in records):
+        return ("the parameters changed: only the buffers should - DDP keeps the parameters "
+                "equal already")  # fmt: skip
+    probes = [T(r["probe"]) for r in records]
+    if not all(torch.equal(p, probes[0]) for p in probes):
+        return "the ranks' models still give different outputs in eval mode"
+    return None
+
+
+_INT_DIVIDE = (
+    "num_batches_tracked is an integer counter (int64): dividing it in place raises - average "
+    "only the floating-point buffers (running_mean, running_var; `buffer.is_floating_point()`) "
+    "and leave the counter, which is the same on every rank, alone"
+)
+
+EXERCISES = [
+    Exercise(
+        name="04_accumulate_no_sync", lesson="04", run=run_accumulate, judge=judge_accumulate,
+        title="gradient accumulation: k micro-batches, one all_reduce, the large batch's step",
+        teaches=ACCUM_TEACHES,
+    ),
+    Exercise(
+        name="04_average_buffers", lesson="04", run=run_buffers, judge=judge_buffers,
+        title="BatchNorm buffers made the same on every rank before evaluating",
+        teaches=BUFFERS_TEACHES, collective_timeout_s=5.0,
+        errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),),
+    ),
+]  # fmt: skip

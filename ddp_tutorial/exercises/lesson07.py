@@ -1,0 +1,137 @@
+"""Lesson 07's exercise: time a DDP step honestly.
+
+``07_honest_timing``: the learner's ``time_steps(step, steps, warmup, synchronize)`` returns
+the seconds the slowest rank took for ``steps`` calls of ``step()`` after ``warmup`` untimed
+ones, the same number on every rank. The check gives each rank a device in miniature, as a
+GPU behaves: ``step()`` only *queues* its work and returns at once; the work runs on the
+device's own clock, and ``synchronize()`` waits until it is done. The first call queues a long
+warm-up (what allocation, kernel choice and DDP's bucket building cost a real first step), and
+rank 1's device is slower than rank 0's, so each habit of the lesson changes the number:
+warm-up untimed, synchronise before reading the clock, the slowest rank (all_reduce MAX).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+STEPS, WARMUP = 5, 2
+WORK_S = (0.005, 0.04)  # one step's device work on rank 0, on rank 1 (and beyond): a slower rank
+FIRST_S = 0.3  # the first call's extra work: the warm-up a real first step pays
+
+
+def work_s(rank: int) -> float:
+    return WORK_S[min(rank, len(WORK_S) - 1)]
+
+
+class QueuedDevice:
+    """A device in miniature: ``step()`` queues work and returns; ``synchronize()`` waits for it.
+
+    ``busy_until`` is the moment (``time.perf_counter``) the queued work will have run: work
+    queued while the device is busy starts when the work before it ends, as on a CUDA stream.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.work, self.calls, self.syncs = work_s(rank), 0, 0
+        self.busy_until = time.perf_counter()
+
+    def step(self) -> None:
+        self.calls += 1
+        extra = FIRST_S if self.calls == 1 else 0.0
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.work + extra
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        left = self.busy_until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+@contextmanager
+def reductions(ops: list[str]) -> Iterator[None]:
+    """Note the op of every ``dist.all_reduce`` made inside the block."""
+    real = dist.all_reduce
+
+    def call(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
+        ops.append(str(op).rsplit(".", 1)[-1])
+        return real(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = call
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def run_timing(module: ModuleType, ctx: Context) -> Record:
+    device = QueuedDevice(ctx.rank)
+    ops: list[str] = []
+    with reductions(ops):
+        got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
+    try:
+        seconds = float(got)
+    except (TypeError, ValueError):
+        seconds = None
+    return {"seconds": seconds, "returned": repr(got)[:80], "calls": device.calls,
+            "syncs": device.syncs, "ops": ops}  # fmt: skip
+
+
+def judge_timing(records: list[Record]) -> str | None:
+    n = len(records)
+    for rank, rec in enumerate(records):
+        if rec["seconds"] is None:
+            return f"rank {rank}'s time_steps returned {rec['returned']}, not a number of seconds"
+        if rec["calls"] != STEPS + WARMUP:
+            return (f"rank {rank} called step() {rec['calls']} times: {WARMUP} untimed warm-up "
+                    f"calls, then {STEPS} timed ones")  # fmt: skip
+    values = [rec["seconds"] for rec in records]
+    mine = [work_s(r) * STEPS for r in range(n)]  # each rank's timed device work, at least
+    slowest = max(mine)
+    if values[0] <= 0:
+        return f"time_steps returned {values[0]}: no step was timed"
+    if any(v != values[0] for v in values):
+        said = ", ".join(f"rank {r} {v * 1e3:.1f} ms" for r, v in enumerate(values))
+        return (f"the ranks reported different times ({said}): report the slowest rank's on "
+                "every rank - all_reduce it with op=ReduceOp.MAX")  # fmt: skip
+    wrong_ops = sorted({op for rec in records for op in rec["ops"]} - {"MAX"})
+    if wrong_ops:
+        what = {"SUM": "adds up the ranks' times", "AVG": "averages the ranks' times"}
+        return (f"all_reduce with {wrong_ops[0]} {what.get(wrong_ops[0], 'is not the slowest')}"
+                f" ({values[0] * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
+                "op=ReduceOp.MAX")  # fmt: skip
+    value = values[0]
+    if value < 0.4 * min(mine):
+        return (
+            f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
+            f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued - "
+            "call synchronize() before each clock reading"
+        )
+    if value > slowest + 0.5 * FIRST_S:
+        return (
+            f"{value * 1e3:.0f} ms for {STEPS} steps of at most {slowest * 1e3:.0f} ms of work: "
+            f"the warm-up was timed - run the first {WARMUP} calls untimed, and synchronize() "
+            "before starting the clock, so that no warm-up work is still queued"
+        )
+    if value < 0.75 * slowest:
+        return (
+            f"{value * 1e3:.0f} ms, but the slowest rank's {STEPS} steps take at least "
+            f"{slowest * 1e3:.0f} ms: report the max over the ranks (all_reduce with "
+            "op=ReduceOp.MAX), not one rank's time"
+        )
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        name="07_honest_timing", lesson="07", run=run_timing, judge=judge_timing,
+        title="an honest DDP step time: warm-up untimed, synchronised clocks, the slowest rank",
+        teaches='lesson 07, "Timing a step honestly"',
+    ),
+]  # fmt: skip

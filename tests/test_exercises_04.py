@@ -1,0 +1,50 @@
+"""Lesson 04's exercises: plausible wrong answers, each a small edit of the reference solution,
+and the mistake each must be named with (checked in one batched launch, conftest)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+ACCUM, BUFFERS = "04_accumulate_no_sync", "04_average_buffers"
+LAST = "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum"
+
+CASES = register(
+    [
+        Case(ACCUM, "loss-not-divided-by-k", "divide each micro-batch's loss by k",
+             edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
+                     "loss_fn(model(x), y).backward()  # outside"),
+                    ("            (loss_fn(model(x), y) / k).backward()",
+                     "            loss_fn(model(x), y).backward()"))),
+        Case(ACCUM, "no-sync-on-every-micro-batch", "made no all_reduce",
+             edits=((LAST, "    with model.no_sync():\n    " + LAST),)),
+        Case(ACCUM, "no-no-sync-at-all", "wasted communication",
+             edits=(("        with model.no_sync():  # forward and backward in here: the "
+                     "gradients add up, unsent\n            (loss_fn",
+                     "        if True:\n            (loss_fn"),)),
+        Case(ACCUM, "forward-outside-no-sync", "the forward too",
+             edits=(("        with model.no_sync():  # forward and backward in here: the "
+                     "gradients add up, unsent\n            (loss_fn(model(x), y) / k).backward()",
+                     "        loss = loss_fn(model(x), y) / k\n"
+                     "        with model.no_sync():\n            loss.backward()"),)),
+        Case(BUFFERS, "forgot-running-var", "running_var still differ",
+             edits=(("    for buffer in model.buffers():",
+                     "    for name, buffer in model.named_buffers():"),
+                    ("        if buffer.is_floating_point():",
+                     '        if name.endswith("running_mean"):'))),
+        Case(BUFFERS, "num-batches-tracked-divided", "integer counter",
+             edits=(("        if buffer.is_floating_point():  # running_mean, running_var; "
+                     "not num_batches_tracked", "        if True:"),)),
+        Case(BUFFERS, "only-on-rank-0", "waited",
+             edits=(("    for buffer in model.buffers():",
+                     "    for buffer in model.buffers() if dist.get_rank() == 0 else []:"),)),
+        Case(BUFFERS, "summed-not-averaged", "divide by the world size",
+             edits=(("            buffer /= world\n", ""),)),
+    ]
+)  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)

@@ -1,0 +1,37 @@
+"""Lesson 07's exercise: plausible wrong answers, each a small edit of the reference solution,
+and the mistake each must be named with (checked in one batched launch, conftest)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+TIMING = "07_honest_timing"
+REDUCE = "    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"
+
+CASES = register(
+    [
+        Case(TIMING, "no-synchronize", "still queued",
+             edits=(("        synchronize()  # start with nothing queued\n", ""),
+                    ("        synchronize()  # the step's work has run, not only been queued\n",
+                     ""))),
+        Case(TIMING, "warm-up-timed", "the warm-up was timed",
+             edits=(("        if i >= warmup:", "        if True:"),)),
+        Case(TIMING, "no-reduction", "the ranks reported different times",
+             edits=((REDUCE, "    pass"),)),
+        Case(TIMING, "sum-over-ranks", "adds up the ranks' times",
+             edits=((REDUCE, "    dist.all_reduce(slowest)"),)),
+        Case(TIMING, "rank-0s-time", "report the max over the ranks",
+             edits=((REDUCE, "    dist.broadcast(slowest, src=0)"),)),
+        Case(TIMING, "synchronize-only-after-warm-up-unsynced", "the warm-up was timed",
+             edits=(("        synchronize()  # start with nothing queued\n", ""),
+                    ("        synchronize()  # the step's work has run, not only been queued\n",
+                     "        if i >= warmup:\n            synchronize()\n"))),
+    ]
+)  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
