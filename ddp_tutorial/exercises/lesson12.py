@@ -1,0 +1,399 @@
+"""Lesson 12's exercises, the capstone: your own DDP.
+
+``12_my_ddp_hooks``: rank 0's weights broadcast to every rank, and a hook on every parameter
+that averages its gradient over the ranks as soon as backward has accumulated it.
+``12_my_ddp_buckets``: the same, the way DDP's reducer does it: the gradients grouped in
+buckets (in the order backward produces them), one asynchronous all_reduce per bucket,
+launched from backward's hooks as soon as the bucket is full, waited before the optimizer step.
+
+Each ``run`` trains the same small MLP for a few SGD steps three ways on every rank — with the
+learner's code, with ``torch.nn.parallel.DistributedDataParallel``, and with the usual wrong
+answers (the gradient summed, not averaged; each rank alone) — and records how far the
+learner's weights are from each, plus what the learner's code called and when: every
+``dist.all_reduce`` (blocking or not), every ``wait()`` on what it returned, and every
+gradient backward accumulated (hooks of the check's own, registered after the learner's).
+The judges name the first mistake; the step time against DDP's (the fastest of the timed
+steps, each) is information, and fails only when gross.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+SIZES = (8, 32, 32, 32, 4)  # the MLP's widths: 4 Linear layers, 8 parameter tensors
+BUCKET_CAP_BYTES = 4096  # 1024 fp32 numbers: 3 buckets for this MLP, not 1, not 8
+STEPS = 4  # SGD steps; the first is a warm-up, the others are timed
+BATCH = 16  # samples per rank and step
+LR = 0.1
+TOL = 1e-5  # max |w - w_DDP|: float rounding is ~1e-7 here; a wrong answer is ~1e-2 away
+GROSS_SLOWDOWN = 20.0  # a step this many times DDP's is named; anything less is information
+
+
+def make_model(seed: int) -> nn.Module:
+    """The MLP, from ``seed``: every rank builds its own (different) weights, as in lesson 04."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:], strict=False)):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(SIZES) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def rank_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's samples at ``step``: different on every rank, as a DistributedSampler's are."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(BATCH, SIZES[0], generator=g), torch.randint(
+        0, SIZES[-1], (BATCH,), generator=g
+    )
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
+    """The parameters' indexes, bucketed DDP's way: walk them in reverse order of registration
+    (the order backward produces their gradients), close a bucket once it holds ``cap`` bytes."""
+    buckets, bucket, size = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        bucket.append(i)
+        size += nbytes[i]
+        if size >= cap:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return buckets + ([bucket] if bucket else [])
+
+
+class Trace:
+    """What the learner's code did, in order, step by step: all_reduce calls, waits, gradients."""
+
+    def __init__(self) -> None:
+        self.step = -1  # -1: construction; then 0 ... STEPS - 1
+        self.grads = 0  # gradients accumulated so far in this step's backward
+        self.events: list[dict[str, Any]] = []
+        self.unwaited: set[int] = set()
+
+    def add(self, kind: str, **info: Any) -> None:
+        self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
+
+
+class TracedWork:
+    """What ``dist.all_reduce(..., async_op=True)`` returned, with its ``wait()`` recorded."""
+
+    def __init__(self, work: Any, trace: Trace, ident: int) -> None:
+        self._work, self._trace, self._id = work, trace, ident
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._trace.add("wait", id=self._id)
+        self._trace.unwaited.discard(self._id)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def traced_all_reduce(trace: Trace) -> Iterator[None]:
+    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs."""
+    real: Callable[..., Any] = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        ident = len(trace.events)
+        trace.add("all_reduce", numel=tensor.numel(), async_op=async_op)
+        work = real(tensor, *args, **kwargs)
+        if work is None:
+            return None
+        trace.unwaited.add(ident)
+        return TracedWork(work, trace, ident)
+
+    dist.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def train(
+    model: nn.Module,
+    rank: int,
+    lr: float,
+    finish: Callable[[], None] = lambda: None,
+    trace: Trace | None = None,
+) -> list[float]:
+    """STEPS SGD steps on this rank's batches; each step's seconds."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    seconds = []
+    for step in range(STEPS):
+        x, y = rank_batch(rank, step)
+        begun = time.perf_counter()
+        if trace is not None:
+            trace.step, trace.grads = step, 0
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        finish()
+        if trace is not None:
+            trace.add("step", unwaited=len(trace.unwaited))
+        opt.step()
+        seconds.append(time.perf_counter() - begun)
+    return seconds
+
+
+def references(rank: int, world: int) -> dict[str, Any]:
+    """The weights after STEPS steps: DDP's; DDP's with the gradients summed (SGD without
+    momentum: the sum is the mean times world, so lr times world); rank 0's start trained on
+    this rank's data alone. And DDP's step times."""
+    ddp = DDP(make_model(rank))  # DDP broadcasts rank 0's weights, as yours must
+    seconds = train(ddp, rank, LR)
+    summed = DDP(make_model(rank))
+    train(summed, rank, LR * world)
+    alone = make_model(0)
+    train(alone, rank, LR)
+    return {
+        "ddp": flat(ddp.module),
+        "summed": flat(summed.module),
+        "alone": flat(alone),
+        "ddp_seconds": seconds,
+    }
+
+
+def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
+    """Build the learner's DDP on this rank's own model, train it, compare with the references."""
+    model = make_model(ctx.rank)
+    params = list(model.parameters())
+    trace = Trace()
+    with traced_all_reduce(trace):
+        if bucketed:
+            mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
+            finish = mine.finish_gradient_sync
+        else:
+            module.broadcast_parameters(model)
+            module.add_gradient_hooks(model)
+            mine, finish = None, lambda: None
+        start = flat(model)
+        for p in params:  # after the learner's hooks: these run once theirs have
+            p.register_post_accumulate_grad_hook(
+                lambda _p: setattr(trace, "grads", trace.grads + 1)
+            )
+        seconds = train(model, ctx.rank, LR, finish, trace)
+    ref = references(ctx.rank, ctx.world_size)
+    index = {id(p): i for i, p in enumerate(params)}
+    buckets = None
+    if mine is not None:
+        found = getattr(mine, "buckets", None)
+        try:
+            buckets = [[index.get(id(p), -1) for p in b] for b in found]  # type: ignore[union-attr]
+        except TypeError:
+            buckets = repr(found)
+
+    def far(other: torch.Tensor) -> float:
+        return (flat(model) - other).abs().max().item()
+
+    return {
+        "start_is_rank0": torch.equal(start, flat(make_model(0))),
+        "nparams": len(params),
+        "nbytes": [p.numel() * p.element_size() for p in params],
+        "buckets": buckets,
+        "events": trace.events,
+        "from_ddp": far(ref["ddp"]),
+        "from_summed": far(ref["summed"]),
+        "from_alone": far(ref["alone"]),
+        "mine_s": min(seconds[1:]),  # the least disturbed by other load
+        "ddp_s": min(ref["ddp_seconds"][1:]),
+    }
+
+
+def run_hooks(module: ModuleType, ctx: Context) -> Record:
+    return run_mine(module, ctx, bucketed=False)
+
+
+def run_buckets(module: ModuleType, ctx: Context) -> Record:
+    return run_mine(module, ctx, bucketed=True)
+
+
+def judge_start(records: list[Record]) -> str | None:
+    for rank, rec in enumerate(records):
+        if not rec["start_is_rank0"]:
+            return (
+                f"rank {rank} started from its own random weights, not rank 0's: broadcast "
+                "every parameter from rank 0 before training (what DDP(model) does at "
+                "construction), or the replicas train apart from step 0"
+            )
+    return None
+
+
+def judge_weights(records: list[Record]) -> str | None:
+    """The weights after STEPS steps, against DDP's and the usual wrong answers'."""
+    for rank, rec in enumerate(records):
+        if rec["from_ddp"] <= TOL:
+            continue
+        if rec["from_summed"] <= TOL:
+            return (
+                f"rank {rank}'s weights are those of gradients SUMMED over the ranks, not "
+                "averaged: divide the all_reduced gradient by the world size"
+            )
+        if rec["from_alone"] <= TOL:
+            return (
+                f"rank {rank} trained on its own gradients alone: nothing was averaged "
+                "over the ranks (is the hook registered on every parameter? does it "
+                "write the result back into p.grad?)"
+            )
+        return (
+            f"after {STEPS} SGD steps rank {rank}'s weights are {rec['from_ddp']:.2g} away "
+            f"from DistributedDataParallel's (allowed: {TOL:g}): each p.grad must hold the "
+            "mean of the ranks' gradients when optimizer.step() runs"
+        )
+    return None
+
+
+def judge_hooks(records: list[Record]) -> str | None:
+    mistake = judge_start(records)
+    if mistake:
+        return mistake
+    for rank, rec in enumerate(records):
+        during = [e for e in rec["events"] if e["kind"] == "all_reduce"]
+        if not during:
+            return (
+                f"rank {rank} called no dist.all_reduce in backward: the hook must "
+                "all_reduce p.grad (and call it as dist.all_reduce, so the check sees it)"
+            )
+    return judge_weights(records)
+
+
+def per_step(rec: Record, kind: str) -> list[list[dict[str, Any]]]:
+    return [
+        [e for e in rec["events"] if e["kind"] == kind and e["step"] == s] for s in range(STEPS)
+    ]
+
+
+def judge_buckets(records: list[Record]) -> str | None:
+    mistake = judge_start(records)
+    if mistake:
+        return mistake
+    rec = records[0]
+    want = expected_buckets(rec["nbytes"])
+    n = rec["nparams"]
+    got = rec["buckets"]
+    if not isinstance(got, list) or not got:
+        return (
+            f"self.buckets is {got!r}: it must hold the parameters in {len(want)} lists, "
+            "the buckets"
+        )
+    if sorted(i for b in got for i in b) != list(range(n)):
+        return (
+            f"your buckets hold the parameters {got} (by index, -1: not the model's): "
+            f"every one of the model's {n} parameters must be in exactly one bucket"
+        )
+    if got != want:
+        if len(got) == n:
+            return (
+                f"{n} buckets of one parameter each: one all_reduce per parameter - close "
+                f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B)"
+            )
+        if got and got[0] and got[0][0] == 0:
+            return (
+                f"your buckets {got} start from the first layer: walk the parameters in "
+                "REVERSE order of registration, the order backward produces their "
+                f"gradients, so the first bucket fills first (expected {want})"
+            )
+        return (
+            f"your buckets are {got} (parameter indexes), expected {want}: walk the "
+            "parameters in reverse, add each to the current bucket, and close it once it "
+            f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B)"
+        )
+    for rank, rec in enumerate(records):
+        calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
+        for s in range(STEPS):
+            if len(calls[s]) == n and n != len(want):
+                return (
+                    f"rank {rank} called all_reduce {n} times in step {s}, once per "
+                    f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
+                    "into one tensor (torch.cat) and all_reduce that, once per bucket"
+                )
+            if len(calls[s]) != len(want):
+                return (
+                    f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
+                    f"for {len(want)} buckets: exactly one per bucket per step (are the "
+                    "ready counts reset after each step?)"
+                )
+            blocking = [c for c in calls[s] if not c["async_op"]]
+            if blocking:
+                return (
+                    f"rank {rank}'s all_reduce in step {s} blocked backward until it "
+                    "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
+                    "it returns, and wait on it in finish_gradient_sync"
+                )
+            if steps[s] and steps[s][0]["unwaited"]:
+                return (
+                    f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
+                    "were never waited on before optimizer.step(): an async all_reduce "
+                    "may still be writing into its tensor - call work.wait() on each in "
+                    "finish_gradient_sync, before reading the result"
+                )
+            early = [w for w in waits[s] if w["grads"] < n]
+            if early:
+                return (
+                    f"rank {rank} waited on an all_reduce while backward was still "
+                    f"computing gradients ({early[0]['grads']} of {n} ready): that "
+                    "blocks backward until the bucket is sent - no overlap; wait in "
+                    "finish_gradient_sync, after backward"
+                )
+            first = calls[s][0]["grads"]
+            if first >= n - 1:
+                return (
+                    f"rank {rank} sent its first bucket in step {s} only after "
+                    f"{first} of {n} gradients were ready: launch each bucket's "
+                    "all_reduce from the hook of its last gradient, while backward still "
+                    "computes the earlier layers' - that is the overlap"
+                )
+    mistake = judge_weights(records)
+    if mistake:
+        return mistake
+    ratio = max(r["mine_s"] / r["ddp_s"] for r in records)
+    if ratio > GROSS_SLOWDOWN:
+        return (
+            f"your step took {ratio:.0f}x DistributedDataParallel's (more than "
+            f"{GROSS_SLOWDOWN:.0f}x): is every parameter all_reduced on its own, or "
+            "something waited on in a loop?"
+        )
+    return None
+
+
+_NO_WORK = (
+    "'NoneType' object has no attribute 'wait'",
+    "dist.all_reduce returned None: without async_op=True it blocks backward until the bucket "
+    "is sent (no overlap) and returns no Work to wait on - call dist.all_reduce(flat, "
+    "async_op=True) and wait on what it returns in finish_gradient_sync",
+)
+
+EXERCISES = [
+    Exercise(
+        name="12_my_ddp_hooks",
+        lesson="12",
+        run=run_hooks,
+        judge=judge_hooks,
+        title="your own DDP, 1: broadcast rank 0's weights, average each gradient from a hook",
+        teaches='lesson 12, "Your turn": what DDP does for you (lesson 04, "What DDP does '
+        'with them")',
+    ),
+    Exercise(
+        name="12_my_ddp_buckets",
+        lesson="12",
+        run=run_buckets,
+        judge=judge_buckets,
+        title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
+        teaches='lesson 12, "Your turn": DDP\'s reducer (lesson 11, "4 · Overlap, seen")',
+        errors=(_NO_WORK,),
+    ),
+]

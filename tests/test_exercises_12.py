@@ -1,0 +1,102 @@
+"""Lesson 12's capstone, your own DDP: wrong answers, each written as a small edit of the
+reference solution, must fail with the mistake named in the lesson's words."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from exercise_cases import Case, assert_verdict, register
+
+from ddp_tutorial.exercises import lesson12
+from ddp_tutorial.exercises.core import Context, find
+from ddp_tutorial.exercises.runner import load
+
+HOOKS, BUCKETS = "12_my_ddp_hooks", "12_my_ddp_buckets"
+LAUNCH_ONE = "        if self.ready[i] == len(self.buckets[i]):  # the bucket's last gradient: send it now\n            self._launch(i)\n"  # noqa: E501
+
+CASES = register(
+    [
+        Case(HOOKS, "no-broadcast", "started from its own random weights",
+             edits=(("            dist.broadcast(p, src=0)\n", "            pass\n"),)),
+        Case(HOOKS, "sum-not-mean", "SUMMED over the ranks, not averaged",
+             edits=(("        p.grad /= world\n", ""),)),
+        Case(HOOKS, "averaged-a-copy", "trained on its own gradients alone",
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        grad = p.grad / world  # a new tensor: p.grad stays as it was\n"
+                     "        dist.all_reduce(grad)\n"),)),
+        Case(BUCKETS, "no-broadcast", "started from its own random weights",
+             edits=(("                dist.broadcast(p, src=0)\n", "                pass\n"),)),
+        Case(BUCKETS, "sum-not-mean", "SUMMED over the ranks, not averaged",
+             edits=(("            flat /= self.world_size\n", ""),)),
+        Case(BUCKETS, "one-bucket-per-parameter", "one all_reduce per parameter",
+             edits=(("            if size >= bucket_cap_bytes:", "            if True:"),)),
+        Case(BUCKETS, "all-reduce-per-parameter", "once per parameter",
+             edits=((LAUNCH_ONE,
+                     "        flat = param.grad.flatten()  # each gradient sent as it comes\n"
+                     "        self.pending.append((dist.all_reduce(flat, async_op=True), flat, [param]))\n"),)),  # noqa: E501
+        Case(BUCKETS, "forward-order", "REVERSE order",
+             edits=(("        for p in reversed(list(model.parameters())):",
+                     "        for p in list(model.parameters()):"),)),
+        Case(BUCKETS, "blocking-all-reduce", "blocked backward",
+             edits=(("        work = dist.all_reduce(flat, async_op=True)\n",
+                     "        dist.all_reduce(flat)  # blocking: the sum is there when it returns\n"
+                     "        work = None\n"),
+                    ("            work.wait()\n", ""))),
+        Case(BUCKETS, "blocking-then-wait", "returns no Work to wait on",
+             edits=(("        work = dist.all_reduce(flat, async_op=True)\n",
+                     "        work = dist.all_reduce(flat)\n"),)),
+        Case(BUCKETS, "wait-in-the-hook", "no overlap",
+             edits=(("        work = dist.all_reduce(flat, async_op=True)\n",
+                     "        work = dist.all_reduce(flat, async_op=True)\n        work.wait()\n"),)),  # noqa: E501
+        Case(BUCKETS, "no-wait-before-step", "never waited on before optimizer.step()",
+             edits=(("            work.wait()\n", ""),)),
+        Case(BUCKETS, "ready-counts-not-reset", "are the ready counts reset",
+             edits=(("        self.pending.clear()\n        self.ready = [0] * len(self.buckets)\n",
+                     "        self.pending.clear()\n"),)),
+        Case(BUCKETS, "send-after-backward", "that is the overlap",
+             edits=((LAUNCH_ONE,
+                     "        if sum(self.ready) == len(self.bucket_of):  # all of backward\n"
+                     "            for j in range(len(self.buckets)):\n"
+                     "                self._launch(j)\n"),)),
+    ]
+)  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
+
+
+def test_the_buckets_asked_for_are_ddps():
+    """The rule the exercise states (reverse order, close at the cap) is torch's own: DDP
+    buckets its parameters with ``_compute_bucket_assignment_by_size`` in the order backward
+    produced their gradients, which for this MLP is the reverse of registration."""
+    params = list(lesson12.make_model(0).parameters())
+    nbytes = [p.numel() * p.element_size() for p in params]
+    want = lesson12.expected_buckets(nbytes)
+    order = list(reversed(range(len(params))))
+    torchs, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], [lesson12.BUCKET_CAP_BYTES]
+    )
+    assert want == [[order[j] for j in bucket] for bucket in torchs]
+    assert 1 < len(want) < len(params), "the check's MLP must have several buckets, not one each"
+
+
+def test_only_a_gross_slowdown_fails_and_it_is_named(tmp_path):
+    """The step time against DDP's is information, except past GROSS_SLOWDOWN: the reference
+    answer, run here on one rank (no launch), passes; the same record with its step made
+    slower than that names it."""
+    (ex,) = find(BUCKETS)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        record = ex.run(load(ex.solution, "solution"), Context(0, 1, Path(tmp_path)))
+    finally:
+        dist.destroy_process_group()
+    assert ex.judge([record]) is None
+    slow = {**record, "mine_s": record["ddp_s"] * lesson12.GROSS_SLOWDOWN * 0.9}
+    assert ex.judge([slow]) is None, "slower, but not grossly: information only"
+    slow["mine_s"] = record["ddp_s"] * lesson12.GROSS_SLOWDOWN * 1.1
+    assert "DistributedDataParallel's" in (ex.judge([slow]) or "")
