@@ -16,25 +16,8 @@ buffers are not part of a template snapshot: a resume restarts them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from ddp_tutorial._kit import kit
 
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-
-
-def comm_hook(name: str, start_powersgd_iter: int = 1000) -> tuple[Any, Callable[..., Any]]:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if name == "fp16":
-        return None, default_hooks.fp16_compress_hook  # state None: the default group
-    if name == "bf16":
-        return None, default_hooks.bf16_compress_hook
-    if name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=2,
-            start_powerSGD_iter=start_powersgd_iter,
-        )
-        return state, powerSGD_hook.powerSGD_hook
-    raise ValueError(f"--comm-hook must be one of {COMM_HOOKS[1:]} (or none), got {name!r}")
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+COMM_HOOKS = kit.COMM_HOOKS
+comm_hook = kit.comm_hook

@@ -31,12 +31,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_tutorial import settings
+from ddp_tutorial._kit import kit
 from ddp_tutorial.settings import env_int
 from ddp_tutorial.stores import exchange, job_store
 
-
-class BackendError(RuntimeError):
-    """The requested backend cannot run here; the message says what to use."""
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+BackendError = kit.BackendError
+choose_backend = kit.choose_backend
+set_collective_timeout = kit.set_collective_timeout
+fallback_warning = kit.fallback_warning
+agree_backends = kit.agree_backends
+average_buffers = kit.average_buffers
+NORM_STATISTICS = kit.NORM_STATISTICS
 
 
 @dataclass(frozen=True)
@@ -54,53 +60,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def choose_backend(
-    requested: str, local_world_size: int, gpus: int | None = None
-) -> tuple[str, str]:
-    """Pick ``(backend, reason)``.
-
-    ``auto``: nccl when CUDA works and every local rank can have a GPU of its
-    own; otherwise gloo on the CPU (a 1-GPU laptop still runs the 2-rank
-    lessons, and says so). An explicit ``nccl`` that cannot work raises
-    :class:`BackendError` now rather than a hang or a cryptic NCCL error later.
-    ``gpus`` (visible GPU count) lets a caller that must not touch CUDA, such
-    as the notebook kernel, pass the NVML count instead.
-    """
-    requested = requested.lower()
-    if requested not in {"auto", "gloo", "nccl"}:
-        raise BackendError(f"backend must be 'auto', 'gloo' or 'nccl', got {requested!r}")
-    if gpus is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "gloo":
-        return "gloo", "gloo requested"
-    if requested == "nccl":
-        if not dist.is_nccl_available():
-            raise BackendError(
-                "backend 'nccl' requested but this PyTorch build has no NCCL "
-                "(CPU-only or non-Linux build). Use backend='gloo'."
-            )
-        if gpus < local_world_size:
-            raise BackendError(
-                f"backend 'nccl' needs one CUDA GPU per local rank: {local_world_size} local "
-                f"rank(s) but {gpus} visible GPU(s). Use backend='gloo' (CPU), or start at most "
-                f"{gpus} processes per node (torchrun --nproc-per-node {gpus})."
-                if gpus
-                else "backend 'nccl' needs CUDA GPUs, and this process sees none "
-                "(torch.cuda.is_available() is False). Use backend='gloo' to train on the CPU."
-            )
-        return "nccl", "nccl requested"
-    if gpus == 0:
-        return "gloo", "no CUDA GPU visible: gloo on CPU"
-    if gpus < local_world_size:
-        return "gloo", (
-            f"{gpus} GPU(s) for {local_world_size} local ranks: gloo on CPU "
-            "(nccl needs one GPU per rank)"
-        )
-    if not dist.is_nccl_available():
-        return "gloo", "this PyTorch build has no NCCL: gloo"
-    return "nccl", f"{gpus} GPU(s) for {local_world_size} local rank(s): nccl"
 
 
 def setup(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
@@ -188,49 +147,6 @@ def init_options(backend: str, device: torch.device, init_timeout_s: float) -> d
     if device.type == "cuda":
         options["device_id"] = device
     return options
-
-
-def set_collective_timeout(timeout_s: float) -> None:
-    """The collectives' timeout, once everyone has joined (``dist.set_timeout``, torch 2.8+).
-
-    Joining may take long (a slow ``import torch`` on a shared filesystem is
-    not a bug); a collective that waits that long is one: a missing rank
-    should fail the job in ``timeout_s``, not in the joining allowance.
-    """
-    set_timeout = getattr(dist, "set_timeout", None)
-    if set_timeout is None:  # older torch: the same call under its private name
-        from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
-    set_timeout(timedelta(seconds=timeout_s))
-
-
-def fallback_warning(requested: str, backend: str, reason: str) -> str | None:
-    """A loud line when "auto" runs on the CPU although this machine has GPUs."""
-    if requested != "auto" or backend != "gloo" or not torch.cuda.is_available():
-        return None
-    gpus = torch.cuda.device_count()
-    return (
-        f"WARNING: this node has {gpus} GPU(s), but the job runs on the CPU with gloo "
-        f"({reason}). Start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
-        f"to train on them."
-    )
-
-
-def agree_backends(choices: list[str]) -> tuple[str, str]:
-    """One backend for every rank, from each rank's own choice (a pure function).
-
-    Each node decides "auto" from its own GPUs; two nodes that decide
-    differently would hang in ``init_process_group``. Agreed: that backend.
-    Not agreed: gloo everywhere (every node can run it), and the reason says
-    which ranks could not use nccl.
-    """
-    if len(set(choices)) == 1:
-        return choices[0], f"every rank chose {choices[0]}"
-    without = [r for r, c in enumerate(choices) if c != "nccl"]
-    return "gloo", (
-        f"the nodes disagree: ranks {without} cannot use nccl (no GPU of their own), so "
-        f"every rank uses gloo on the CPU. Give every rank a GPU, or set "
-        f"{settings.BACKEND_ENV} to the same value on every node."
-    )
 
 
 def _import_before_init() -> None:
@@ -337,52 +253,6 @@ def wrap(model: nn.Module, device: torch.device, **options: Any) -> DistributedD
 
 
 NORM_STATISTICS = ("running_mean", "running_var")
-
-
-def average_buffers(module: nn.Module) -> float:
-    """Every rank's buffers made equal, in one collective: norm statistics averaged, rest rank 0's.
-
-    BatchNorm's running statistics are updated by each rank's own forward
-    passes, so with ``broadcast_buffers=False`` they follow each rank's shard
-    (with ``True``, DDP copies rank 0's at the *start* of every forward, and
-    after the last step they differ again). Evaluation and checkpoints must
-    see one model: call this on every rank before evaluating or saving. Only
-    ``running_mean``/``running_var`` of normalisation layers (``_NormBase``:
-    BatchNorm, SyncBatchNorm, InstanceNorm with running stats) are averaged —
-    the average has seen every rank's data. Every other buffer is taken from
-    rank 0 exactly: averaging a constant (a rotary ``inv_freq``) changes it by
-    a rounding step at 3 or 7 ranks, a counter must stay an integer, an
-    observer's min/max is not a mean. Buffers named in DDP's
-    ``_ddp_params_and_buffers_to_ignore`` are meant to differ per rank and are
-    left alone. One flat float64 all_reduce carries everything (a copy from rank
-    0 is the sum of its value and the others' zeros), and one ``.item()``
-    returns how far this rank's buffers moved (0.0: they already agreed).
-    """
-    inner = module.module if isinstance(module, DistributedDataParallel) else module
-    ignored = set(getattr(inner, "_ddp_params_and_buffers_to_ignore", ()))
-    buffers, averaged = [], []
-    for prefix, sub in inner.named_modules():
-        norm = isinstance(sub, nn.modules.batchnorm._NormBase)
-        for name, buffer in sub.named_buffers(prefix=prefix, recurse=False):
-            if buffer is not None and name not in ignored and not buffer.is_complex():
-                buffers.append(buffer)
-                averaged.append(norm and name.rsplit(".", 1)[-1] in NORM_STATISTICS)
-    world = dist.get_world_size()
-    if not buffers or world == 1:
-        return 0.0
-    first = dist.get_rank() == 0
-    flat = torch.cat([b.detach().reshape(-1).double() if avg or first
-                      else torch.zeros(b.numel(), dtype=torch.float64, device=b.device)
-                      for b, avg in zip(buffers, averaged, strict=True)])  # fmt: skip
-    dist.all_reduce(flat)  # SUM, then divide: any backend, any torch
-    moved, offset = [], 0
-    for buffer, avg in zip(buffers, averaged, strict=True):
-        new = flat[offset : offset + buffer.numel()].view_as(buffer)
-        new = new / world if avg else new
-        offset += buffer.numel()
-        moved.append((new - buffer.double()).abs().max() if buffer.numel() else flat.new_zeros(()))
-        buffer.copy_(new)
-    return torch.stack(moved).max().item()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -22,66 +22,21 @@ after a valid header is still found only when it is decoded.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from torch.utils.data import Dataset
+from ddp_tutorial._kit import kit
 
-from ddp_tutorial.data import SyntheticImages
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+DATA_KINDS = kit.DATA_KINDS
+MEAN = kit.MEAN
+STD = kit.STD
+DataError = kit.DataError
+check_image_folder = kit.check_image_folder
+image_folder = kit.image_folder
+cifar10 = kit.cifar10
+build_datasets = kit.build_datasets
 
 DATA_KINDS = ("synthetic", "folder", "cifar10")
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)  # roughly zero-mean, unit-variance pixels
-
-
-class DataError(ValueError):
-    """The data cannot be used; the message names the flag or file and what to do."""
-
-
-def _images(directory: Path) -> list[Path]:
-    """What ``ImageFolder`` will load: torchvision's own list of image suffixes."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
-    return sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS)
-
-
-def _classes(split: Path) -> list[str]:
-    return sorted(p.name for p in split.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def check_image_folder(root: str | Path) -> list[str]:
-    """The class names of ``root/train`` after checking the layout; :class:`DataError` if bad."""
-    from PIL import Image, UnidentifiedImageError
-
-    root = Path(root)
-    hint = "expected DIR/train/<class>/*.png|jpg and DIR/val/<class>/*.png|jpg"
-    if not root.is_dir():
-        raise DataError(f"--data-dir {root}: no such folder ({hint})")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise DataError(f"--data-dir {root}: no {split}/ folder inside ({hint})")
-    classes = _classes(root / "train")
-    if len(classes) < 2:
-        raise DataError(f"--data-dir {root}: train/ needs at least 2 class folders ({hint})")
-    for split in ("train", "val"):
-        for name in classes:
-            folder = root / split / name
-            files = _images(folder) if folder.is_dir() else []
-            if not files:
-                raise DataError(
-                    f"--data-dir {root}: class {name!r} has no images in {split}/ "
-                    f"(every class of train/ needs {split}/{name}/ with .png or .jpg files)"
-                )
-            for path in files:
-                try:
-                    with Image.open(path) as image:
-                        image.size  # noqa: B018 - the header is parsed by open(); size needs it
-                except (UnidentifiedImageError, OSError) as exc:
-                    raise DataError(
-                        f"--data-dir: {path} is not a readable image ({exc}); delete or replace it"
-                    ) from None
-    extra = sorted(set(_classes(root / "val")) - set(classes))
-    if extra:
-        raise DataError(f"--data-dir {root}: val/ has classes that train/ lacks: {extra}")
-    return classes
 
 
 def write_example_folder(
@@ -114,72 +69,3 @@ def write_example_folder(
                     root / split / name / f"{i}.png"
                 )
     return root
-
-
-def _transforms(image_size: int, train: bool) -> Any:
-    from torchvision import transforms as T
-
-    if train:  # random crop + flip: the augmentation that must differ per rank (seeding.py)
-        steps = [T.RandomResizedCrop(image_size, scale=(0.6, 1.0)), T.RandomHorizontalFlip()]
-    else:
-        steps = [T.Resize(image_size), T.CenterCrop(image_size)]
-    return T.Compose([*steps, T.ToTensor(), T.Normalize(MEAN, STD)])
-
-
-def image_folder(root: str | Path, image_size: int) -> tuple[Dataset, Dataset, int]:
-    """``(train, val, num_classes)`` from a checked ImageFolder layout."""
-    from torchvision.datasets import ImageFolder
-
-    classes = check_image_folder(root)
-    root = Path(root)
-    train = ImageFolder(root / "train", transform=_transforms(image_size, train=True))
-    val = ImageFolder(root / "val", transform=_transforms(image_size, train=False))
-    if val.classes != classes:  # val/ lacks no class (checked); ImageFolder numbers by name
-        raise DataError(f"--data-dir {root}: val/ classes {val.classes} != train/ {classes}")
-    return train, val, len(classes)
-
-
-def cifar10(root: str | Path | None, image_size: int, download: bool) -> tuple[Any, Any, int]:
-    """CIFAR-10 from ``root`` (``--data-dir``); a clear :class:`DataError` when it is not there."""
-    from torchvision.datasets import CIFAR10
-
-    if root is None:
-        raise DataError("--data cifar10 needs --data-dir: the folder that holds (or will hold) it")
-    try:
-        train, val = (
-            CIFAR10(root, train=split, download=download, transform=_transforms(image_size, split))
-            for split in (True, False)
-        )
-    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted. …"
-        raise DataError(
-            f"--data cifar10: no intact copy in {root} ({exc}). Add --download to fetch it "
-            f"once (needs internet; run it with one rank first, so ranks do not all download)"
-        ) from None
-    return train, val, 10
-
-
-def build_datasets(args: Any) -> tuple[Dataset, Dataset, int]:
-    """``(train, val, num_classes)`` for the template's flags.
-
-    ``args`` needs ``data`` (None: folder with ``data_dir``, else synthetic),
-    ``data_dir``, ``download``, ``image_size`` and, for synthetic data,
-    ``num_samples``, ``num_val``, ``num_classes``, ``seed``.
-    """
-    kind = args.data or ("folder" if args.data_dir else "synthetic")
-    if kind == "folder":
-        if args.data_dir is None:
-            raise DataError("--data folder needs --data-dir DIR (DIR/train/<class>/…, DIR/val/…)")
-        return image_folder(args.data_dir, args.image_size)
-    if kind == "cifar10":
-        return cifar10(args.data_dir, args.image_size, args.download)
-    if kind != "synthetic":
-        raise DataError(f"--data must be one of {DATA_KINDS}, got {kind!r}")
-    # Same data on every rank: sample i is a pure function of (seed, i).
-    try:
-        train = SyntheticImages(args.num_samples, args.image_size, args.num_classes, seed=args.seed)
-        val = SyntheticImages(args.num_val, args.image_size, args.num_classes, seed=args.seed + 1)
-    except ValueError as exc:  # e.g. --image-size 2 or --num-classes 1
-        raise DataError(
-            f"synthetic data: {exc} (--num-samples, --image-size, --num-classes)"
-        ) from None
-    return train, val, args.num_classes

@@ -1,12 +1,14 @@
 """What the lessons read from a template run, kept out of the template's loop.
 
-``scripts/train.py`` adds the flags of :meth:`Recorder.add_arguments`, makes a
-:class:`Recorder` after resuming and calls it at named points: :meth:`~Recorder.step`
-after each optimizer step, :meth:`~Recorder.evaluated` at each evaluation,
-:meth:`~Recorder.epoch_done` at each epoch's end and :meth:`~Recorder.finish` at
-the end. **Without** ``--out`` it costs nothing that grows: two clock readings per
-timed stretch of steps (a CUDA event on GPUs, no sync) for the samples/s of the
-final line, and one small all_reduce at the end. With ``--out`` it writes:
+``scripts/train.py`` reaches it through one optional hook: only with ``--out`` does it
+import this module (:meth:`Recorder.from_template`, which parses the flags of
+:meth:`Recorder.add_arguments` from what the template's parser left over) and call
+it at named points: :meth:`~Recorder.step` after each optimizer step,
+:meth:`~Recorder.pause` around evaluating and saving, :meth:`~Recorder.evaluated` at
+each evaluation, :meth:`~Recorder.epoch_done` at each epoch's end and
+:meth:`~Recorder.finish` at the end. It only records: nothing it does steers
+training. **Without** ``--out`` the template runs without it, the path a copy of the
+template outside this repository runs. With ``--out`` it writes:
 
 * ``attempt{a}-rank{r}.json`` at start-up: who this process is after a
   (re)start (lessons 08 and 10); ``a`` is the job's attempt, agreed by every node
@@ -77,6 +79,24 @@ class Recorder:
         add("--record-indices", action="store_true", help="every sample index each rank read")
         add("--fail-at-step", type=int, help="fault injection (lesson 08): die after this step")
         add("--fail-rank", type=int, default=1, help="the rank that dies")
+
+    @classmethod
+    def from_template(
+        cls,
+        args: Any,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        resumed_from: dict[str, int] | None = None,
+        attempt: int = 0,
+    ) -> Recorder:
+        """The template's hook: ``args.out`` and the lessons' flags in ``args.hook_argv``
+        (what the template's own parser did not know)."""
+        parser = argparse.ArgumentParser(prog="train.py --out DIR")
+        cls.add_arguments(parser)
+        own = parser.parse_args(list(args.hook_argv))
+        own.out, own.grad_accum = args.out, args.grad_accum
+        return cls(own, rank, world_size, device, resumed_from, attempt)
 
     def __init__(
         self,

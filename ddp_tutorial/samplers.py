@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
+
+from ddp_tutorial._kit import kit
+
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+UnpaddedDistributedSampler = kit.UnpaddedDistributedSampler
+ResumableSampler = kit.ResumableSampler
 
 
 def sampler_shards(
@@ -144,111 +146,3 @@ def batch_plan(
         "samples_per_rank": per_rank,
         "steps_per_epoch": math.ceil(per_rank / per_rank_batch),
     }
-
-
-class UnpaddedDistributedSampler(Sampler[int]):
-    """Like :class:`DistributedSampler`, but no padding: every index exactly once in total.
-
-    Rank ``r`` takes ``order[r::world_size]``, so ranks differ by at most
-    one sample. Use it for **evaluation** only: in training, DDP needs every
-    rank to run the same number of backward passes (each one is an
-    all_reduce), and a rank with one batch fewer would leave the others
-    waiting — that is why the training sampler pads.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-    ):
-        self.num_replicas, self.rank = _world(num_replicas, rank)
-        self.length = len(dataset)  # type: ignore[arg-type]
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=gen).tolist()
-        else:
-            order = list(range(self.length))
-        return iter(order[self.rank :: self.num_replicas])
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.num_replicas))
-
-
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """Explicit values, else the default group's (a world of one without a group)."""
-    if num_replicas is None:
-        num_replicas = dist.get_world_size() if dist.is_initialized() else 1
-    if rank is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    if not 0 <= rank < num_replicas:
-        raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
-    return num_replicas, rank
-
-
-class ResumableSampler(Sampler[int]):
-    """``DistributedSampler(shuffle=True)``'s shards, resumable mid-epoch on any world size.
-
-    An epoch's order is one seeded permutation of the whole dataset, the same
-    on every rank (``seed + epoch``). Rank ``r`` of ``N`` takes positions
-    ``r, r+N, r+2N, …``, so after ``k`` steps of per-rank batch ``B`` the job
-    has consumed exactly the first ``k·B·N`` positions of that order —
-    whatever ``N`` was. ``set_epoch(epoch, consumed)`` starts there: the rest
-    of the order is padded the way ``DistributedSampler`` pads (repeating its
-    start) to a multiple of *this* world size and dealt out again. A restart
-    on 4 ranks of an epoch that 8 began sees every remaining sample once; with
-    ``consumed=0`` it yields exactly what ``DistributedSampler`` yields.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-    ):
-        self.num_replicas, self.rank = _world(num_replicas, rank)
-        self.length = len(dataset)
-        self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.consumed = 0, 0
-
-    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
-        """Start ``epoch`` after its first ``consumed`` samples (counted over all ranks).
-
-        ``consumed`` counts the padding too: a snapshot of an epoch's last step can
-        hold more than the dataset (9 samples on 2 ranks are dealt out as 10), and
-        then nothing of the epoch is left, on any number of ranks.
-        """
-        if consumed < 0:
-            raise ValueError(f"consumed must be >= 0, got {consumed}")
-        self.epoch, self.consumed = epoch, min(consumed, self.length)
-
-    def _rest(self) -> list[int]:
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=gen).tolist()
-        else:
-            order = list(range(self.length))
-        rest = order[self.consumed :]
-        padding = -len(rest) % self.num_replicas
-        if rest and padding:
-            rest += (rest * math.ceil(padding / len(rest)))[:padding]
-        return rest
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._rest()[self.rank :: self.num_replicas])
-
-    def __len__(self) -> int:
-        return math.ceil((self.length - self.consumed) / self.num_replicas)

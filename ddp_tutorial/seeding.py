@@ -24,28 +24,15 @@ with the worker's own seed.
 
 from __future__ import annotations
 
-import random
+from torch.utils.data import get_worker_info  # noqa: F401  lesson 02's stand-in patches it
 
-import numpy as np
-import torch
-from torch.utils.data import get_worker_info
+from ddp_tutorial._kit import kit
 
-
-def rank_seed(seed: int, rank: int, *streams: int) -> int:
-    """A 63-bit seed derived from ``(seed, rank, *streams)``: distinct inputs, unrelated seeds.
-
-    ``seed + rank`` would make rank 1 of seed 0 the same stream as rank 0 of
-    seed 1; a hash of the tuple (numpy's ``SeedSequence``) does not.
-    """
-    words = np.random.SeedSequence([seed, rank, *streams]).generate_state(2, dtype=np.uint32)
-    return (int(words[0]) << 31) ^ int(words[1])
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and every GPU), Python's ``random`` and numpy's global generator."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+rank_seed = kit.rank_seed
+seed_everything = kit.seed_everything
+loader_generator = kit.loader_generator
+seed_worker = kit.seed_worker
 
 
 def seed_rank(seed: int, rank: int) -> int:
@@ -53,21 +40,3 @@ def seed_rank(seed: int, rank: int) -> int:
     own = rank_seed(seed, rank)
     seed_everything(own)
     return own
-
-
-def loader_generator(seed: int, rank: int, epoch: int = 0) -> torch.Generator:
-    """A DataLoader ``generator`` whose worker seeds depend on ``(seed, rank, epoch)`` only."""
-    return torch.Generator().manual_seed(rank_seed(seed, rank, epoch, 1))
-
-
-def seed_worker(worker_id: int) -> None:
-    """``worker_init_fn``: hand the worker's own seed to a dataset that keeps a generator.
-
-    torch has already seeded ``torch``, ``random`` and ``numpy`` in the worker
-    (base seed + ``worker_id``); a ``reseed(seed)`` method on the dataset is
-    how a generator the dataset owns gets a different seed in every worker.
-    """
-    info = get_worker_info()
-    reseed = getattr(info.dataset, "reseed", None) if info is not None else None
-    if callable(reseed):
-        reseed(info.seed)

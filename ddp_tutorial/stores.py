@@ -28,78 +28,16 @@ round completes only when every node has joined.
 
 from __future__ import annotations
 
-import os
-import time
-import uuid
-from datetime import timedelta
+from ddp_tutorial._kit import kit
 
-import torch.distributed as dist
+# One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
+# Its keys live under ROOT.
+job_store = kit.job_store
 
-from ddp_tutorial import settings
-from ddp_tutorial.settings import env_int
-
-ROOT = "ddp_tutorial"
+ROOT = kit.STORE_ROOT
 
 
-def job_store(rank: int, world_size: int, timeout_s: float | None = None) -> tuple[dist.Store, int]:
-    """``(store, attempt)``: this (re)start's own key space, and its number, the same on every rank.
-
-    Call it on every rank before ``init_process_group(store=...)`` (a rank that
-    never calls it leaves rank 0 waiting up to ``timeout_s``). ``attempt`` is 0
-    for the first start and grows with every restart of the *job* (not of one
-    node's agent), so records and fault injection can rely on it.
-    """
-    timeout_s = settings.init_timeout_s() if timeout_s is None else timeout_s
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=rank == 0 and not shared,  # shared: the agent hosts it
-        timeout=timedelta(seconds=timeout_s),
-        multi_tenant=not shared,
-    )
-    if rank == 0:
-        # Shared: a counter that only grows (never a number an earlier attempt used). Not
-        # shared: a new store, so any number is fresh; torchrun's restart count reads best.
-        counted = store.add(f"{ROOT}/attempts", 1) - 1
-        attempt = counted if shared else env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        _answer_every_rank(store, world_size, attempt, timeout_s)
-    else:
-        token = uuid.uuid4().hex  # no earlier attempt can have written a key with this name
-        store.set(f"{ROOT}/hello/{rank}", token)
-        attempt = int(store.get(f"{ROOT}/answer/{token}"))
-        store.set(f"{ROOT}/{attempt}/joined/{rank}", "1")
-    return dist.PrefixStore(f"{ROOT}/{attempt}", store), attempt
-
-
-def _answer_every_rank(store: dist.Store, world_size: int, attempt: int, timeout_s: float) -> None:
-    """Rank 0's side of :func:`job_store`: answer each rank's token until all have joined.
-
-    A ``hello`` key may still hold the previous attempt's token (its rank has
-    not written yet): answering it too is harmless, nobody waits on that name.
-    """
-    pending, answered = set(range(1, world_size)), {}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for r in sorted(pending):
-            if store.check([f"{ROOT}/{attempt}/joined/{r}"]):
-                pending.discard(r)
-            elif store.check([f"{ROOT}/hello/{r}"]):
-                token = store.get(f"{ROOT}/hello/{r}").decode()
-                if answered.get(r) != token:
-                    store.set(f"{ROOT}/answer/{token}", str(attempt))
-                    answered[r] = token
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(
-                f"ranks {sorted(pending)[:8]} did not reach the job's store within "
-                f"{timeout_s:g} s (attempt {attempt}); did they start?"
-            )
-        if pending:
-            time.sleep(0.005)
-
-
-def exchange(store: dist.Store, rank: int, world_size: int, value: str) -> list[str]:
+def exchange(store: object, rank: int, world_size: int, value: str) -> list[str]:
     """Every rank's ``value``, in rank order, through a key-value store (before init)."""
-    store.set(f"{ROOT}/backend/{rank}", value)
-    return [store.get(f"{ROOT}/backend/{r}").decode() for r in range(world_size)]
+    store.set(f"{ROOT}/backend/{rank}", value)  # type: ignore[attr-defined]
+    return [store.get(f"{ROOT}/backend/{r}").decode() for r in range(world_size)]  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ def test_step_costs_times_the_calls_train_py_makes(step_costs):
                  "loss_sum[1] += 1", "checks.observe(step, loss)", "checks.check(step)",
                  "log.step(step,"):  # fmt: skip
         assert call in loop, call
-    assert "loop.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)" in train
+    assert "kit.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)" in train
     loops = (SCRIPTS / "compare" / "loops.py").read_text()
     assert "torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)" in loops
     assert "StopCheck(device, save_minutes" in train  # every 10 steps: the tool's 0.9 / 0.1

@@ -141,7 +141,7 @@ def test_impossible_settings_stop_before_training(template, tmp_path, monkeypatc
 
 def test_lr_schedule_warms_up_then_decays_to_zero(template):
     peak, warmup = 0.4, 0.1
-    lrs = [template.lr_at(p / 100, peak, warmup) for p in range(101)]
+    lrs = [template.kit.lr_at(p / 100, peak, warmup) for p in range(101)]
     assert lrs[0] == 0 and lrs[5] == pytest.approx(peak / 2) and lrs[10] == pytest.approx(peak)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False)) and lrs[100] == 0
 
@@ -496,10 +496,8 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, 
 def test_the_loop_practitioners_expect(template, tmp_path, monkeypatch, capsys, one_rank):
     """What practitioners expect of a loop: cudnn.benchmark, the log line, --eval-every and best.pt,
     the schedule warning on resume, the short collective timeout after the first step."""
-    from ddp_tutorial import distributed
-
     calls = []
-    monkeypatch.setattr(distributed, "set_collective_timeout", lambda s: calls.append(s))
+    monkeypatch.setattr(template.kit, "set_collective_timeout", lambda s: calls.append(s))
     before = torch.backends.cudnn.benchmark
     argv = [*TINY, "--num-samples", "256", "--batch-size", "16", "--epochs", "1",
             "--max-steps", "8", "--log-every", "4", "--eval-every", "4", "--num-val", "64",
@@ -551,18 +549,16 @@ def test_speed_flags_are_active_and_resume_exactly(template, tmp_path, monkeypat
     resumes with the scaler, step, weights and optimizer it saved, to end bitwise where the
     uninterrupted run ends.
     """
-    from ddp_tutorial import snapshots
-
     hook_calls = []
 
     def counting(name):  # the real hook, counted
         state, hook = real_comm_hook(name)
         return state, lambda s, bucket: hook_calls.append(bucket.index()) or hook(s, bucket)
 
-    real_comm_hook = template.comm_hook
-    monkeypatch.setattr(template, "comm_hook", counting)
+    real_comm_hook = template.kit.comm_hook
+    monkeypatch.setattr(template.kit, "comm_hook", counting)
     restored = {}
-    real_restore = snapshots.restore_training_state
+    real_restore = template.kit.restore_training_state
 
     def spy(state, ddp, optimizer, scaler, same_world):
         where = real_restore(state, ddp, optimizer, scaler, same_world)
@@ -572,7 +568,7 @@ def test_speed_flags_are_active_and_resume_exactly(template, tmp_path, monkeypat
                         optimizer=cloned(optimizer.state_dict()["state"]))  # fmt: skip
         return where
 
-    monkeypatch.setattr(snapshots, "restore_training_state", spy)
+    monkeypatch.setattr(template.kit, "restore_training_state", spy)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so that teardown removes
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # what --deterministic sets
     before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
@@ -602,20 +598,28 @@ def test_speed_flags_are_active_and_resume_exactly(template, tmp_path, monkeypat
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-@pytest.mark.parametrize("pod_rank", [None, "1"], ids=["plain shell", "a Kubeflow pod's RANK"])
-def test_started_without_torchrun_it_says_how_to_start_it(template, monkeypatch, pod_rank):
+def test_a_pods_rank_without_a_launcher_is_told_to_start_torchrun(template, monkeypatch):
     """Only a launcher sets LOCAL_RANK; a pod's RANK (the node's number) is no launcher."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    if pod_rank is None:
-        monkeypatch.delenv("RANK", raising=False)
-    else:
-        monkeypatch.setenv("RANK", pod_rank)
+    monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as stopped:
         template.main([])
     assert stopped.value.code == (
         "train.py: start it with torchrun --standalone --nproc-per-node N train.py"
     )
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_plain_python_is_a_world_of_one(template, tmp_path, monkeypatch, one_rank, capsys):
+    """``python train.py`` (no torchrun variables at all): one process trains, for a debugger."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):  # fmt: skip
+        monkeypatch.setenv(name, "")  # recorded: teardown removes what main() sets
+        monkeypatch.delenv(name)
+    template.main([*TINY, "--num-samples", "32", "--batch-size", "16", "--epochs", "1",
+                   "--checkpoint-dir", str(tmp_path)])  # fmt: skip
+    assert "1 ranks (" in capsys.readouterr().out and (tmp_path / "final.pt").is_file()
 
 
 class FakeCIFAR10(torch.utils.data.Dataset):
@@ -720,26 +724,20 @@ def test_tensorboard_scalars_from_rank_0(template, tmp_path, one_rank, capsys):
     assert accuracy == {h["step"]: pytest.approx(h["val_accuracy"]) for h in history} != {}
 
 
-def test_tensorboard_without_the_package_is_refused_before_training(monkeypatch):
+def test_tensorboard_without_the_package_is_refused_before_training(template, monkeypatch):
     import importlib.util
 
-    from ddp_tutorial.loop import parse_template_args
-    from ddp_tutorial.preflight import check_run
-
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    args = parse_template_args(["--tensorboard", "tb"])
-    assert "pip install tensorboard" in check_run(args, 2, 8192)
+    args = template.parse_args(["--tensorboard", "tb"])
+    assert "pip install tensorboard" in template.check_run(args, 2, None)
 
 
-def test_download_is_refused_on_several_ranks():
-    """--download with several ranks: every rank would download into the same files before init."""
-    from ddp_tutorial.loop import parse_template_args
-    from ddp_tutorial.preflight import check_run
-
-    args = parse_template_args(["--data", "cifar10", "--data-dir", "d", "--download"])
-    problem = check_run(args, 2, 50000)
+def test_download_is_refused_on_several_ranks(template):
+    """--download with several ranks: refused before any rank builds (downloads) the data."""
+    args = template.parse_args(["--data", "cifar10", "--data-dir", "d", "--download"])
+    problem = template.check_run(args, 2, None)  # None: before the data exist
     assert "--download with 2 ranks" in problem and "--nproc-per-node 1" in problem
-    assert check_run(args, 1, 50000) is None, "one process may download"
+    assert template.check_run(args, 1, None) is None, "one process may download"
 
 
 def test_each_group_keeps_its_multiple_of_the_schedule(template):
@@ -749,18 +747,17 @@ def test_each_group_keeps_its_multiple_of_the_schedule(template):
     opt = torch.optim.SGD([{"params": body.parameters()},
                            {"params": head.parameters(), "lr": 10 * peak}], lr=peak)  # fmt: skip
     for lr in (0.05, 0.02):
-        template.set_lr(opt, lr, peak)
+        template.kit.set_lr(opt, lr, peak)
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([lr, 10 * lr])
     restored = torch.optim.SGD([{"params": body.parameters()}, {"params": head.parameters()}])
     restored.load_state_dict(opt.state_dict())  # a resume, here on twice the ranks: peak x 2
-    template.set_lr(restored, 0.04, 2 * peak)
+    template.kit.set_lr(restored, 0.04, 2 * peak)
     assert [g["lr"] for g in restored.param_groups] == pytest.approx([0.04, 0.4])
 
 
 def test_adamw_without_decay_on_biases_and_norms_and_sgd_selectable(template):
     """AdamW without decay on biases and norms, fused (GradScaler.step needs no host sync)."""
-    from ddp_tutorial.loop import build_optimizer
-
+    build_optimizer = template.kit.build_optimizer
     model = build_model("cnn", 10, 16)
     opt = build_optimizer("adamw", model, 1e-3, 0.05)
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.999)

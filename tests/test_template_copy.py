@@ -1,0 +1,106 @@
+"""The template as a user copies it: train.py and ddp_kit.py alone in an empty folder.
+
+The two files are copied into a fresh folder and started from there with torchrun, with
+the course's package made unimportable (a ``ddp_tutorial`` on PYTHONPATH that raises on
+import: any import of it, direct or through the recorder hook, fails the run). What the
+repository's tests check of the template holds there too: it trains, a preemption (SIGTERM
+to the whole process group, as a scheduler sends it, with 2 DataLoader workers per rank)
+saves the step it reached, and the rerun resumes from it to end bitwise where an
+uninterrupted run ends; a rank's own exit status after SIGTERM and after SIGUSR1 is 75.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SCRIPTS
+
+ARGS = ["--model", "cnn", "--image-size", "16", "--num-samples", "512", "--num-val", "64",
+        "--batch-size", "16", "--epochs", "2", "--log-every", "1", "--num-workers", "2",
+        "--backend", "gloo", "--save-minutes", "0"]  # fmt: skip
+BLOCKER = "raise ImportError('the course package is not part of a copied template')\n"
+
+
+def copied(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """``tmp/copy`` holding the two files, and an environment where ddp_tutorial cannot load."""
+    folder = tmp / "copy"
+    folder.mkdir()
+    for name in ("train.py", "ddp_kit.py"):
+        shutil.copy(SCRIPTS / name, folder / name)
+    (tmp / "blocked" / "ddp_tutorial").mkdir(parents=True)
+    (tmp / "blocked" / "ddp_tutorial" / "__init__.py").write_text(BLOCKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_TUTORIAL", "PYTHON"))}
+    env.update(PYTHONPATH=str(tmp / "blocked"), OMP_NUM_THREADS="1")
+    return folder, env
+
+
+def start(folder: Path, env: dict[str, str], *args: object, nproc: int | None = 2):
+    """torchrun (``nproc``) or plain ``python train.py`` (None), in its own process group."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc)] if nproc else [sys.executable]  # fmt: skip
+    return subprocess.Popen([*launcher, "train.py", *map(str, args)], cwd=folder, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def signal_after(proc: subprocess.Popen, step: int, sig: int, group: bool) -> tuple[str, int]:
+    """Read ``proc``'s output; send ``sig`` once rank 0 logged ``step``; return (output, sent)."""
+    lines, sent = [], 0
+    for line in proc.stdout:
+        lines.append(line)
+        found = re.match(r"step (\d+): loss", line)
+        if found and not sent and int(found[1]) >= step:
+            sent = int(found[1])
+            (os.killpg if group else os.kill)(proc.pid, sig)
+    proc.wait(timeout=300)
+    return "".join(lines), sent
+
+
+def final(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "final.pt", weights_only=True)
+
+
+@pytest.mark.torchrun
+def test_a_copy_trains_is_preempted_with_workers_and_resumes_exactly(tmp_path):
+    folder, env = copied(tmp_path)
+    straight = start(folder, env, *ARGS, "--checkpoint-dir", tmp_path / "straight")
+    job = start(folder, env, *ARGS, "--checkpoint-dir", tmp_path / "job")
+    out, sent = signal_after(job, 5, signal.SIGTERM, group=True)  # every process: workers too
+    straight_out = straight.communicate(timeout=300)[0]
+    assert straight.returncode == 0, straight_out[-3000:]
+    assert "ModuleNotFoundError" not in out and sent, out[-3000:]
+    assert "DataLoader worker" not in out, "a worker killed by SIGTERM failed its rank"
+    saved = re.search(r"SIGTERM: saved step (\d+), exit 75", out)
+    assert saved and int(saved[1]) >= sent and job.returncode == 1, out[-3000:]  # torchrun: 1
+    rerun = start(folder, env, *ARGS, "--checkpoint-dir", tmp_path / "job")
+    rerun_out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, rerun_out[-3000:]
+    assert f"resumed from snapshot-{int(saved[1]):09d}.pt" in rerun_out, rerun_out[-2000:]
+    a, b = final(tmp_path / "straight"), final(tmp_path / "job")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "bitwise"
+    history = torch.load(sorted((tmp_path / "job").glob("snapshot-*.pt"))[-1],
+                         weights_only=True)["extra"]["history"]  # fmt: skip
+    assert history[-1]["train_loss"] < history[0]["train_loss"], history
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_rank_exits_75_after_a_real_signal(tmp_path, sig):
+    """``python train.py``, a world of one: the process's own exit status, no launcher between."""
+    folder, env = copied(tmp_path)
+    proc = start(folder, env, *ARGS, "--num-workers", "0", "--checkpoint-dir", tmp_path / "c",
+                 nproc=None)  # fmt: skip
+    out, sent = signal_after(proc, 3, sig, group=False)
+    assert sent and proc.returncode == 75, (proc.returncode, out[-3000:])
+    name = signal.Signals(sig).name
+    saved = re.search(rf"{name}: saved step (\d+), exit 75", out)
+    assert saved and (tmp_path / "c" / f"snapshot-{int(saved[1]):09d}.pt").is_file(), out
