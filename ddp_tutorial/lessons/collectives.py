@@ -6,17 +6,15 @@ before and after. Because the inputs are known, the expected outputs are
 known too (:func:`expected`), so the notebook can *assert* what each
 collective did on every rank instead of trusting a printout.
 
-Run inside an initialised process group (``scripts/demos/collectives.py``); the
-table helpers work on the records afterwards, in the notebook.
+The collectives themselves run in ``scripts/demos/collectives.py`` (the lines lesson 01
+shows, one function per collective); this module holds what the notebook needs around them:
+the inputs, the expected outputs, the table and the picture.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 OPS = ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather", "reduce", "reduce_loss")
 """The collectives demonstrated, in the order the lesson shows them."""
@@ -39,77 +37,6 @@ def rank_loss(rank: int) -> float:
     lesson's "the other ranks do not get the mean" could not be checked there.
     """
     return float(2**rank)
-
-
-def _values(t: torch.Tensor) -> list[float]:
-    return [float(v) for v in t.detach().cpu().flatten().tolist()]
-
-
-def reduce_loss_seed001(tensor: torch.Tensor, rank: int, world_size: int) -> None:
-    """Seed 001's ``reduce_loss``, verbatim: only ``dst=0`` is promised the result."""
-    with torch.no_grad():
-        dist.reduce(tensor, dst=0)
-        if rank == 0:
-            tensor /= world_size
-
-
-def average_all_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The portable average: ``all_reduce(SUM)`` then divide — every rank gets it.
-
-    ``ReduceOp.AVG`` works on nccl, and on gloo since pytorch#149781 (March 2025:
-    a SUM, then a division in float, which an integer tensor cannot hold: gloo
-    refuses AVG on int64, and on torch 2.14.1 that error may surface in the *next*
-    collective instead). Older torch may not have it on gloo. SUM works everywhere.
-    """
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    tensor /= world_size
-    return tensor
-
-
-def run_collectives(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
-    """Run each collective of :data:`OPS` once; return ``{op: {"before", "after", ...}}``.
-
-    Must be called on every rank of the default process group (collectives
-    are rendezvous: a rank that skips one leaves the others waiting).
-    """
-    out: dict[str, Any] = {}
-
-    t = torch.tensor(rank_value(rank), device=device)
-    before = _values(t)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    out["all_reduce_sum"] = {"before": before, "after": _values(t)}
-
-    t = torch.tensor(rank_value(rank), device=device)
-    before = _values(t)
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.AVG)
-        out["all_reduce_avg"] = {"before": before, "after": _values(t), "error": None}
-    except (RuntimeError, ValueError) as exc:  # backends without AVG say so here
-        out["all_reduce_avg"] = {"before": before, "after": None, "error": str(exc)[:300]}
-    dist.barrier()  # keep the ranks in step even if one raised
-
-    t = torch.tensor(rank_value(rank), device=device)
-    before = _values(t)
-    dist.broadcast(t, src=SRC)
-    out["broadcast"] = {"before": before, "after": _values(t)}
-
-    t = torch.tensor(rank_value(rank), device=device)
-    gathered = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(gathered, t)
-    out["all_gather"] = {"before": _values(t), "after": [_values(g) for g in gathered]}
-
-    t = torch.tensor(rank_value(rank), device=device)
-    before = _values(t)
-    dist.reduce(t, dst=SRC, op=dist.ReduceOp.SUM)
-    out["reduce"] = {"before": before, "after": _values(t)}
-
-    loss = torch.tensor([rank_loss(rank)], device=device)
-    before = _values(loss)
-    reduce_loss_seed001(loss, rank, world_size)
-    fixed = torch.tensor([rank_loss(rank)], device=device)
-    average_all_ranks(fixed, world_size)
-    out["reduce_loss"] = {"before": before, "after": _values(loss), "fixed": _values(fixed)}
-    return out
 
 
 def expected(op: str, rank: int, world_size: int) -> Any:

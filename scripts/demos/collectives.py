@@ -27,13 +27,14 @@ import argparse
 import logging
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_tutorial.distributed import setup
-from ddp_tutorial.lessons.collectives import run_collectives, store_listener
+from ddp_tutorial.lessons.collectives import SRC, rank_loss, rank_value, store_listener
 from ddp_tutorial.records import write_rank_record
 
 # The variables torchrun sets for every worker (the "environment contract").
@@ -51,6 +52,85 @@ CONTRACT = (
     "TORCHELASTIC_USE_AGENT_STORE",  # "True": the store at MASTER_ADDR:MASTER_PORT is torchrun's
     "OMP_NUM_THREADS",
 )
+
+
+# The collectives, one function each: lesson 01 shows these lines (a test keeps them equal).
+# Every rank calls each one: a collective completes only when every rank of the group has.
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # every rank: the sum of every rank's t
+    return t
+
+
+def all_reduce_avg(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)  # nccl; gloo since torch 2.7 (not for int64)
+    return t
+
+
+def broadcast(t: torch.Tensor) -> torch.Tensor:
+    dist.broadcast(t, src=SRC)  # every rank: rank SRC's t (DDP does this to the weights)
+    return t
+
+
+def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]  # same shape!
+    dist.all_gather(gathered, t)  # every rank: [rank 0's t, rank 1's t, ...]
+    return gathered
+
+
+def reduce(t: torch.Tensor) -> torch.Tensor:
+    dist.reduce(t, dst=SRC, op=dist.ReduceOp.SUM)  # only rank SRC is promised the sum
+    return t
+
+
+def reduce_loss_seed001(tensor: torch.Tensor, rank: int, world_size: int) -> None:
+    """Seed 001's ``reduce_loss``, verbatim: only ``dst=0`` is promised the result."""
+    with torch.no_grad():
+        dist.reduce(tensor, dst=0)
+        if rank == 0:
+            tensor /= world_size
+
+
+def average_all_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The portable average: all_reduce(SUM), then divide - every rank gets it.
+
+    ReduceOp.AVG works on nccl, and on gloo since pytorch#149781 (March 2025: a SUM, then a
+    division in float, which an integer tensor cannot hold: gloo refuses AVG on int64, and
+    on torch 2.14.1 that error may surface in the *next* collective instead). SUM works
+    everywhere.
+    """
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    tensor /= world_size
+    return tensor
+
+
+def values(t: torch.Tensor | list[torch.Tensor]) -> list:
+    """A tensor (or a list of them) as plain floats, for the JSON record."""
+    if isinstance(t, list):
+        return [values(x) for x in t]
+    return [float(v) for v in t.detach().cpu().flatten().tolist()]
+
+
+def run_collectives(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    """Each collective once, from an input known from the rank: ``{op: {"before", "after"}}``."""
+    out: dict[str, Any] = {}
+    for name, op in (("all_reduce_sum", all_reduce_sum), ("broadcast", broadcast),
+                     ("all_gather", all_gather), ("reduce", reduce)):  # fmt: skip
+        t = torch.tensor(rank_value(rank), device=device)
+        before = values(t)
+        out[name] = {"before": before, "after": values(op(t))}
+    t = torch.tensor(rank_value(rank), device=device)
+    try:
+        out["all_reduce_avg"] = {"before": values(t), "after": values(all_reduce_avg(t)),
+                                 "error": None}  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # backends without AVG say so here
+        out["all_reduce_avg"] = {"before": values(t), "after": None, "error": str(exc)[:300]}
+    dist.barrier()  # keep the ranks in step even if one raised
+    loss = torch.tensor([rank_loss(rank)], device=device)
+    before = values(loss)
+    reduce_loss_seed001(loss, rank, world_size)
+    fixed = average_all_ranks(torch.tensor([rank_loss(rank)], device=device), world_size)
+    out["reduce_loss"] = {"before": before, "after": values(loss), "fixed": values(fixed)}
+    return out
 
 
 def rank_zero_logging(rank: int) -> logging.Logger:
