@@ -1,0 +1,364 @@
+"""Lesson 05's exercises: a rank-0 atomic snapshot, and an exact resume.
+
+``05_atomic_snapshot`` (functions): the learner's ``save_snapshot`` is called on every rank
+while the check slows rank 0's write down (a rank that returns before the file exists did not
+wait), then once more on rank 0 with ``torch.save`` killed halfway through (the old snapshot
+must survive); ``load_snapshot`` reads a file whose tensors say "cuda:0", as rank 0 of a GPU
+job writes them, on ranks that have no GPU (only ``map_location`` makes that load work).
+
+``05_exact_resume`` (a script): the learner's file runs the same job three times in one
+process, as three launches would: once straight through, once stopped after an epoch's
+snapshot, once more to resume. Each launch writes a report per rank; the judge compares the
+resumed job with the run that never stopped: where it started, what it restored, the order of
+every epoch, the final weights.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.runner import meet
+
+DELAY_S = 0.5  # how long rank 0's torch.save is held up in the first save
+EPOCH, STEP = 3, 120  # what the first save is asked to store
+
+
+class Killed(BaseException):
+    """The process died in the middle of torch.save (simulated: nothing can catch a SIGKILL,
+    so this is not an Exception that a ``try/except Exception`` would swallow)."""
+
+
+def _target(f: Any) -> str:
+    return str(f) if isinstance(f, str | os.PathLike) else str(getattr(f, "name", repr(f)))
+
+
+@contextmanager
+def _spied_save(calls: list[str], delay_s: float = 0.0, kill: bool = False) -> Iterator[None]:
+    """Record every torch.save target; hold the write up, or write half of it and die."""
+    real = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(_target(f))
+        if not kill:
+            time.sleep(delay_s)
+            return real(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real(obj, buffer, *args, **kwargs)
+        half = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        if isinstance(f, str | os.PathLike):
+            with open(f, "wb") as out:
+                out.write(half)
+        else:
+            f.write(half)
+            f.flush()
+        raise Killed("killed in the middle of torch.save")
+
+    with mock.patch.object(torch, "save", save):
+        yield
+
+
+@contextmanager
+def _spied_os(replaced: list[tuple[str, str]], fsyncs: list[int]) -> Iterator[None]:
+    real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
+
+    def spy(real: Callable[..., Any]) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            replaced.append((str(src), str(dst)))
+            return real(src, dst, *args, **kwargs)
+
+        return move
+
+    def fsync(fd: Any) -> Any:
+        fsyncs.append(1)
+        return real_fsync(fd)
+
+    with mock.patch.object(os, "replace", spy(real_replace)), \
+         mock.patch.object(os, "rename", spy(real_rename)), \
+         mock.patch.object(os, "fsync", fsync):  # fmt: skip
+        yield
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A tiny DDP model after one SGD step with momentum (so the optimizer has state)."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """What the file holds, as the judge needs it (the check's own load)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    if not isinstance(state, dict):
+        return {"error": f"a {type(state).__name__}, not a dict"}
+    model = state.get("model")
+    optimizer = state.get("optimizer")
+    return {"keys": sorted(map(str, state)), "epoch": state.get("epoch"),
+            "step": state.get("step"),
+            "model_keys": sorted(model) if isinstance(model, dict) else None,
+            "momentum": bool(isinstance(optimizer, dict) and optimizer.get("state"))}  # fmt: skip
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def run_atomic(module: ModuleType, ctx: Context) -> Record:
+    folder = ctx.out / "snapshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "snapshot.pt"
+    model, optimizer = _model()
+    record: Record = {"rank": ctx.rank}
+    meet(ctx, "05-ready")  # the check's own waits go through torchrun's store: a learner's
+    # collective left unmatched costs only the learner's call, not the check's next step
+
+    # 1. every rank saves; rank 0's write is held up for DELAY_S
+    calls: list[str] = []
+    replaced: list[tuple[str, str]] = []
+    fsyncs: list[int] = []
+    try:
+        with _spied_save(calls, DELAY_S if ctx.rank == 0 else 0.0), _spied_os(replaced, fsyncs):
+            module.save_snapshot(path, model, optimizer, EPOCH, STEP)
+    except Exception as exc:
+        record["save_error"] = _error(exc)
+    record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs),
+                  there_on_return=path.is_file())  # fmt: skip
+    meet(ctx, "05-saved")
+    record["saved"] = _read(path) if path.is_file() else None
+    record["left_in_folder"] = sorted(p.name for p in folder.iterdir() if p.name != path.name)
+    meet(ctx, "05-read")
+
+    # 2. rank 0 alone saves again, and dies halfway through torch.save
+    if ctx.rank == 0 and record["saved"] and "error" not in record["saved"]:
+        died: list[str] = []
+        try:
+            with (
+                _spied_save(died, kill=True),
+                mock.patch.object(dist, "barrier", lambda *a, **k: None),
+            ):
+                module.save_snapshot(path, model, optimizer, EPOCH + 1, STEP + 40)
+            record["kill"] = "torch.save was never called"
+        except Killed:
+            after = _read(path) if path.is_file() else {"error": "the file is gone"}
+            record["kill"] = after.get("error") or (
+                "intact" if after.get("epoch") == EPOCH else f"epoch {after.get('epoch')}"
+            )
+        except Exception as exc:
+            record["kill"] = f"raised {_error(exc)}"
+    meet(ctx, "05-killed")
+
+    # 3. every rank loads a snapshot whose tensors rank 0 saved from cuda:0
+    gpu_file = folder / "from-gpu.pt"
+    if ctx.rank == 0:
+        weights = {"model": model.module.state_dict(), "epoch": EPOCH}
+        with mock.patch.object(torch.serialization, "location_tag", lambda storage: "cuda:0"):
+            torch.save(weights, gpu_file)
+    meet(ctx, "05-gpu-file")
+    loads: list[dict[str, Any]] = []
+    real_load = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        loads.append({"map_location": repr(kwargs.get("map_location", args[1] if len(args) > 1
+                                                      else None)),
+                      "weights_only": kwargs.get("weights_only")})  # fmt: skip
+        return real_load(*args, **kwargs)
+
+    try:
+        with mock.patch.object(torch, "load", load):
+            got = module.load_snapshot(gpu_file, torch.device("cpu"))
+        want = model.module.state_dict()
+        mine = got.get("model", {}) if isinstance(got, dict) else {}
+        record["loaded"] = {
+            "epoch": got.get("epoch") if isinstance(got, dict) else None,
+            "same": set(mine) == set(want) and all(
+                isinstance(mine[k], torch.Tensor) and mine[k].device.type == "cpu"
+                and torch.equal(mine[k], want[k]) for k in want),
+        }  # fmt: skip
+    except Exception as exc:
+        record["load_error"] = _error(exc)
+    record["loads"] = loads
+    return record
+
+
+def judge_atomic(records: list[Record]) -> str | None:
+    first = records[0]
+    writers = [r["rank"] for r in records if r["saves"]]
+    if len(writers) > 1:
+        return (f"ranks {writers} all called torch.save: only global rank 0 writes (`if "
+                "dist.get_rank() == 0`); two writers of one file can corrupt it")  # fmt: skip
+    if writers and writers != [0]:
+        return f"rank {writers[0]} wrote the snapshot: the writer is global rank 0"
+    for r in records:
+        if "save_error" in r:
+            return f"rank {r['rank']}: save_snapshot raised {r['save_error']}"
+    if not writers or first["saved"] is None:
+        return "no snapshot was written: rank 0 must torch.save the state"
+    late = [r["rank"] for r in records if not r["there_on_return"]]
+    if late:
+        return (
+            f"rank {late[0]} returned from save_snapshot before rank 0's file was in place "
+            f"(rank 0 took {DELAY_S} s to write it): every rank must wait at "
+            "dist.barrier() after the write, so that no rank reads a file that is not there"
+        )
+    saved = first["saved"]
+    if "error" in saved:
+        return f"the snapshot does not load with weights_only=True: {saved['error']}"
+    missing = {"model", "optimizer", "epoch", "step"} - set(saved["keys"])
+    if missing:
+        return f"the snapshot has no {sorted(missing)}: save model, optimizer, epoch and step"
+    if saved["model_keys"] is None:
+        return "snapshot['model'] is not a state_dict: save model.module.state_dict()"
+    if any(k.startswith("module.") for k in saved["model_keys"]):
+        return ("the model's keys start with 'module.' (DDP's wrapper): save "
+                "model.module.state_dict(), the plain model inside")  # fmt: skip
+    if (saved["epoch"], saved["step"]) != (EPOCH, STEP):
+        return (f"the snapshot says epoch {saved['epoch']}, step {saved['step']}; it was asked "
+                f"to save epoch {EPOCH}, step {STEP}")  # fmt: skip
+    if not saved["momentum"]:
+        return "the optimizer's state is empty: save optimizer.state_dict() (its momentum)"
+    kill = first.get("kill")
+    if kill != "intact":
+        return (
+            f"rank 0 died in the middle of torch.save, and the snapshot it had written "
+            f"before was lost ({kill}): write to a temporary file, then os.replace it over "
+            "the snapshot - a crash then leaves the old file or the new one, never half"
+        )
+    moves = first["replaced"]
+    if not moves:
+        return "no rename: write to a temporary file, then os.replace(tmp, path)"
+    src, dst = moves[-1]
+    if Path(src).parent != Path(dst).parent:
+        return (
+            f"the temporary file was in {Path(src).parent}, not beside the snapshot: "
+            "os.replace is atomic only within one folder's file system - put it there"
+        )
+    if first["fsyncs"] == 0:
+        return (
+            "the temporary file was not fsynced before the rename: after a power loss the "
+            "rename can be on disk before the bytes are - f.flush(); os.fsync(f.fileno())"
+        )
+    if first["left_in_folder"]:
+        return f"files left beside the snapshot after a save: {first['left_in_folder']}"
+    for r in records:
+        if "load_error" in r:
+            if "CUDA device" in r["load_error"]:
+                return (
+                    f"rank {r['rank']}: loading a snapshot saved from cuda:0 on a rank "
+                    f"without that GPU failed ({r['load_error'][:90]}...): pass "
+                    "map_location=device, so the tensors land on this rank's device"
+                )
+            return f"rank {r['rank']}: load_snapshot raised {r['load_error']}"
+        if any(call["weights_only"] is False for call in r["loads"]):
+            return ("torch.load(..., weights_only=False) runs whatever the file names: load "
+                    "with weights_only=True (the default since torch 2.6)")  # fmt: skip
+        if not r["loaded"]["same"] or r["loaded"]["epoch"] != EPOCH:
+            return (f"rank {r['rank']}: load_snapshot did not return the file's contents on "
+                    "this rank's device: return torch.load(path, map_location=device, "
+                    "weights_only=True)")  # fmt: skip
+    return None
+
+
+# ---------------------------------------------------------------- 05_exact_resume
+
+RUNS = ("straight", "job-1", "job-2")  # the three launches the learner's script makes
+
+
+def run_resume(_: ModuleType | None, ctx: Context) -> Record:
+    """On each rank: its reports of the three launches."""
+    reports = {}
+    for name in RUNS:
+        path = ctx.out / f"report-{name}-rank{ctx.rank}.json"
+        reports[name] = json.loads(path.read_text()) if path.is_file() else None
+    return {"rank": ctx.rank, "reports": reports}
+
+
+def judge_resume(records: list[Record]) -> str | None:
+    missing = [f"{n} (rank {r['rank']})" for r in records for n in RUNS if not r["reports"][n]]
+    if missing:
+        return f"no report from {missing[0]}: keep the lines that write report-*.json"
+    rep = [r["reports"] for r in records]
+    stop = rep[0]["job-1"]["epochs"][-1]["epoch"]
+    epochs = len(rep[0]["straight"]["epochs"])
+    starts = [r["job-2"]["start_epoch"] for r in rep]
+    if len(set(starts)) > 1:
+        return (f"the second launch started at epoch {starts[0]} on rank 0 and {starts[1]} on "
+                "rank 1: load the snapshot on every rank")  # fmt: skip
+    start = starts[0]
+    if start == 0:
+        return ("the second launch started over at epoch 0: when snapshot.pt exists, load it "
+                "and carry on after the epoch it holds")  # fmt: skip
+    if start == stop:
+        return (f"epoch {stop} ran twice, before the stop and again after the resume: the "
+                f"snapshot holds the epoch it *finished* ({stop}); start at snapshot['epoch'] "
+                "+ 1 (the official example's EPOCHS_RUN mistake)")  # fmt: skip
+    if start != stop + 1:
+        return (f"the second launch started at epoch {start}; the snapshot was taken after "
+                f"epoch {stop}: start at snapshot['epoch'] + 1 = {stop + 1}")  # fmt: skip
+    for rank, r in enumerate(rep):
+        if r["job-2"]["optimizer_state"] == 0:
+            also = (" (DDP's broadcast copies rank 0's weights, not its optimizer's state)"
+                    if rank else "")  # fmt: skip
+            return (
+                f"rank {rank} resumed with an empty optimizer, no momentum: "
+                "optimizer.load_state_dict(snapshot['optimizer']), on every rank" + also
+            )
+    straight = rep[0]["straight"]["epochs"]
+    if rep[0]["job-2"]["start_weights"] != straight[stop]["weights"]:
+        return (
+            f"the resumed job did not start from the weights of epoch {stop}: "
+            "model.load_state_dict(snapshot['model']) (before DDP wraps the model)"
+        )
+    for rank, r in enumerate(rep):
+        orders = [e["order"] for e in r["straight"]["epochs"]]
+        if any(orders[i] == orders[0] for i in range(1, epochs)):
+            return (f"rank {rank} saw its samples in the same order in every epoch: "
+                    "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
+        for e in r["job-2"]["epochs"]:
+            want = orders[e["epoch"]]
+            if e["order"] != want:
+                same = [i for i, o in enumerate(orders) if o == e["order"]]
+                was = f" (the order of epoch {same[0]})" if same else ""
+                return (f"rank {rank}: after the resume, epoch {e['epoch']} was not shuffled "
+                        f"as it is in a run that never stopped{was}: "
+                        "sampler.set_epoch(epoch), with the epoch's own number")  # fmt: skip
+    end_job, end_straight = rep[0]["job-2"]["epochs"][-1], straight[-1]
+    if end_job["weights"] != end_straight["weights"]:
+        return ("the resumed job ended with other weights than the run that never stopped: "
+                "restore everything the snapshot holds (weights, optimizer, epoch)")  # fmt: skip
+    if any(r.get("left_group_open") for r in records):
+        return "the process group was left open: end with dist.destroy_process_group()"
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        name="05_atomic_snapshot", lesson="05", run=run_atomic, judge=judge_atomic,
+        title="a snapshot written by rank 0 alone, atomically, and read back anywhere",
+        teaches='lesson 05, "The lines you write" and "2 · Killed in the middle of a save"',
+        collective_timeout_s=6.0,
+    ),
+    Exercise(
+        name="05_exact_resume", lesson="05", kind="script", run=run_resume,
+        judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
+        teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=20.0,
+    ),
+]  # fmt: skip

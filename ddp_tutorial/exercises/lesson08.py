@@ -1,0 +1,112 @@
+"""Lesson 08's exercise: SIGTERM -> every rank stops at one step -> rank 0 saves -> exit 75.
+
+``08_preempt_save_exit`` (a script): the learner's file trains, and after step 5 the process of
+rank 1 sends itself SIGTERM, as a cluster does when it preempts a job (only where a handler is
+installed: without one SIGTERM ends the process at once, and the check would lose the rank).
+Each rank reports where it stopped, what it saved (and whether from inside the handler), and
+the status it would exit with; ``run`` adds the snapshot rank 0 left. A rank left alone in a
+collective by one that stopped fails on the group's timeout; its peer's last line names it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from types import ModuleType
+
+import torch
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+PREEMPT_AT, PREEMPT_RANK, EVERY = 5, 1, 10  # the stub's defaults; EVERY: the latest stop allowed
+PREEMPTED = 75
+
+
+def run_preempt(_: ModuleType | None, ctx: Context) -> Record:
+    """This rank's report; on rank 0 also the snapshot's step."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the learner's file left installed
+    path = ctx.out / f"report-rank{ctx.rank}.json"
+    record: Record = {"report": json.loads(path.read_text()) if path.is_file() else None}
+    snapshot = ctx.out / "snapshot.pt"
+    if ctx.rank == 0 and snapshot.is_file():
+        try:
+            state = torch.load(snapshot, map_location="cpu", weights_only=True)
+            record["snapshot"] = {"step": state.get("step"), "keys": sorted(state)}
+        except Exception as exc:
+            record["snapshot"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return record
+
+
+def judge_preempt(records: list[Record]) -> str | None:
+    reports = [r["report"] for r in records]
+    if any(rep is None for rep in reports):
+        return "a rank wrote no report-rank*.json: keep the lines that write it"
+    if not any(rep["handler"] for rep in reports):
+        return (f"no SIGTERM handler: on a cluster, rank {PREEMPT_RANK} would have died at once "
+                f"at step {PREEMPT_AT}, losing everything since the last snapshot - install one "
+                "with signal.signal(signal.SIGTERM, ...) that sets stop['signal']")  # fmt: skip
+    for rep in reports:
+        if any(s["in_handler"] for s in rep["saves"]):
+            return (
+                f"rank {rep['rank']} saved inside the signal handler: a handler runs between "
+                "any two bytecodes, even in the middle of a collective - it must only set a "
+                "flag; save at the step boundary, after every rank has agreed to stop"
+            )
+    stops = [rep["stopped_at"] for rep in reports]
+    total = reports[0]["total"]
+    if len(set(stops)) > 1:
+        return (
+            f"the ranks stopped at steps {stops}: a SIGTERM reaches one process; all_reduce "
+            "the flag (MAX) at a step boundary, so that every rank stops at the same step"
+        )
+    stop = stops[0]
+    if stop >= total:
+        return (f"every rank trained to the end (step {total}) after the SIGTERM at step "
+                f"{PREEMPT_AT}: check the flag at a step boundary and stop the loop")  # fmt: skip
+    if stop - PREEMPT_AT >= EVERY:
+        return (
+            f"the ranks stopped at step {stop}, {stop - PREEMPT_AT} steps after the signal: "
+            "torchrun and SLURM wait 30 s before SIGKILL - check the flag every few steps"
+        )
+    writers = [rep["rank"] for rep in reports if rep["saves"]]
+    if len(writers) > 1:
+        return (f"ranks {writers} each saved a snapshot: only global rank 0 saves (`if rank == "
+                "0`); the others wait for it")  # fmt: skip
+    if writers != [0]:
+        return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
+                "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
+    snapshot = records[0].get("snapshot")
+    if not snapshot or "error" in snapshot:
+        return f"rank 0's snapshot.pt does not load: {(snapshot or {}).get('error', 'missing')}"
+    if snapshot.get("step") != stop:
+        return (f"the snapshot says step {snapshot.get('step')}, but the ranks stopped at step "
+                f"{stop}: save the step you stop at")  # fmt: skip
+    if not {"model", "optimizer"} <= set(snapshot["keys"]):
+        return (f"the snapshot holds {snapshot['keys']}: a resume needs the model and the "
+                "optimizer's state too")  # fmt: skip
+    statuses = [rep["status"] for rep in reports]
+    if any(s != PREEMPTED for s in statuses):
+        return (
+            f"the ranks return statuses {statuses} after the preemption's save: "
+            f"{PREEMPTED} (EX_TEMPFAIL, 'try again') on every rank - set status = PREEMPTED"
+        )
+    if any(r.get("left_group_open") for r in records):
+        return "the process group was left open: end with dist.destroy_process_group()"
+    return None
+
+
+ERRORS = (
+    ("left the training loop after step", "one rank left the training loop while another went "
+     "on into the next step and waited for it in a collective: the SIGTERM reached one process "
+     "only - all_reduce the flag (MAX) at the step boundary, so that every rank stops at the "
+     "same step"),
+)  # fmt: skip
+
+EXERCISES = [
+    Exercise(
+        name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
+        judge=judge_preempt, errors=ERRORS, collective_timeout_s=8.0,
+        title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
+        teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
+    ),
+]  # fmt: skip

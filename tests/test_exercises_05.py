@@ -1,0 +1,51 @@
+"""Lesson 05's exercises: wrong snapshots and wrong resumes, each named (edits of the solutions)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+SNAP, RESUME = "05_atomic_snapshot", "05_exact_resume"
+CASES = register([
+    Case(SNAP, "every-rank-writes", "only global rank 0 writes",
+         edits=(("    if dist.get_rank() == 0:\n", "    if True:\n"),)),
+    Case(SNAP, "no-barrier", "dist.barrier()",
+         edits=(("    dist.barrier()\n", ""),)),
+    Case(SNAP, "in-place-save", "never half",
+         edits=(('''        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+''', "        torch.save(state, path)\n"),)),
+    Case(SNAP, "no-fsync", "os.fsync",
+         edits=(("            os.fsync(f.fileno())\n", ""),)),
+    Case(SNAP, "saves-the-wrapper", "model.module.state_dict()",
+         edits=(('"model": model.module.state_dict()', '"model": model.state_dict()'),)),
+    Case(SNAP, "no-map-location", "map_location=device",
+         edits=(("torch.load(path, map_location=device, weights_only=True)",
+                 "torch.load(path, weights_only=True)"),)),
+    Case(RESUME, "epochs-run-twice", "EPOCHS_RUN",
+         edits=(('start_epoch = state["epoch"] + 1', 'start_epoch = state["epoch"]'),)),
+    Case(RESUME, "no-optimizer-state", "empty optimizer",
+         edits=(('        optimizer.load_state_dict(state["optimizer"])\n', ""),)),
+    Case(RESUME, "rank-0-loads-alone", "rank 1 resumed with an empty optimizer",
+         edits=(('''        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+''', '''        if rank == 0:  # DDP broadcasts rank 0's weights anyway
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+'''),)),
+    Case(RESUME, "no-set-epoch", "sampler.set_epoch(epoch)",
+         edits=(("        sampler.set_epoch(epoch)\n", ""),)),
+    Case(RESUME, "set-epoch-counts-this-launch", "with the epoch's own number",
+         edits=(("        sampler.set_epoch(epoch)\n",
+                 "        sampler.set_epoch(epoch - start_epoch)\n"),)),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)

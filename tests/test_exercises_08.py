@@ -1,0 +1,29 @@
+"""Lesson 08's exercise: wrong ways to stop on SIGTERM, each named (edits of the solution)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+EX = "08_preempt_save_exit"
+SAVE = """                if rank == 0:
+                    save_snapshot("""
+CASES = register([
+    Case(EX, "no-agreement", "all_reduce the flag (MAX)",
+         edits=(("            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n", ""),)),
+    Case(EX, "saves-in-the-handler", "saved inside the signal handler",
+         edits=(("lambda signum, frame: stop.update(signal=signum))",
+                 "lambda signum, frame: (stop.update(signal=signum), save_snapshot(\n"
+                 '        out / "snapshot.pt",\n'
+                 '        {"model": model.module.state_dict(), "step": step})))'),)),
+    Case(EX, "every-rank-saves", "only global rank 0 saves",
+         edits=((SAVE, SAVE.replace("if rank == 0:", "if True:")),)),
+    Case(EX, "stops-without-saving", "no snapshot of step",
+         edits=((SAVE, SAVE.replace("if rank == 0:", "if False:")),)),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
