@@ -114,7 +114,7 @@ def test_strip_outputs(tmp_path):
 def test_the_index_page_lists_every_lesson_with_status_time_and_link(tmp_path):
     from ddp_tutorial.harness.course import NotebookResult, write_index
 
-    good = _notebook(tmp_path / "00_a.ipynb", ("md", "# 00 · First\nWhat it is.", []))
+    good = _notebook(tmp_path / "00_a.ipynb", ("md", "# 00 · First\nWhat `torchrun` is.", []))
     bad = _notebook(tmp_path / "01_b.ipynb", ("md", "# 01 · Second\nMore.", []))
     results = [
         NotebookResult(good, 3.2, True, html_path=tmp_path / "00_a.html"),
@@ -123,6 +123,22 @@ def test_the_index_page_lists_every_lesson_with_status_time_and_link(tmp_path):
         ),
     ]
     page = write_index(results, tmp_path / "site").read_text()
-    assert '<a href="00_a.html">00 · First</a>' in page and "What it is." in page
+    assert '<a href="00_a.html">00 · First</a>' in page
+    assert "What <code>torchrun</code> is." in page, "the summary's markdown, rendered"
     assert '<a href="01_b.ipynb">01 · Second</a>' in page and "FAILED (cell 4)" in page
     assert "3.2 s" in page and "7.9 s" in page and "1/2 lessons ok" in page
+
+
+def test_the_html_leaves_out_the_setup_cell_and_lab_shows_it_collapsed(tmp_path):
+    from ddp_tutorial.harness.course import notebook_html
+    from ddp_tutorial.harness.hosted import SETUP_CELL, add_setup_cell, setup_cell_index
+
+    path = _notebook(tmp_path / "00_a.ipynb", ("md", "# 00 · A\nB.", []),
+                     ("code", "LESSON_CODE = 1", []))  # fmt: skip
+    assert add_setup_cell(path) is True and add_setup_cell(path) is False
+    nb = nbformat.read(path, 4)
+    setup = nb.cells[setup_cell_index(nb)]
+    assert setup.metadata["jupyter"]["source_hidden"] is True, "collapsed in JupyterLab"
+    page = notebook_html(nb)
+    assert "LESSON_CODE" in page
+    assert SETUP_CELL.splitlines()[0][2:] not in page, "the setup cell is not in the HTML"

@@ -177,12 +177,29 @@ def run_notebook(
         result.executed_path = out / path.name
         nbformat.write(nb, result.executed_path)
         if html:
-            from nbconvert import HTMLExporter
-
-            body, _ = HTMLExporter().from_notebook_node(nb)
+            body = notebook_html(nb)
             result.html_path = out / f"{path.stem}.html"
             result.html_path.write_text(body, encoding="utf-8")
     return result
+
+
+def notebook_html(nb: Any) -> str:
+    """The executed lesson as one HTML page, without the setup cell (plumbing, not the lesson)."""
+    from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
+    from ddp_tutorial.harness.hosted import SETUP_TAG
+
+    exporter = HTMLExporter()
+    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={SETUP_TAG}), True)
+    return exporter.from_notebook_node(nb)[0]
+
+
+def inline_markdown(text: str) -> str:
+    """One line of a lesson's markdown as inline HTML (backticks become code, not raw ticks)."""
+    import mistune
+
+    return mistune.html(text).strip().removeprefix("<p>").removesuffix("</p>")
 
 
 def run_course(
@@ -222,7 +239,7 @@ def write_index(results: Iterable[NotebookResult], output_dir: str | Path) -> Pa
         name = f'<a href="{html.escape(link)}">{title}</a>' if link else title
         cell = f" (cell {r.failed_cell})" if r.failed_cell is not None else ""
         rows.append(
-            f"<tr><td>{name}</td><td>{html.escape(meta['summary'])}</td>"
+            f"<tr><td>{name}</td><td>{inline_markdown(meta['summary'])}</td>"
             f'<td class="{r.status.lower()}">{r.status}{cell}</td><td>{r.seconds:.1f} s</td></tr>'
         )
     total = sum(r.seconds for r in results)

@@ -50,6 +50,10 @@ if importlib.util.find_spec("ddp_tutorial") is None:
     print(f"installed the course from {repo}, keeping {keep or 'no torch'}")"""
 
 
+SETUP_METADATA = {"tags": [SETUP_TAG], "jupyter": {"source_hidden": True}}
+"""The setup cell is plumbing: JupyterLab shows it collapsed, and the HTML leaves it out."""
+
+
 def setup_cell_index(nb: Any) -> int | None:
     """Index of the lesson's setup cell (tagged ``setup``), if it has one."""
     return next(
@@ -68,12 +72,13 @@ def add_setup_cell(path: str | Path) -> bool:
     nb = nbformat.read(path, as_version=4)
     index = setup_cell_index(nb)
     if index is not None:
-        if nb.cells[index].source == SETUP_CELL:
+        cell = nb.cells[index]
+        if cell.source == SETUP_CELL and cell.metadata == SETUP_METADATA:
             return False
-        nb.cells[index].source = SETUP_CELL
+        cell.source, cell.metadata = SETUP_CELL, nbformat.from_dict(SETUP_METADATA)
     else:
         first_code = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
-        cell = nbformat.v4.new_code_cell(SETUP_CELL, metadata={"tags": [SETUP_TAG]})
+        cell = nbformat.v4.new_code_cell(SETUP_CELL, metadata=SETUP_METADATA)
         nb.cells.insert(first_code, cell)
     nbformat.write(nb, path)
     return True
