@@ -1,0 +1,36 @@
+"""Lesson 09's exercise: hangs left in the script, and fixes that trade the hang for a wrong
+result, each named (edits of the solution)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+EX = "09_find_the_hang"
+SHARD_FIX = (
+    "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]"
+    "  # filter first, then split:\n"
+    "    shard = [labelled[j] for j in DistributedSampler(labelled, shuffle=False)]"
+    "  # equal lengths\n"
+)  # fmt: skip
+EVAL_FIX = "            net = model.module  # the plain model: its forward is no collective\n"
+CASES = register([
+    Case(EX, "rank0-evaluates-the-ddp-model", "net(x)",
+         edits=((EVAL_FIX, ""),)),
+    Case(EX, "uneven-batches-left", "dist.barrier()", edits=((SHARD_FIX, ""),)),
+    Case(EX, "split-then-filter", "dist.barrier()",
+         edits=((SHARD_FIX, "    shard = [i for i in DistributedSampler(train_set, shuffle=False)"
+                            " if labels[i] >= 0]\n"),)),
+    Case(EX, "shards-cut-to-the-shortest", "was never trained on",
+         edits=((SHARD_FIX, "    n = torch.tensor(len(shard))\n"
+                            "    dist.all_reduce(n, op=dist.ReduceOp.MIN)\n"
+                            "    shard = shard[: int(n)]\n"),)),
+    Case(EX, "split-without-filter", "without a label",
+         edits=((SHARD_FIX, "    shard = list(DistributedSampler(train_set, shuffle=False))\n"),)),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_hangs_and_wrong_fixes_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
