@@ -3,14 +3,15 @@
 Lesson 01 gathers 2 and 3 rows from 2 ranks and asserts the result equals
 ``all_gather_object``; here 3 real gloo ranks, one of them with no rows at
 all, 2-D rows, and an integer dtype. And lesson 02's gather of predictions
-with their sample indices (``lessons.sampling.gather_predictions``) on a
-length that pads.
+with their sample indices (``gather_predictions`` of
+``scripts/demos/sampling.py``, the code the lesson shows) on a length that pads.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from conftest import REPO
 from ddp_tutorial.harness.launch import torchrun
 
 GATHER = """
@@ -54,8 +55,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from ddp_tutorial.distributed import process_group
-from ddp_tutorial.lessons.sampling import gather_predictions
+import importlib.util
 from ddp_tutorial.records import write_rank_record
+
+spec = importlib.util.spec_from_file_location("sampling_demo", DEMO)
+demo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(demo)  # the script lesson 02 runs and shows, imported
+gather_predictions = demo.gather_predictions
 
 with process_group(backend="gloo") as info:
     n = 10  # 3 ranks: 4 samples each, 2 of the 12 are padding
@@ -68,7 +74,8 @@ with process_group(backend="gloo") as info:
 
 @pytest.mark.torchrun
 def test_gathered_predictions_are_every_sample_once_in_order(tmp_path, write_script):
-    script = write_script("gather_predictions.py", PREDICT)
+    demo = REPO / "scripts" / "demos" / "sampling.py"
+    script = write_script("gather_predictions.py", PREDICT.replace("DEMO", repr(str(demo))))
     result = torchrun(script, nproc=3, run_dir=tmp_path / "run", timeout=120, echo=False)
     expected = [i * 7 % 3 for i in range(10)]  # identity model: the prediction is the class
     assert [r["pred"] for r in result.records] == [expected] * 3

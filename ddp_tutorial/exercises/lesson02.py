@@ -160,13 +160,13 @@ def f1_of(counts: torch.Tensor, macro: bool = True) -> float:
     return (2 * tp / denominator.clamp(min=1)).mean().item()
 
 
-def shard(rank: int) -> tuple[list[int], list[int]]:
+def _shard(rank: int) -> tuple[list[int], list[int]]:
     return SHARDS[rank % len(SHARDS)]
 
 
 def run_f1(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
-    pred, target = (torch.tensor(v) for v in shard(ctx.rank))
+    pred, target = (torch.tensor(v) for v in _shard(ctx.rank))
     with watched(calls):
         got = module.macro_f1(pred.clone(), target.clone(), CLASSES)
     return {"got": _number(got), "calls": [name for name, _ in calls]}
@@ -174,7 +174,7 @@ def run_f1(module: ModuleType, ctx: Context) -> Record:
 
 def judge_f1(records: list[Record]) -> str | None:
     n = len(records)
-    shards = [shard(r) for r in range(n)]
+    shards = [_shard(r) for r in range(n)]
     every = f1_counts([p for s in shards for p in s[0]], [t for s in shards for t in s[1]])
     truth = f1_of(every)
     own = [f1_of(f1_counts(*s)) for s in shards]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV as CVD
 
 # (where, the environment a rank sees); nodes have 4 GPUs unless CUDA_VISIBLE_DEVICES says
 SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
@@ -23,21 +24,21 @@ SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
     ("node 1 of 2, rank 3", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                              "GROUP_RANK": "1"}),
     ("one node, CUDA_VISIBLE_DEVICES=5,6,7, rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "CUDA_VISIBLE_DEVICES": "5,6,7"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", CVD: "5,6,7"}),
     ("node 1 of 2, CUDA_VISIBLE_DEVICES=6,7, rank 3",
      {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
-      "CUDA_VISIBLE_DEVICES": "6,7"}),
+      CVD: "6,7"}),
     ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 0",
-     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "7,5"}),
+     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", CVD: "7,5"}),
     ("one node, CUDA_VISIBLE_DEVICES=' 2, 3', rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": " 2, 3"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", CVD: " 2, 3"}),
 )  # fmt: skip
 
 
-def expected(env: dict[str, str]) -> tuple[int, int]:
+def _expected(env: dict[str, str]) -> tuple[int, int]:
     """(logical index, physical id): cuda:LOCAL_RANK, and the LOCAL_RANK-th card listed."""
     local = int(env["LOCAL_RANK"])
-    listed = env.get("CUDA_VISIBLE_DEVICES")
+    listed = env.get(CVD)
     return local, local if listed is None else int(listed.split(",")[local])
 
 
@@ -62,7 +63,7 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
     answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
-    if "CUDA_VISIBLE_DEVICES" not in os.environ:  # this rank's own environment, from torchrun
+    if CVD not in os.environ:  # this rank's own environment, from torchrun
         own = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
         answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, dict(os.environ)))
     return {"answers": answers}
@@ -72,11 +73,11 @@ def judge_gpu(records: list[Record]) -> str | None:
     for rec in records:
         for a in rec["answers"]:
             where, env = a["where"], a["env"]
-            index, physical = expected(env)
+            index, physical = _expected(env)
             if "bad" in a:
                 return (f"{where}: rank_gpu returned {a['bad']}, expected (cuda:{index}, "
                         f"{physical}): a (torch.device, int) pair")  # fmt: skip
-            listed = env.get("CUDA_VISIBLE_DEVICES")
+            listed = env.get(CVD)
             local, global_ = int(env["LOCAL_RANK"]), int(env["RANK"])
             if a["type"] != "cuda":
                 return (f"{where}: the device is {a['type']!r}; a rank of a GPU job uses "

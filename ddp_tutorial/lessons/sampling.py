@@ -1,16 +1,21 @@
-"""Helpers of lesson 02 (data and sampling): a model trained quickly, exact non-sum metrics."""
+"""Host-side helpers of lesson 02 (data and sampling): a model trained quickly, the F1 of a
+set of predictions, what the launch's records drew, and the taught functions' source.
+
+The rank-side code the lesson teaches (the validation shard, the exact sums, the gathered
+predictions) lives in ``scripts/demos/sampling.py``, the script the lesson runs and shows.
+"""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 
 def train_classifier(
@@ -108,37 +113,6 @@ def stream_counts(length: int, world_size: int, workers: int) -> list[int]:
     return counts
 
 
-def gather_predictions(
-    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
-) -> torch.Tensor:
-    """Every rank: ``model``'s prediction for every sample of ``dataset``, in dataset order.
-
-    For a metric that is not a sum over samples (F1, a median, AUC): each rank
-    predicts its shard, the ranks all_gather ``(index, prediction)`` pairs, the
-    padding's repeats are dropped, and the metric is computed on the whole set —
-    the number one process would report. Torch only: copy it. Pass the plain
-    model (``ddp_model.module``): a forward through the DDP wrapper can itself be
-    a collective (it broadcasts buffers). Every rank must call it (it ends in one).
-    """
-    sampler = DistributedSampler(dataset, shuffle=False)  # padded: the same count on every rank
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    index = torch.tensor(list(sampler), device=device)  # this rank's samples, in loader order
-    model.eval()
-    with torch.no_grad():
-        pred = torch.cat([model(x.to(device)).argmax(dim=1) for x, _ in loader])
-    mine = torch.stack([index, pred])  # [2, samples per rank]: one shape on every rank
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    index, pred = torch.cat(parts, dim=1)
-    order = torch.argsort(index, stable=True)
-    index, pred = index[order], pred[order]
-    first = torch.ones_like(index, dtype=torch.bool)
-    first[1:] = index[1:] != index[:-1]  # padding repeats a sample: keep each index once
-    if not torch.equal(index[first], torch.arange(len(sampler.dataset), device=device)):
-        raise RuntimeError("the gathered shards do not cover the dataset exactly once")
-    return pred[first]
-
-
 def macro_f1(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> float:
     """Macro F1: the mean over classes of ``2·TP / (2·TP + FP + FN)`` (0 for an empty class).
 
@@ -151,3 +125,25 @@ def macro_f1(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> floa
         wrong = int(((pred == c) != (target == c)).sum())  # FP + FN
         scores.append(2 * tp / (2 * tp + wrong) if tp + wrong else 0.0)
     return sum(scores) / num_classes
+
+
+def function_source(path: str | Path, *names: str) -> str:
+    """The source of the named top-level functions of ``path``, in the order given, as the
+    lesson's markdown shows them (two blank lines apart).
+
+    Read from the file, not imported: a script that torchrun runs is not a module of the
+    package. The lesson's cells compare it with what the launch recorded it ran; a test keeps
+    the markdown's copy equal to it.
+    """
+    text = Path(path).read_text()
+    found = {node.name: node for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise LookupError(f"{path} defines no function {missing}")
+    lines = text.splitlines()
+    parts = []
+    for name in names:
+        node = found[name]
+        start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        parts.append("\n".join(lines[start - 1 : node.end_lineno]))
+    return "\n\n\n".join(parts) + "\n"

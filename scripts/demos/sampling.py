@@ -12,12 +12,12 @@ and with ``drop_last=True``.
 
 Part 2, evaluation (with ``--model PATH``). Every rank loads the same
 trained MLP and evaluates it (in a training script: the plain model inside
-DDP, ``ddp_model.module``) on a validation set of ``--val-length`` samples:
-accuracy the naive way (padded DistributedSampler, sums all-reduced) and the
-exact way (``ddp_tutorial.data.distributed_evaluate``), and macro F1, a
-metric that is not a sum, from every rank's predictions gathered with their
-sample indices (``lessons.sampling.gather_predictions``), next to the mean
-of the ranks' own F1s.
+DDP, ``ddp_model.module``) on a validation set of ``--val-length`` samples,
+with the functions lesson 02 shows (``validation_shard``, ``evaluate_sums``,
+``gather_predictions``; torch only, to copy): accuracy the naive way (the
+padded DistributedSampler, sums all-reduced) and the exact way (no padding),
+and macro F1, a metric that is not a sum, from every rank's predictions
+gathered with their sample indices, next to the mean of the ranks' own F1s.
 
 Part 3, pipelines (with ``--pipelines``). Every rank reads
 ``ddp_tutorial.pipelines.RandomCrops`` through a DataLoader with ``--workers``
@@ -33,16 +33,18 @@ unsharded and sharded by rank and worker, and records every number it got.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_tutorial.data import GaussianBlobs, IndexDataset, distributed_evaluate
+from ddp_tutorial.data import GaussianBlobs, IndexDataset
 from ddp_tutorial.distributed import process_group
-from ddp_tutorial.lessons.sampling import gather_predictions, macro_f1
+from ddp_tutorial.lessons.sampling import macro_f1
 from ddp_tutorial.models import MLP
 from ddp_tutorial.pipelines import NumberStream, RandomCrops
 from ddp_tutorial.records import write_rank_record
@@ -102,25 +104,83 @@ def stream(rank: int, world_size: int, sharded: bool, workers: int, length: int)
     return [int(i) for batch in loader for i in batch]
 
 
+def validation_shard(dataset: Dataset, padded: bool = False) -> list[int]:
+    """The validation samples this rank evaluates."""
+    if padded:  # "the same way as training": repeats samples until the ranks have as many
+        return list(DistributedSampler(dataset, shuffle=False))
+    return list(range(dist.get_rank(), len(dataset), dist.get_world_size()))  # r, r+N, ...
+
+
+def evaluate_sums(
+    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int, padded: bool = False
+) -> torch.Tensor:
+    """[correct, count, loss sum] over every rank's shard, on every rank: a collective.
+
+    Pass the plain model (``ddp_model.module``): the ranks may run different numbers of
+    batches, which is safe only while no batch runs a collective.
+    """
+    loader = DataLoader(Subset(dataset, validation_shard(dataset, padded)), batch_size=batch_size)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            sums[0] += (logits.argmax(dim=1) == y).sum()
+            sums[1] += len(y)
+            sums[2] += nn.functional.cross_entropy(logits, y, reduction="sum")
+    dist.all_reduce(sums)  # sums add up over ranks: accuracy = correct / count, once
+    return sums
+
+
+def gather_predictions(
+    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
+) -> torch.Tensor:
+    """Every rank: the model's prediction for every sample of ``dataset``, in dataset order."""
+    sampler = DistributedSampler(dataset, shuffle=False)  # padded: one shape on every rank
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    index = torch.tensor(list(sampler), device=device)  # this rank's samples, in loader order
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(x.to(device)).argmax(dim=1) for x, _ in loader])
+    mine = torch.stack([index, pred])  # [2, samples per rank]
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)  # a collective: every rank calls it
+    index, pred = torch.cat(parts, dim=1)
+    order = torch.argsort(index, stable=True)
+    index, pred = index[order], pred[order]
+    first = torch.ones_like(index, dtype=torch.bool)
+    first[1:] = index[1:] != index[:-1]  # the padding repeats a sample: keep each index once
+    return pred[first]
+
+
+TAUGHT = (validation_shard, evaluate_sums, gather_predictions)  # lesson 02 shows these
+
+
 def evaluate(args: argparse.Namespace, device: torch.device) -> dict:
     """Part 2: accuracy naive and exact, macro F1 gathered and averaged over ranks."""
     val = GaussianBlobs(args.val_length, seed=args.val_seed)
     model = MLP(val.num_features, val.num_classes)
-    model.load_state_dict(torch.load(args.model, weights_only=True))
+    model.load_state_dict(torch.load(args.model, weights_only=True, map_location=device))
     model.to(device)  # the plain model: after training with DDP, pass ddp_model.module
-    out = {}
-    for name, exact in (("naive", False), ("exact", True)):
-        result = distributed_evaluate(
-            model, val, batch_size=args.val_batch_size, device=device, exact=exact
-        )
-        out[name] = result.__dict__
+    out: dict = {"ran": {f.__name__: inspect.getsource(f) for f in TAUGHT}}
+    for name, padded in (("naive", True), ("exact", False)):
+        correct, count, loss_sum = evaluate_sums(model, val, device, args.val_batch_size, padded)
+        local_count = len(validation_shard(val, padded))
+        out[name] = {
+            "correct": int(correct),
+            "count": int(count),
+            "local_count": local_count,
+            "accuracy": (correct / count).item(),
+            "loss": (loss_sum / count).item(),
+        }
         print(
-            f"rank {dist.get_rank()}: {name:5s} evaluation counted {result.count} samples "
-            f"({result.local_count} here), accuracy {result.accuracy:.4f}",
+            f"rank {dist.get_rank()}: {name:5s} evaluation counted {int(count)} samples "
+            f"({local_count} here), accuracy {out[name]['accuracy']:.4f}",
             flush=True,
         )
     pred = gather_predictions(model, val, device)  # every sample once, in order
-    mine = list(DistributedSampler(val, shuffle=False))  # this rank's shard, padding included
+    mine = validation_shard(val)  # this rank's own samples, no padding
     shard_f1 = macro_f1(pred[mine].cpu(), val.targets[mine], val.num_classes)
     shard_f1 = torch.tensor(shard_f1, dtype=torch.float64, device=device)
     dist.all_reduce(shard_f1)  # the tempting shortcut: the mean of every rank's own F1

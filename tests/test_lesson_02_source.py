@@ -1,0 +1,73 @@
+"""Lesson 02 reads without running: the code it teaches stands in its markdown, equal to the files.
+
+The lesson shows the evaluation code of ``scripts/demos/sampling.py`` (the script its launch
+runs; a cell asserts every rank ran those lines) and the F1 of ``ddp_tutorial/lessons/sampling.py``
+as fenced blocks in its markdown, so that a notebook with no outputs (a first open, a
+repository browser) still shows them. Here, without a kernel: each block is the files' text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from conftest import REPO
+from ddp_tutorial.lessons.sampling import function_source
+
+NOTEBOOK = REPO / "notebooks" / "02_data_sampling.ipynb"
+SOURCES = (
+    REPO / "scripts" / "demos" / "sampling.py",
+    REPO / "ddp_tutorial" / "lessons" / "sampling.py",
+)
+TAUGHT = {"validation_shard", "evaluate_sums", "gather_predictions", "macro_f1"}
+
+
+def markdown_blocks() -> list[str]:
+    """Every fenced python block of the lesson's markdown cells that defines a function."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    blocks = [b for t in text for b in re.findall(r"```python\n(.*?)```", t, re.S)]
+    return [b for b in blocks if re.search(r"(?m)^def ", b)]
+
+
+def expected(block: str) -> str:
+    """The same functions, read from whichever file defines each, in the block's order."""
+    names = [n.name for n in ast.parse(block).body if isinstance(n, ast.FunctionDef)]
+    parts = []
+    for name in names:
+        (path,) = [p for p in SOURCES if re.search(rf"(?m)^def {name}\(", p.read_text())]
+        parts.append(function_source(path, name))
+    return "\n\n".join(parts)
+
+
+def test_the_taught_functions_stand_in_the_markdown():
+    shown = {n.name for b in markdown_blocks() for n in ast.parse(b).body
+             if isinstance(n, ast.FunctionDef)}  # fmt: skip
+    assert TAUGHT <= shown, f"not in the lesson's markdown: {TAUGHT - shown}"
+
+
+def test_each_block_is_the_files_text():
+    for block in markdown_blocks():
+        assert block == expected(block), "a markdown block differs from its file: copy it again"
+
+
+def test_no_cell_displays_code_that_the_markdown_lacks():
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    shown = [
+        i
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code" and "Code(" in "".join(c["source"])
+    ]
+    assert not shown, f"cells {shown} display code with Code(...): put the lines in the markdown"
+
+
+def test_function_source_is_what_inspect_reads(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import os\n\n\n@staticmethod\ndef a(x):\n    return x\n\n\ndef b():\n    pass\n"
+    )
+    assert (
+        function_source(path, "b", "a")
+        == "def b():\n    pass\n\n\n@staticmethod\ndef a(x):\n    return x\n"
+    )
