@@ -123,3 +123,65 @@ def test_max_difference_of_state_dicts():
     assert max_difference(a, b) == 0.5
     with pytest.raises(ValueError, match="different keys"):
         max_difference(a, {"w": a["w"]})
+
+
+RUNG = SCRIPTS / "resumable_ddp.py"
+
+
+def test_the_resumable_rung_imports_only_torch_and_stays_short():
+    foreign = _imported_roots(RUNG) - {"torch"} - set(sys.stdlib_module_names)
+    assert not foreign and len(RUNG.read_text().splitlines()) <= 160, foreign
+
+
+@pytest.mark.torchrun
+def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
+    """The rung alone in an empty folder, 2 gloo ranks: SIGTERM to the whole process group
+    mid-run saves that step (each rank exits 75, torchrun 1); the rerun ends bitwise where an
+    uninterrupted run ends, and best.pt holds the weights of the best evaluation."""
+    import importlib.util
+    import os
+    import re
+    import shutil
+    import signal
+
+    import torch
+
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    shutil.copy(RUNG, folder / RUNG.name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_TUTORIAL", "PYTHON"))}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def start(name: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", RUNG.name, "--epochs", "3", "--num-samples", "2048",
+                   "--checkpoint-dir", str(tmp_path / name)]  # fmt: skip
+        return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    straight, job = start("straight"), start("job")
+    lines = []
+    for line in job.stdout:  # SIGTERM to every process once epoch 0 is logged
+        lines.append(line)
+        if line.startswith("epoch 0:"):
+            os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=300)
+    out, straight_out = "".join(lines), straight.communicate(timeout=300)[0]
+    assert straight.returncode == 0, straight_out[-3000:]
+    saved = re.search(r"SIGTERM: saved step (\d+), exit 75", out)
+    assert saved and job.returncode == 1, out[-3000:]  # the ranks' 75; torchrun re-raises: 1
+    rerun = start("job")
+    rerun_out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0 and "resumed: epoch" in rerun_out, rerun_out[-3000:]
+    a, b = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("straight", "job"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "bitwise"
+    accuracies = [float(v) for v in re.findall(r"val accuracy ([0-9.]+)%", straight_out)]
+    spec = importlib.util.spec_from_file_location("rung", RUNG)
+    rung = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rung)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model.load_state_dict(torch.load(tmp_path / "straight" / "best.pt", weights_only=True))
+    x, y = rung.make_data(500, 1).tensors  # the validation set (--seed 0 + 1)
+    scored = (model(x).argmax(1) == y).float().mean().item()
+    assert len(accuracies) == 3 and f"{scored:.1%}" == f"{max(accuracies)}%", (scored, accuracies)

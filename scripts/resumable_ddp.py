@@ -1,0 +1,153 @@
+"""scripts/minimal_ddp.py, resumable: snapshots, an exact resume, exact evaluation, best.pt.
+
+    torchrun --standalone --nproc-per-node 2 scripts/resumable_ddp.py --checkpoint-dir ckpt
+
+Run it again with the same --checkpoint-dir and it continues from its newest snapshot, at
+the step it reached, ending with the weights an uninterrupted run ends with. On SIGTERM
+(a preemption; torchrun forwards it to every rank) every rank saves that step and exits 75.
+Global rank 0 writes every file, atomically. Only torch and the standard library: copy it.
+The middle rung between minimal_ddp.py and the template, train.py.
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init: destroy_process_group can free the group
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def make_data(n: int, seed: int) -> TensorDataset:
+    """n points in 20 dimensions, 4 classes given by a fixed random linear teacher."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 20, generator=g)
+    y = (x @ torch.randn(20, 4, generator=torch.Generator().manual_seed(0))).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    """Write aside, fsync, rename: the file is always the old one or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="PER PROCESS: global = this x ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--num-samples", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default="ckpt", help="snapshot.pt, best.pt, final.pt")
+    p.add_argument("--save-every", type=int, default=0, help="steps between snapshots (0: epochs)")
+    args = p.parse_args()
+    ckpt = Path(args.checkpoint_dir)
+
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("start me with torchrun: torchrun --standalone --nproc-per-node 2 " + sys.argv[0])
+    rank = int(os.environ["RANK"])  # 0 ... world_size-1, unique in the whole job
+    local_rank = int(os.environ["LOCAL_RANK"])  # 0 ... on this machine: picks the GPU
+    world_size = int(os.environ["WORLD_SIZE"])  # processes in the job, all machines
+    # nccl when every process on this machine can have a GPU of its own; else gloo, on the CPU
+    backend = "nccl" if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]) else "gloo"
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)  # before anything touches CUDA
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    received = []  # the handler only takes note: saving happens at a step, on every rank
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    ckpt.mkdir(parents=True, exist_ok=True)
+
+    if rank == 0:
+        print(f"{world_size} processes, global batch {args.batch_size * world_size}", flush=True)
+
+    train_set, val_set = make_data(args.num_samples, args.seed), make_data(500, args.seed + 1)
+    sampler = DistributedSampler(train_set, seed=args.seed)  # rank r: every world_size-th sample
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), 256)  # no pad
+
+    torch.manual_seed(args.seed)  # the initial weights
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    # DDP copies rank 0's weights to every rank now, and averages the gradients in backward()
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start_epoch, start_batch, step, best = 0, 0, 0, -1.0
+    if (ckpt / "snapshot.pt").is_file():  # resume: every rank reads the file rank 0 wrote
+        state = torch.load(ckpt / "snapshot.pt", map_location=device, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]
+        best = state["best"]
+        torch.set_rng_state(state["rng"][rank])  # this rank's own random stream
+        if rank == 0:
+            print(f"resumed: epoch {start_epoch}, batch {start_batch}, step {step}", flush=True)
+
+    def save_snapshot(epoch: int, batch: int) -> None:  # every rank calls it: a collective
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, torch.get_rng_state())  # every rank's random stream
+        if rank == 0:  # one writer, in the whole job
+            atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch, "batch": batch, "step": step, "best": best,
+                         "rng": rngs}, ckpt / "snapshot.pt")  # fmt: skip
+        dist.barrier()  # nobody reads (or exits) before the file is there
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # a new order every epoch
+        loss_sum = torch.zeros(2, device=device)  # [sum of losses, samples]
+        for batch, (x, y) in enumerate(loader):
+            if epoch == start_epoch and batch < start_batch:
+                continue  # done before the snapshot: the same order, skipped
+            x, y = x.to(device), y.to(device)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            loss_sum += torch.stack([loss.detach() * len(y), torch.tensor(len(y), device=device)])
+            stop = torch.tensor([float(len(received))], device=device)
+            dist.all_reduce(stop)  # a signal on any rank stops every rank, at this same step
+            if stop.item() or args.save_every and step % args.save_every == 0:
+                save_snapshot(epoch, batch + 1)
+            if stop.item():
+                if rank == 0:
+                    print(f"SIGTERM: saved step {step}, exit 75: rerun to resume", flush=True)
+                dist.destroy_process_group()
+                sys.exit(75)  # EX_TEMPFAIL: each rank's status (torchrun itself exits 1)
+        dist.all_reduce(loss_sum)  # every rank's sums: the loss over the whole epoch
+        model.eval()
+        counts = torch.zeros(2, device=device)  # [correct, samples] over this rank's share
+        with torch.no_grad():
+            for x, y in val_loader:
+                x, y = x.to(device), y.to(device)
+                right = (model.module(x).argmax(1) == y).sum()
+                counts += torch.stack([right, torch.tensor(len(y), device=device)])
+        model.train()
+        dist.all_reduce(counts)  # every sample counted once: the global accuracy, on every rank
+        accuracy = (counts[0] / counts[1]).item()
+        if rank == 0:
+            print(f"epoch {epoch}: loss {(loss_sum[0] / loss_sum[1]).item():.4f}, "
+                  f"val accuracy {accuracy:.1%}", flush=True)  # fmt: skip
+        if accuracy > best:  # the same number on every rank: every rank agrees to save
+            best = accuracy
+            if rank == 0:
+                atomic_save(model.module.state_dict(), ckpt / "best.pt")
+        save_snapshot(epoch + 1, 0)
+
+    if rank == 0:  # one writer; model.module: the weights without DDP's "module." prefix
+        atomic_save(model.module.state_dict(), ckpt / "final.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
