@@ -30,13 +30,18 @@ print(json.dumps({"attempt": attempt}))
 
 
 @pytest.mark.torchrun
-def test_ranks_whose_agents_counted_differently_agree_on_the_attempt():
+@pytest.mark.parametrize("counted", [0, 1], ids=["rank 0's agent counted", "rank 0's is stale"])
+def test_ranks_whose_agents_counted_differently_agree_on_the_attempt(counted):
+    """``counted``: the rank whose agent counted the restart; the other's count is stale.
+    With rank 0's count stale, an attempt taken from rank 0's own count would repeat 0."""
+    from ddp_tutorial.stores import ROOT
+
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
     seen = []
     for restart in range(2):  # the first start, then one restart of the job
-        counts = {0: restart, 1: 0}  # node 0's agent counted the failure, node 1's did not
+        counts = {counted: restart, 1 - counted: 0}  # one node's agent counted the failure
         ranks = [
             subprocess.Popen([sys.executable, "-c", JOIN, str(rank)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -50,4 +55,4 @@ def test_ranks_whose_agents_counted_differently_agree_on_the_attempt():
         seen.append(attempts.pop())
     assert seen == [0, 1], "a new attempt number at every (re)start, whatever the agents count"
     for attempt in seen:  # each attempt's keys sit under its own prefix, both ranks' there
-        assert all(agent.check([f"ddp_tutorial/{attempt}/rank{r}"]) for r in (0, 1)), attempt
+        assert all(agent.check([f"{ROOT}/{attempt}/rank{r}"]) for r in (0, 1)), attempt
