@@ -14,6 +14,7 @@ from ddp_tutorial.exercises.core import Context, find
 from ddp_tutorial.exercises.runner import load
 
 HOOKS, BUCKETS = "12_my_ddp_hooks", "12_my_ddp_buckets"
+REGISTER = "p.register_post_accumulate_grad_hook"
 LAUNCH_ONE = "        if self.ready[i] == len(self.buckets[i]):  # the bucket's last gradient: send it now\n            self._launch(i)\n"  # noqa: E501
 
 CASES = register(
@@ -26,10 +27,16 @@ CASES = register(
              edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
                      "        grad = p.grad / world  # a new tensor: p.grad stays as it was\n"
                      "        dist.all_reduce(grad)\n"),)),
+        Case(HOOKS, "hook-never-registered", "called no dist.all_reduce in backward",
+             edits=((f"    for p in model.parameters():\n        {REGISTER}(average)\n",
+                     "    pass  # the hook is defined, and never registered\n"),)),
         Case(BUCKETS, "no-broadcast", "started from its own random weights",
              edits=(("                dist.broadcast(p, src=0)\n", "                pass\n"),)),
         Case(BUCKETS, "sum-not-mean", "SUMMED over the ranks, not averaged",
              edits=(("            flat /= self.world_size\n", ""),)),
+        Case(BUCKETS, "divided-twice", "away from DistributedDataParallel's",
+             edits=(("        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])\n",
+                     "        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]]) / self.world_size\n"),)),  # noqa: E501
         Case(BUCKETS, "one-bucket-per-parameter", "one all_reduce per parameter",
              edits=(("            if size >= bucket_cap_bytes:", "            if True:"),)),
         Case(BUCKETS, "all-reduce-per-parameter", "once per parameter",

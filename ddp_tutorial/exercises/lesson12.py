@@ -265,8 +265,9 @@ def judge_hooks(records: list[Record]) -> str | None:
         during = [e for e in rec["events"] if e["kind"] == "all_reduce"]
         if not during:
             return (
-                f"rank {rank} called no dist.all_reduce in backward: the hook must "
-                "all_reduce p.grad (and call it as dist.all_reduce, so the check sees it)"
+                f"rank {rank} called no dist.all_reduce in backward: register the hook on "
+                "every parameter (p.register_post_accumulate_grad_hook(hook)); in it, "
+                "dist.all_reduce(p.grad) (called as dist.all_reduce, so the check sees it)"
             )
     return judge_weights(records)
 
@@ -345,15 +346,15 @@ def judge_buckets(records: list[Record]) -> str | None:
             if early:
                 return (
                     f"rank {rank} waited on an all_reduce while backward was still "
-                    f"computing gradients ({early[0]['grads']} of {n} ready): that "
-                    "blocks backward until the bucket is sent - no overlap; wait in "
+                    "computing the earlier layers' gradients: that blocks backward until "
+                    "the bucket is sent - no overlap; wait in "
                     "finish_gradient_sync, after backward"
                 )
-            first = calls[s][0]["grads"]
-            if first >= n - 1:
+            # the check's hooks run after the learner's: n - 1 counted = inside the last hook
+            if calls[s][0]["grads"] >= n - 1:
                 return (
-                    f"rank {rank} sent its first bucket in step {s} only after "
-                    f"{first} of {n} gradients were ready: launch each bucket's "
+                    f"rank {rank} sent its first bucket in step {s} only once backward had "
+                    "produced every gradient: launch each bucket's "
                     "all_reduce from the hook of its last gradient, while backward still "
                     "computes the earlier layers' - that is the overlap"
                 )
