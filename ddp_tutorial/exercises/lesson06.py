@@ -1,0 +1,139 @@
+"""Lesson 06's exercise: one clipped, scheduled optimizer step, alike on every rank.
+
+``06_clip_and_schedule``: the learner's ``train_step`` runs three steps of a small DDP model
+whose inputs are large (so the gradient norm is well above the limit) with a GradScaler and a
+warm-up schedule. Each rank also computes, alone, what the step must give: plain SGD on the
+global batch (every rank's batch, which it can rebuild from the seeds), clipped to the limit,
+at the schedule's rate. The judge compares the norm, the learning rate and the weights.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 1.0, 2.0**16, 0.1, 4
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / WARMUP)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return 10 * torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def reference(world_size: int, clip: bool) -> list[dict[str, object]]:
+    """Per step: the true norm, the rate after the step and the weights, on the global batch."""
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    steps = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = [nn.functional.cross_entropy(net(x), y)
+                  for x, y in (batch(r, step) for r in range(world_size))]  # fmt: skip
+        (sum(losses) / world_size).backward()  # what DDP's averaged gradients are
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM if clip else 1e30)
+        optimizer.step()
+        scheduler.step()
+        steps.append({"norm": norm.item(), "lr": scheduler.get_last_lr()[0], "w": _flat(net)})
+    return steps
+
+
+def run_clip(module: ModuleType, ctx: Context) -> Record:
+    model = nn.parallel.DistributedDataParallel(_net())
+    start = _flat(model.module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    want, unclipped = reference(ctx.world_size, True), reference(ctx.world_size, False)
+    steps = []
+    for step in range(STEPS):
+        x, y = batch(ctx.rank, step)
+        norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
+        w = _flat(model.module)
+        steps.append({
+            "norm": float(norm), "want_norm": want[step]["norm"],
+            "lr": scheduler.get_last_lr()[0], "want_lr": want[step]["lr"],
+            "moved": not torch.equal(w, start),
+            "gap": (w - want[step]["w"]).abs().max().item(),
+            "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
+            "weights": w.tolist(),
+        })  # fmt: skip
+    return {"rank": ctx.rank, "steps": steps}
+
+
+def judge_clip(records: list[Record]) -> str | None:
+    for step in range(STEPS):
+        rows = [r["steps"][step] for r in records]
+        if not rows[0]["moved"]:
+            return ("the weights did not change: backward through the scaler, then "
+                    "scaler.step(optimizer) and scaler.update()")  # fmt: skip
+        want_lr = rows[0]["want_lr"]
+        stuck = [r["rank"] for r, row in zip(records, rows, strict=True)
+                 if abs(row["lr"] - want_lr) > 1e-9 * want_lr]  # fmt: skip
+        if stuck and len(stuck) < len(records):
+            rank, row = stuck[0], rows[stuck[0]]
+            return (
+                f"after step {step + 1} rank {rank}'s learning rate was {row['lr']:.4g}, the "
+                f"other ranks' {want_lr:.4g}: call scheduler.step() on every rank, once per "
+                "optimizer step (stepped on rank 0 alone, the replicas drift apart, silently)"
+            )
+        if stuck:
+            return (
+                f"after step {step + 1} the learning rate was {rows[0]['lr']:.4g}, not "
+                f"{want_lr:.4g}: call scheduler.step() once after each optimizer step"
+            )
+        norm, true = rows[0]["norm"], rows[0]["want_norm"]
+        if norm > 100 * true:
+            return (
+                f"clip_grad_norm_ measured {norm:.4g}, {norm / true:.0f} times the true norm "
+                f"{true:.4g}: it saw the scaled gradients - call scaler.unscale_(optimizer) "
+                "before clipping, or the limit and the step are off by the scale"
+            )
+        norms = [row["norm"] for row in rows]
+        if max(norms) - min(norms) > 1e-5 * max(norms):
+            return (
+                f"the ranks measured different gradient norms at step {step + 1} ({norms}): "
+                "clip after backward(), on every rank - the averaged gradients are the same "
+                "everywhere, so every rank clips alike, with no communication"
+            )
+        if len({tuple(row["weights"]) for row in rows}) > 1:
+            return (f"the ranks' weights differ after step {step + 1}: every rank must take the "
+                    "same step (clip, step and schedule on every rank)")  # fmt: skip
+        if abs(norm - true) > 1e-4 * true:
+            return (f"train_step returned {norm:.4g}; the gradient norm before clipping was "
+                    f"{true:.4g}: return what clip_grad_norm_ returns")  # fmt: skip
+        if rows[0]["gap"] > 1e-5:
+            if rows[0]["gap_unclipped"] < 1e-5:
+                return (f"the gradients (norm {true:.3g}) were not clipped to {MAX_NORM}: "
+                        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
+                        "the step")  # fmt: skip
+            return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
+                    f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        name="06_clip_and_schedule", lesson="06", run=run_clip, judge=judge_clip,
+        title="a clipped, scheduled step under a GradScaler, the same on every rank",
+        teaches='lesson 06, "Three things every real loop needs" and "Rank 0 alone: fine, slow, '
+        'or wrong"',
+    ),
+]  # fmt: skip

@@ -1,0 +1,108 @@
+"""Lesson 10's exercise: the rest of an interrupted epoch, dealt out to a new number of ranks.
+
+``10_resume_new_world``: on 3 ranks, each calls the learner's ``rest_of_epoch`` with its own
+rank and world size, for epochs stopped by a job of 2 ranks and of 4 ranks (``consumed`` =
+steps x batch x old ranks), and for an epoch not started at all (which must be exactly what
+``DistributedSampler`` gives). The judge lays the ranks' lists side by side: every remaining
+position dealt out once, nothing consumed dealt again, the same count on every rank, strided.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+# (what happened, num_samples, seed, epoch, consumed)
+SCENARIOS = (
+    ("epoch 1 stopped by 2 ranks after 2 steps of batch 5", 50, 0, 1, 20),
+    ("epoch 0 stopped by 4 ranks after 3 steps of batch 3", 40, 7, 0, 36),
+    ("epoch 2, not started", 50, 0, 2, 0),
+)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def expected(n: int, seed: int, epoch: int, consumed: int, world: int) -> list[list[int]]:
+    rest = epoch_order(n, seed, epoch)[consumed:]
+    rest += rest[: -len(rest) % world]
+    return [rest[r::world] for r in range(world)]
+
+
+def run_rest(module: ModuleType, ctx: Context) -> Record:
+    got = []
+    for _, n, seed, epoch, consumed in SCENARIOS:
+        mine = module.rest_of_epoch(n, seed, epoch, consumed, ctx.rank, ctx.world_size)
+        got.append([int(i) for i in mine])
+    sampler = DistributedSampler(range(SCENARIOS[2][1]), num_replicas=ctx.world_size,
+                                 rank=ctx.rank, seed=SCENARIOS[2][2])  # fmt: skip
+    sampler.set_epoch(SCENARIOS[2][3])
+    return {"rank": ctx.rank, "got": got, "torch": list(sampler)}
+
+
+def judge_rest(records: list[Record]) -> str | None:
+    world = len(records)
+    for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
+        lists = [r["got"][i] for r in records]
+        want = expected(n, seed, epoch, consumed, world)
+        order = epoch_order(n, seed, epoch)
+        done, rest = set(order[:consumed]), order[consumed:]
+        if lists == want:
+            continue
+        where = f"{what}, resumed on {world} ranks"
+        if not any(lists):
+            return f"{where}: every rank got no samples - return this rank's share of the rest"
+        again = sorted({i for mine in lists for i in mine} & done)
+        if again:
+            skipped = [order[r::world][consumed // world :] for r in range(world)]
+            if consumed and lists[0] == skipped[0]:
+                return (f"{where}: each rank skipped consumed // world_size of its own shard; "
+                        "the stopped job's shards were those of its own world size, not this "
+                        "one's: skip the first `consumed` positions of the whole order, then deal "
+                        f"out the rest ({len(again)} trained samples came back)")  # fmt: skip
+            return (f"{where}: {len(again)} samples the job had trained before it stopped were "
+                    f"dealt out again (e.g. sample {again[0]}): skip the first `consumed` "
+                    "positions of the epoch's order")  # fmt: skip
+        lengths = [len(mine) for mine in lists]
+        if len(set(lengths)) > 1:
+            return (
+                f"{where}: the ranks got {lengths} samples: with unequal counts they take "
+                "different numbers of steps, and the one with more waits in an all_reduce "
+                "for ever - pad the rest to a multiple of world_size, repeating its start"
+            )
+        dealt = [i for mine in lists for i in mine]
+        never = [i for i in rest if i not in dealt]
+        if never:
+            return (f"{where}: sample {never[0]} was never dealt out ({len(never)} in all): "
+                    "every position after `consumed` goes to some rank")  # fmt: skip
+        padded = rest + rest[: -len(rest) % world]
+        if sorted(dealt) != sorted(padded):
+            extra = [i for i in set(dealt) if dealt.count(i) > padded.count(i)]
+            return (f"{where}: sample {extra[0] if extra else '?'} was dealt out more often than "
+                    "the padding needs: pad with the rest's start, only up to a multiple of "
+                    "world_size")  # fmt: skip
+        return (f"{where}: every sample is there, but not strided: after one step of batch 2 "
+                f"the job must have used the next {2 * world} positions of the order, so that a "
+                "snapshot can count them as consumed - rank r takes positions r, r + "
+                "world_size, ... (as DistributedSampler does)")  # fmt: skip
+    for r in records:
+        if r["got"][2] != r["torch"]:
+            return (
+                f"rank {r['rank']}: an epoch not started gives other samples than "
+                "DistributedSampler with set_epoch(epoch): use the same order (seed + epoch)"
+            )
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        name="10_resume_new_world", lesson="10", run=run_rest, judge=judge_rest, nproc=3,
+        title="the rest of an interrupted epoch, dealt out to a new number of ranks",
+        teaches='lesson 10, "Resuming on another number of ranks"',
+    ),
+]  # fmt: skip

@@ -1,0 +1,29 @@
+"""Lesson 06's exercise: wrong training steps, each named (edits of the solution)."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+EX = "06_clip_and_schedule"
+CASES = register([
+    Case(EX, "no-unscale", "scaler.unscale_(optimizer) before clipping",
+         edits=(("    scaler.unscale_(optimizer)\n", ""),)),
+    Case(EX, "unscale-after-clip", "scaler.unscale_(optimizer) before clipping",
+         edits=(("    scaler.unscale_(optimizer)\n", ""),
+                ("    scaler.step(optimizer)\n",
+                 "    scaler.unscale_(optimizer)\n    scaler.step(optimizer)\n"))),
+    Case(EX, "scheduler-on-rank-0", "on every rank",
+         edits=(("    scheduler.step()\n",
+                 "    if dist.get_rank() == 0:  # one process is enough?\n"
+                 "        scheduler.step()\n"),)),
+    Case(EX, "not-clipped", "were not clipped",
+         edits=(("clip_grad_norm_(model.parameters(), max_norm)",
+                 'clip_grad_norm_(model.parameters(), float("inf"))'),)),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)

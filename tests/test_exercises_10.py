@@ -1,0 +1,27 @@
+"""Lesson 10's exercise: wrong ways to deal out the rest of an epoch, each named."""
+
+from __future__ import annotations
+
+import pytest
+from exercise_cases import Case, assert_verdict, register
+
+EX = "10_resume_new_world"
+CASES = register([
+    Case(EX, "starts-over", "dealt out again",
+         edits=(("    rest = order[consumed:]\n", "    rest = order\n"),)),
+    Case(EX, "skips-own-shard", "skipped consumed // world_size of its own shard",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    mine = order[rank::world_size][consumed // world_size :]\n"),)),
+    Case(EX, "no-padding", "pad the rest to a multiple of world_size",
+         edits=(("    rest += rest[: -len(rest) % world_size]\n", ""),)),
+    Case(EX, "blocks-not-strided", "not strided",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    share = len(rest) // world_size\n"
+                 "    mine = rest[rank * share : (rank + 1) * share]\n"),)),
+])  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wrong_answers_are_named(case, exercise_verdicts):
+    assert_verdict(case, exercise_verdicts)
