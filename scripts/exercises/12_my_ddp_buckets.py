@@ -26,7 +26,7 @@ from torch import nn
 class BucketedDDP:
     """Averages ``model``'s gradients over the ranks the way DDP's reducer does.
 
-    The loop:  ``loss.backward(); ddp.finish_gradient_sync(); optimizer.step()``.
+    The loop: ``loss.backward(); ddp.finish_gradient_sync(); optimizer.step()``.
     """
 
     def __init__(self, model: nn.Module, bucket_cap_bytes: int) -> None:
