@@ -37,6 +37,8 @@ CASES = register([
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
 '''),)),
+    Case(RESUME, "no-weights", "did not start from the weights of epoch 1",
+         edits=(('        model.load_state_dict(state["model"])\n', ""),)),
     Case(RESUME, "no-set-epoch", "sampler.set_epoch(epoch)",
          edits=(("        sampler.set_epoch(epoch)\n", ""),)),
     Case(RESUME, "set-epoch-counts-this-launch", "with the epoch's own number",

@@ -159,7 +159,7 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
             record["kill"] = "torch.save was never called"
         except Killed:
             after = _read(path) if path.is_file() else {"error": "the file is gone"}
-            record["kill"] = after.get("error") or (
+            record["kill"] = after.get("error", "").split(". ")[0] or (
                 "intact" if after.get("epoch") == EPOCH else f"epoch {after.get('epoch')}"
             )
         except Exception as exc:
