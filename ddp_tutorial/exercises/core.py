@@ -56,6 +56,7 @@ class Exercise:
     nproc: int = 2
     args: tuple[str, ...] = ()
     errors: tuple[tuple[str, str], ...] = ()  # (text in a rank's error or output, the mistake)
+    report: Callable[[list[Record]], str] | None = None  # on a pass: what was measured
     collective_timeout_s: float = 10.0  # a rank that waits this long for a peer fails, named
     launch_timeout_s: float = 90.0
 

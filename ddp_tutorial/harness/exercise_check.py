@@ -68,8 +68,11 @@ def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, 
     """(passed, message) from every rank's record of one candidate (``output``: the launch's)."""
     if len(records) < ex.nproc or any(r.get("status") != "ok" for r in records):
         return False, explain_error(ex, records, output)
-    mistake = ex.judge([r.get("result", {}) for r in sorted(records, key=lambda r: r["rank"])])
-    return (True, "right") if mistake is None else (False, ex.hint(mistake))
+    results = [r.get("result", {}) for r in sorted(records, key=lambda r: r["rank"])]
+    mistake = ex.judge(results)
+    if mistake is not None:
+        return False, ex.hint(mistake)
+    return True, "right" + (f" - {ex.report(results)}" if ex.report else "")
 
 
 def _launch(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[list[list[Record]], str]:
