@@ -71,3 +71,15 @@ def test_function_source_is_what_inspect_reads(tmp_path):
         function_source(path, "b", "a")
         == "def b():\n    pass\n\n\n@staticmethod\ndef a(x):\n    return x\n"
     )
+
+
+def test_the_minimal_scripts_sampler_lines_stand_in_the_markdown():
+    """The lesson's first cell prints these lines from scripts/minimal_ddp.py (and asserts
+    them); its markdown shows the same lines, for a reader without outputs."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    (intro,) = [t for t in text if t.startswith("## The sampler line of the minimal script")]
+    (block,) = re.findall(r"```python\n(.*?)```", intro, re.S)
+    minimal = (REPO / "scripts" / "minimal_ddp.py").read_text().splitlines()
+    printed = [s.strip() for s in minimal if "sampler" in s and not s.startswith("from")]
+    assert block.splitlines() == printed, "the markdown's sampler lines differ from the script's"
