@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast rehearse lab lint format strip gpu-check clean
+.PHONY: run test test-fast rehearse lab lint format strip gpu-check gpu-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
@@ -58,6 +58,13 @@ strip: $(STAMP)  ## remove notebook outputs before committing
 # hello across every GPU, lessons 03-06 and 08-12 run without Jupyter; a table at the end.
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_check
+
+# The 8-minute version for a first GPU (one is enough): versions, MIG and compute mode, the
+# one-GPU gpu tests, lesson 11's script, lesson 06's utilization, lesson 12's memory, two
+# deterministic template runs compared bitwise. Everything it measures lands in $(OUT) if set,
+# else build/gpu-smoke/ (smoke.json, smoke.txt, a log per step).
+gpu-smoke:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_smoke
 
 clean:
 	rm -rf build runs notebooks/runs .pytest_cache

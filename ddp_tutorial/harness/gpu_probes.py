@@ -1,0 +1,154 @@
+"""What ``make gpu-smoke`` measures in its own processes: one probe per step, one JSON each.
+
+Each probe runs as ``python -m ddp_tutorial.harness.gpu_probes NAME OUT`` (a fresh process:
+the smoke itself never initialises CUDA, so a probe that crashes the driver loses only its
+row) and writes ``OUT/NAME.json``. Probes that train launch the course's real scripts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(out: Path, name: str, data: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def _nvml_facts() -> dict[str, Any]:
+    """Driver, GPUs, MIG mode and compute mode, from NVML (no CUDA context)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        facts: dict[str, Any] = {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": []}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpu: dict[str, Any] = {"index": i, "name": pynvml.nvmlDeviceGetName(h)}
+            for key, call in (("mig", pynvml.nvmlDeviceGetMigMode),
+                              ("compute_mode", pynvml.nvmlDeviceGetComputeMode)):  # fmt: skip
+                try:
+                    gpu[key] = call(h)
+                except pynvml.NVMLError as exc:  # not supported on this GPU: say so
+                    gpu[key] = f"n/a ({exc})"
+            gpu["memory_mib"] = pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20
+            facts["gpus"].append(gpu)
+        return facts
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def inventory(out: Path) -> dict[str, Any]:
+    """Versions, and what the GPUs are: the first row of any GPU report."""
+    import torch
+
+    facts = {"python": sys.version.split()[0], "torch": torch.__version__,
+             "cuda_build": torch.version.cuda, "nccl": None, **_nvml_facts()}  # fmt: skip
+    if torch.cuda.is_available():
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        facts["capability"] = torch.cuda.get_device_capability(0)
+    return facts
+
+
+def memory(out: Path) -> dict[str, Any]:
+    """Lesson 12's question on a GPU: the allocator's peak against what the driver sees.
+
+    One DDP step of a 64 M-parameter MLP on one GPU (nccl, a world of one).
+    ``max_memory_allocated`` counts tensors only; the process's memory in NVML adds the
+    CUDA context, the caching allocator's slack and NCCL's buffers.
+    """
+    import pynvml
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device)  # fmt: skip
+    try:
+        model = DDP(nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).to(device))
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(torch.randn(64, 4096, device=device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == os.getpid()]  # fmt: skip
+        pynvml.nvmlShutdown()
+        allocated = torch.cuda.max_memory_allocated()
+        seen = mine[0] if mine and mine[0] else None  # None: NVML hides per-process memory
+        return {"params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                "max_allocated_mib": allocated / 2**20,
+                "reserved_mib": torch.cuda.memory_reserved() / 2**20,
+                "nvml_process_mib": seen / 2**20 if seen else None,
+                "nvml_over_allocator": seen / allocated if seen else None}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _torchrun(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", str(REPO / script), *args]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def utilization(out: Path) -> dict[str, Any]:
+    """Lesson 06's picture on one GPU: the template trains while NVML is sampled."""
+    from ddp_tutorial.harness.launch import torchrun
+    from ddp_tutorial.harness.monitor import summarize
+
+    args = ["--model", "resnet18", "--batch-size", "64", "--max-steps", "60", "--no-progress"]
+    run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=50,
+                   run_dir=out / "utilization-run", echo=False)  # fmt: skip
+    rows = run.utilization or []
+    return {"seconds": run.seconds, "per_gpu": summarize(rows), "samples": len(rows)}
+
+
+def bitwise(out: Path) -> dict[str, Any]:
+    """Two ``--deterministic`` template runs from the same seed: the same final.pt, bit for bit."""
+    digests = []
+    for name in ("a", "b"):
+        ckpt = out / f"bitwise-{name}"
+        done = _torchrun("scripts/train.py", "--deterministic", "--max-steps", "20",
+                         "--no-progress", "--checkpoint-dir", str(ckpt), timeout=30)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"run {name} failed:\n{done.stderr[-3000:]}")
+        digests.append(hashlib.sha256((ckpt / "final.pt").read_bytes()).hexdigest())
+    if digests[0] != digests[1]:
+        raise RuntimeError(f"two deterministic runs differ: {digests}")
+    return {"sha256": digests[0]}
+
+
+PROBES = {"inventory": inventory, "memory": memory, "utilization": utilization,
+          "bitwise": bitwise}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    name, out = (argv or sys.argv[1:])[:2]
+    began = time.monotonic()
+    try:
+        data = {"ok": True, **PROBES[name](Path(out))}
+    except Exception as exc:  # the row says what failed; the smoke goes on to the next step
+        data = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    data["seconds"] = round(time.monotonic() - began, 1)
+    _write(Path(out), name, data)
+    print(json.dumps(data, indent=1, default=str))
+    return 0 if data["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``make gpu-smoke``: what the first GPU this course meets should tell us, in 8 minutes.
+
+``make gpu-check`` runs every GPU branch and takes much longer; this is the short list that
+answers the open questions, on one GPU, with only the torch already there (no pip, no
+Jupyter). Each step runs in its own process with its own time limit (they add up to
+:data:`BUDGET_S`), a failing or hanging step is one row and the next step runs. Everything
+goes to one folder, ``$OUT`` if set, else ``build/gpu-smoke``: ``smoke.json`` (every row and
+every measurement), ``smoke.txt`` (the table), and each step's log and files.
+
+1. inventory: python, torch, CUDA build, NCCL, driver, each GPU's name, memory, MIG mode
+   and compute mode (NVML);
+2. the ``gpu`` tests that one GPU can run (``pytest -m gpu``; those needing two skip);
+3. lesson 11's script (autocast, ``torch.compile``, comm hooks, overlap) on one rank: its
+   time, and the size of what it wrote (a 2048-wide model's weights in JSON were gigabytes);
+4. lesson 06's utilization: the template with resnet18 while NVML samples the GPU;
+5. lesson 12's memory: the allocator's peak beside the process's memory in NVML (the CUDA
+   context, the cache, NCCL's buffers are not in ``max_memory_allocated``);
+6. two ``--deterministic`` template runs: the same ``final.pt``, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp_tutorial import settings
+from ddp_tutorial.harness.processes import run_command
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET_S = 480.0  # 8 minutes: the steps' limits add up to this
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: a command, its limit, and the JSON it leaves in the folder (if any)."""
+
+    name: str
+    command: list[str]
+    timeout_s: float
+    measures: str = ""  # OUT/<measures>.json: the probe's numbers, read into the row
+
+
+def plan(out: Path, python: str = sys.executable) -> list[Step]:
+    """The steps, in order; their limits sum to :data:`BUDGET_S`."""
+    probe = [python, "-m", "ddp_tutorial.harness.gpu_probes"]
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o",
+              "addopts=", f"--junitxml={out / 'gpu-tests.xml'}", "tests"]  # fmt: skip
+    speed = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+             "scripts/demos/speed_tools.py", "--out", str(out / "speed_tools")]  # fmt: skip
+    return [
+        Step("inventory", [*probe, "inventory", str(out)], 30, "inventory"),
+        Step("gpu tests (one GPU)", pytest, 150),
+        Step("lesson 11: amp, compile, overlap", speed, 120),
+        Step("lesson 06: utilization", [*probe, "utilization", str(out)], 60, "utilization"),
+        Step("lesson 12: memory", [*probe, "memory", str(out)], 45, "memory"),
+        Step("template twice, bitwise", [*probe, "bitwise", str(out)], 75, "bitwise"),
+    ]
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def run_step(step: Step, out: Path, index: int) -> dict[str, object]:
+    """Run one step; its row (never raises: a failed step is a row)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, settings.RUNS_ENV: str(out / "runs")}
+    done = run_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
+    (out / f"step{index}.log").write_text(done.output)
+    if done.timed_out:
+        status = f"TIMEOUT ({step.timeout_s:.0f} s)"
+    else:
+        status = "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+    row: dict[str, object] = {"step": step.name, "seconds": round(done.seconds, 1),
+                              "status": status, "log": f"step{index}.log"}  # fmt: skip
+    measured = out / f"{step.measures}.json"
+    if step.measures and measured.is_file():
+        row["measured"] = json.loads(measured.read_text())
+    if "speed_tools" in " ".join(step.command):
+        row["measured"] = {"bytes_written": folder_bytes(out / "speed_tools")}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    args = parser.parse_args(argv)
+    out = Path(os.environ.get("OUT") or REPO / "build" / "gpu-smoke").resolve()
+    steps = plan(out)
+    if args.dry_run:
+        for step in steps:
+            print(f"{step.timeout_s:5.0f} s  {step.name}: {' '.join(step.command)}")
+        print(f"{sum(s.timeout_s for s in steps):5.0f} s  in all, at most; into {out}")
+        return 0
+    from ddp_tutorial.devices import DeviceError, visible_gpu_count
+    from ddp_tutorial.records import format_table
+
+    try:
+        gpus = visible_gpu_count()
+    except DeviceError as exc:  # MIG: the smoke still runs the inventory, then stops
+        gpus, steps = 0, steps[:1]
+        print(f"gpu-smoke: {exc}", file=sys.stderr)
+    if gpus < 1 and len(steps) > 1:
+        print("gpu-smoke: no GPU visible to CUDA here: nothing to smoke-test", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, step in enumerate(steps):
+        print(f"gpu-smoke: {step.name} ...", flush=True)
+        rows.append(run_step(step, out, i))
+        (out / "smoke.json").write_text(json.dumps(rows, indent=1, default=str))
+    table = format_table(rows, ["step", "seconds", "status", "log"])
+    (out / "smoke.txt").write_text(table + "\n")
+    print(f"\n{table}\n\neverything measured: {out / 'smoke.json'}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

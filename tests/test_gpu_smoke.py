@@ -1,0 +1,72 @@
+"""``make gpu-smoke`` from this CPU machine: its plan fits 8 minutes, and it runs to the end.
+
+The probes themselves need a GPU; what a CPU can prove is that every step's command names
+something that exists, that the limits add up to the budget, and that a failing and a
+hanging step each become a row while the steps after them still run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+from ddp_tutorial.harness import gpu_probes, gpu_smoke
+
+
+def test_the_plan_fits_eight_minutes_and_names_what_exists(tmp_path):
+    steps = gpu_smoke.plan(tmp_path)
+    assert sum(s.timeout_s for s in steps) == gpu_smoke.BUDGET_S <= 8 * 60
+    for step in steps:
+        if "gpu_probes" in step.command:
+            assert step.command[step.command.index("gpu_probes") + 1] in gpu_probes.PROBES
+        for word in step.command:
+            if word.endswith(".py"):
+                assert (REPO / word).is_file(), f"{step.name}: {word} does not exist"
+    assert {s.measures for s in steps if s.measures} <= set(gpu_probes.PROBES)
+
+
+@pytest.mark.torchrun  # it starts small Python processes (no torchrun)
+def test_a_failing_and_a_hanging_step_are_rows_and_the_rest_still_runs(
+    tmp_path, monkeypatch, capsys
+):
+    py = sys.executable
+    fake = [
+        gpu_smoke.Step("fails", [py, "-c", "raise SystemExit(3)"], 20),
+        gpu_smoke.Step("hangs", [py, "-c", "import time; time.sleep(60)"], 1.5),
+        gpu_smoke.Step(
+            "measures",
+            [py, "-m", "ddp_tutorial.harness.gpu_probes", "nope", str(tmp_path)],
+            30,
+            "nope",
+        ),  # fmt: skip
+        gpu_smoke.Step("works", [py, "-c", "print('fine')"], 20),
+    ]
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(gpu_smoke, "plan", lambda out: fake)
+    monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 1)
+    assert gpu_smoke.main([]) == 1
+    rows = json.loads((tmp_path / "smoke.json").read_text())
+    assert [r["status"] for r in rows] == [
+        "FAILED (exit 3)", "TIMEOUT (2 s)", "FAILED (exit 1)", "ok"]  # fmt: skip
+    assert rows[2]["measured"]["ok"] is False, "a probe that fails still writes its JSON"
+    assert "KeyError" in rows[2]["measured"]["error"]
+    assert (tmp_path / "step3.log").read_text().strip() == "fine"
+    assert "works" in (tmp_path / "smoke.txt").read_text()
+
+
+def test_without_a_gpu_it_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 0)
+    assert gpu_smoke.main([]) == 2
+    assert "no GPU visible" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_smoke_probes_run_on_a_gpu(tmp_path):
+    for name in ("inventory", "memory"):
+        assert gpu_probes.main([name, str(tmp_path)]) == 0, (tmp_path / f"{name}.json").read_text()
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["max_allocated_mib"] > 4 * 64 * 4  # the weights alone: 64 M floats
