@@ -9,13 +9,16 @@ helpers. Nothing may hang: every launch has a hard timeout.
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import DEMOS, load_script, processes_running
+from conftest import DEMOS, REPO, load_script, processes_running
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.processes import run_command
 from ddp_tutorial.lessons.debugging import key_lines
@@ -125,3 +128,35 @@ def test_the_lab_imports_dynamo_early_for_exactly_the_cases_that_wrap_in_ddp():
     lab = load_script("demos/debug_lab.py")
     wrapping = {name for name, fn in lab.CASES.items() if "wrap(" in inspect.getsource(fn)}
     assert wrapping == lab.DDP_CASES
+
+
+def _markdown_blocks(notebook: str) -> list[str]:
+    """The ```python blocks of a lesson's markdown cells: what a reader sees without running."""
+    cells = json.loads((REPO / "notebooks" / notebook).read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return re.findall(r"```python\n(.*?)\n```", text, re.S)
+
+
+def _top_level(path) -> dict[str, str]:
+    """Every top-level function and class of a file, as its source lines (comments kept)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    return {node.name: "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef | ast.ClassDef)}  # fmt: skip
+
+
+def test_the_cases_lesson_09_shows_are_the_code_that_ran():
+    # Lesson 09 shows each broken case's code in its markdown (readable in a notebook without
+    # outputs); it must be debug_lab.py's, line for line, for every case the lab launches.
+    defs = _top_level(LAB)
+    shown = []
+    for block in _markdown_blocks("09_debugging.ipynb"):
+        if not block.startswith(("def case_", "class ")):
+            continue
+        for piece in re.split(r"\n\n\n(?=def |class )", block):
+            name = re.match(r"(?:def|class) (\w+)", piece).group(1)
+            assert piece == defs.get(name), f"lesson 09 shows {name} unlike debug_lab.py"
+            shown.append(name)
+    assert shown == ["WithAux", "case_unused", "case_skip", "case_shape", "case_rank0_eval",
+                     "case_uneven"]  # fmt: skip
