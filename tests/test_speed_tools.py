@@ -10,6 +10,7 @@ process group is needed: no torchrun.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from types import SimpleNamespace
@@ -31,12 +32,14 @@ from ddp_tutorial.harness import plots
 from ddp_tutorial.lessons import speed
 from ddp_tutorial.lessons.anatomy import global_batch, tiny_model
 
+TOOLS = load_script("demos/speed_tools.py")  # what the ranks run: amp_choice, wire_log, ...
 
-def _train(hook_state, hook, steps: int) -> speed.WireLog:
+
+def _train(hook_state, hook, steps: int) -> TOOLS.WireLog:
     model = DDP(tiny_model(0, hidden=64))
     model.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with speed.wire_log() as log:
+    with TOOLS.wire_log() as log:
         for step in range(steps):
             log.reset()
             x, y = global_batch(step, 16)
@@ -197,13 +200,13 @@ def test_overlap_us_counts_each_instant_once():
 
 
 def test_amp_choice_follows_the_compute_capability():
-    assert speed.amp_choice("cpu") == ("bf16", torch.bfloat16, False)
+    assert TOOLS.amp_choice("cpu") == ("bf16", torch.bfloat16, False)
     for capability in [(7, 0), (7, 5)]:  # V100, T4: bf16 would be emulated
-        assert speed.amp_choice("cuda", capability) == ("fp16", torch.float16, True)
+        assert TOOLS.amp_choice("cuda", capability) == ("fp16", torch.float16, True)
     for capability in [(8, 0), (8, 6), (9, 0), (12, 0)]:
-        assert speed.amp_choice("cuda", capability).precision == "bf16"
+        assert TOOLS.amp_choice("cuda", capability).precision == "bf16"
     with pytest.raises(ValueError):
-        speed.amp_choice("cuda", None)
+        TOOLS.amp_choice("cuda", None)
 
 
 def test_mean_relative_error_sees_three_bits():
@@ -274,12 +277,12 @@ def test_plots_draw_the_timeline_and_the_curves():
 
 
 def _snippets_to_remember() -> list[str]:
-    """The python blocks of lesson 11's last markdown cell: what a learner copies."""
+    """The python blocks of lesson 11's "What to remember" cell: what a learner copies."""
     import nbformat  # not at module level: a GPU box may run the tests without Jupyter
 
     nb = nbformat.read(REPO / "notebooks" / "11_speed_tools.ipynb", as_version=4)
-    last = [c for c in nb.cells if c.cell_type == "markdown"][-1].source
-    assert last.startswith("## What to remember")
+    markdown = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    (last,) = [text for text in markdown if text.startswith("## What to remember")]
     return re.findall(r"```python\n(.*?)```", last, flags=re.S)
 
 
@@ -311,7 +314,7 @@ def test_the_snippets_to_remember_run_in_the_minimal_script(world_of_one):
         names = _minimal_script_names(DDP(tiny_model(0)))
         exec(snippet, names)
         x, y = global_batch(0, 16)
-        with speed.wire_log() as log:
+        with TOOLS.wire_log() as log:
             F.cross_entropy(names["model"](x), y).backward()
         assert {d for _, d in log.calls} == {dtype}  # PowerSGD: plain all_reduce at first
 
@@ -341,3 +344,17 @@ def test_ddp_launches_every_bucket_but_the_first_layers_inside_backward(world_of
         summaries[cap] = (s["launches"], sum(t < s["backward_end"] for t in launched))
     assert summaries[0.3][0] >= 3 and summaries[0.3][1] == summaries[0.3][0] - 1
     assert summaries[25.0] == (1, 0)
+
+
+def test_the_code_lesson_11_shows_is_the_code_that_ran():
+    # Lesson 11 shows amp_step and profiled_step in its markdown (readable in a notebook
+    # without outputs); they must be the launched script's, line for line.
+    cells = json.loads((REPO / "notebooks" / "11_speed_tools.ipynb").read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    blocks = re.findall(r"```python\n(.*?)\n```", text, re.S)
+    path = REPO / "scripts" / "demos" / "speed_tools.py"
+    amp = speed.source_of(path, "amp_step")
+    imports = [ln for ln in path.read_text().splitlines() if "torch.profiler import" in ln]
+    profiled = "\n".join(imports) + "\n\n\n" + speed.source_of(path, "profiled_step")
+    assert amp in blocks, "lesson 11's amp_step differs from scripts/demos/speed_tools.py"
+    assert profiled in blocks, "lesson 11's profiled_step differs from speed_tools.py"

@@ -1,10 +1,10 @@
-"""The speed tools of lesson 11, made observable: bytes on the wire, compile splits, overlap.
+"""Lesson 11's analysis: bytes predicted, compile splits, overlap, errors, read from the records.
 
-Shared by ``scripts/demos/speed_tools.py`` (the ranks), the notebook and the tests.
-Most of it is pure functions over what a run recorded (a log, a list of
-profiler events, layer shapes, gradients), so the claims of the lesson are
-computed the same way everywhere and tested on fixed inputs; :func:`wire_log`
-is the one piece that touches ``torch.distributed`` at run time.
+Pure functions over what a run of ``scripts/demos/speed_tools.py`` recorded (a log, a list
+of profiler events, layer shapes, gradients), so the claims of the lesson are computed the
+same way in the notebook, in the script and in the tests, and are tested on fixed inputs.
+What the ranks run and the lesson teaches (the mixed-precision step, the choice of 16-bit
+type, the counter of bytes on the wire) lives in the script itself, where the lesson shows it.
 """
 
 from __future__ import annotations
@@ -12,50 +12,17 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.autograd import DeviceType
-
-from ddp_tutorial.numerics import amp_for_capability
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 COMM_EVENTS = ("c10d::allreduce_", "gloo:all_reduce", "nccl:all_reduce")
 SIGNIFICANT_BITS = {"fp32": 24, "bf16": 8, "fp16": 11}  # stored mantissa bits + the implicit 1
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it fp16 has fewer significant bits (subnormals)
-
-
-class AmpChoice(NamedTuple):
-    """The 16-bit type a device should train in, and whether it needs a ``GradScaler``."""
-
-    precision: str  # "bf16" or "fp16"
-    dtype: torch.dtype
-    scaler: bool
-
-
-def amp_choice(device_type: str, capability: tuple[int, int] | None = None) -> AmpChoice:
-    """bfloat16 where the hardware computes in it, else float16 with a ``GradScaler``.
-
-    A pure function of what the rank saw (``torch.cuda.get_device_capability``
-    on a GPU), so it is tested without one. From compute capability 8.0 (A100,
-    H100, RTX 30xx and later) bf16 runs natively and, with float32's exponent
-    range, needs no loss scaling. Below it (V100 = 7.0, T4 = 7.5) autocast
-    still accepts bf16 but emulates it, slower than float32: fp16 and a
-    scaler are the choice there. On a CPU autocast's own default is bf16
-    (``torch.get_autocast_dtype("cpu")``); this course's CPU runs are about
-    correctness, not speed.
-    """
-    if device_type == "cuda" and capability is None:
-        raise ValueError("a CUDA device needs its compute capability, e.g. (8, 0)")
-    name = amp_for_capability(tuple(capability) if device_type == "cuda" else None)
-    if name == "fp16":  # the rule itself is numerics.amp_for_capability: one for the course
-        return AmpChoice("fp16", torch.float16, True)
-    return AmpChoice("bf16", torch.bfloat16, False)
 
 
 def mean_relative_error(
@@ -95,43 +62,6 @@ def source_of(path: str | Path, name: str) -> str:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             return "\n".join(lines[first - 1 : node.end_lineno])  # whole lines: comments too
     raise LookupError(f"no top-level function {name!r} in {path}")
-
-
-@dataclass
-class WireLog:
-    """Every ``dist.all_reduce`` made while :func:`wire_log` was active: what went on the wire."""
-
-    calls: list[tuple[int, str]] = field(default_factory=list)  # (bytes, dtype) per call
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for b, _ in self.calls)
-
-    def reset(self) -> None:
-        self.calls.clear()
-
-
-@contextmanager
-def wire_log() -> Iterator[WireLog]:
-    """Count the payload of every ``torch.distributed.all_reduce`` inside the block.
-
-    DDP's default reduction and torch's comm hooks (fp16/bf16 compression,
-    PowerSGD) all call ``dist.all_reduce`` through the module attribute, so
-    wrapping that attribute sees exactly the tensors each hook hands to the
-    backend — their dtype and size — without changing what is sent. A ring
-    all_reduce then moves 2(N-1)/N times this payload per rank (lesson 07).
-    """
-    log, original = WireLog(), dist.all_reduce
-
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        log.calls.append((tensor.numel() * tensor.element_size(), str(tensor.dtype)))
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield log
-    finally:
-        dist.all_reduce = original
 
 
 def powersgd_elements(

@@ -20,8 +20,11 @@ import argparse
 import copy
 import statistics
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,8 +49,9 @@ from ddp_tutorial.lessons.anatomy import (
     time_steps,
     tiny_model,
 )
-from ddp_tutorial.lessons.speed import amp_choice, kernel_rows, profile_rows, wire_log
+from ddp_tutorial.lessons.speed import kernel_rows, profile_rows
 from ddp_tutorial.models import MLP
+from ddp_tutorial.numerics import amp_for_capability
 
 CASES = ("amp", "compile", "hooks", "overlap")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +85,34 @@ def batch(step: int, size: int, args: argparse.Namespace, info: DistInfo) -> lis
 
 
 # -- 1. mixed precision ------------------------------------------------------------
+class AmpChoice(NamedTuple):
+    """The 16-bit type a device should train in, and whether it needs a ``GradScaler``."""
+
+    precision: str  # "bf16" or "fp16"
+    dtype: torch.dtype
+    scaler: bool
+
+
+def amp_choice(device_type: str, capability: tuple[int, int] | None = None) -> AmpChoice:
+    """bfloat16 where the hardware computes in it, else float16 with a ``GradScaler``.
+
+    A pure function of what the rank saw (``torch.cuda.get_device_capability``
+    on a GPU), so it is tested without one. From compute capability 8.0 (A100,
+    H100, RTX 30xx and later) bf16 runs natively and, with float32's exponent
+    range, needs no loss scaling. Below it (V100 = 7.0, T4 = 7.5) autocast
+    still accepts bf16 but emulates it, slower than float32: fp16 and a
+    scaler are the choice there. On a CPU autocast's own default is bf16
+    (``torch.get_autocast_dtype("cpu")``); this course's CPU runs are about
+    correctness, not speed.
+    """
+    if device_type == "cuda" and capability is None:
+        raise ValueError("a CUDA device needs its compute capability, e.g. (8, 0)")
+    name = amp_for_capability(tuple(capability) if device_type == "cuda" else None)
+    if name == "fp16":  # the rule itself is numerics.amp_for_capability: one for the course
+        return AmpChoice("fp16", torch.float16, True)
+    return AmpChoice("bf16", torch.bfloat16, False)
+
+
 def amp_step(
     model: nn.Module,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -274,6 +306,43 @@ def _sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Op
 
 
 # -- 3. communication hooks --------------------------------------------------------
+@dataclass
+class WireLog:
+    """Every ``dist.all_reduce`` made while :func:`wire_log` was active: what went on the wire."""
+
+    calls: list[tuple[int, str]] = field(default_factory=list)  # (bytes, dtype) per call
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for b, _ in self.calls)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+@contextmanager
+def wire_log() -> Iterator[WireLog]:
+    """Count the payload of every ``torch.distributed.all_reduce`` inside the block.
+
+    DDP's default reduction and torch's comm hooks (fp16/bf16 compression,
+    PowerSGD) all call ``dist.all_reduce`` through the module attribute, so
+    wrapping that attribute sees exactly the tensors each hook hands to the
+    backend — their dtype and size — without changing what is sent. A ring
+    all_reduce then moves 2(N-1)/N times this payload per rank (lesson 07).
+    """
+    log, original = WireLog(), dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        log.calls.append((tensor.numel() * tensor.element_size(), str(tensor.dtype)))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield log
+    finally:
+        dist.all_reduce = original
+
+
 def case_hooks(args: argparse.Namespace, info: DistInfo) -> dict:
     """One step's gradients and bytes per hook; then PowerSGD against plain training."""
     base = tiny_model(args.seed, hidden=64)
