@@ -113,7 +113,7 @@ def judge_gpu(records: list[Record]) -> str | None:
 
 EXERCISES = [
     Exercise(
-        name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu,
+        name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu, collective_timeout_s=20,
         title="this rank's device, and the physical GPU behind it",
         teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
     ),

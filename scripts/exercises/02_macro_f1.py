@@ -7,7 +7,7 @@ count TP, FP and FN per class on this rank, add the counts of every rank with
 ``dist.all_reduce``, then compute F1 once from the totals (a class with 2·TP + FP + FN = 0
 scores 0). Every rank must return the F1 of the whole set.
 
-Check it (3 gloo ranks; the check calls your function on every rank):
+Check it (2 gloo ranks; the check calls your function on every rank):
 
     ddp-tutorial check 02
 """
