@@ -975,6 +975,7 @@ def distributed_evaluate(
         num_workers=num_workers,
         pin_memory=pin_memory,
         worker_init_fn=seed_worker,
+        generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone
     )
     sums = local_sums(model, loader, device, amp)
     local_count = int(sums[1])

@@ -98,9 +98,20 @@ def test_a_rank_exits_75_after_a_real_signal(tmp_path, sig):
     """``python train.py``, a world of one: the process's own exit status, no launcher between."""
     folder, env = copied(tmp_path)
     proc = start(folder, env, *ARGS, "--num-workers", "0", "--checkpoint-dir", tmp_path / "c",
-                 nproc=None)  # fmt: skip
+                 "--eval-every", "10", nproc=None)  # fmt: skip
     out, sent = signal_after(proc, 3, sig, group=False)
     assert sent and proc.returncode == 75, (proc.returncode, out[-3000:])
     name = signal.Signals(sig).name
     saved = re.search(rf"{name}: saved step (\d+), exit 75", out)
     assert saved and (tmp_path / "c" / f"snapshot-{int(saved[1]):09d}.pt").is_file(), out
+    assert "val accuracy" not in out, "an evaluation ran inside the grace period, before the save"
+
+
+@pytest.mark.torchrun
+def test_download_on_two_ranks_is_refused_before_any_download(tmp_path):
+    """No network here: a rank that tried to download would fail on it; none tries."""
+    folder, env = copied(tmp_path)
+    proc = start(folder, env, "--data", "cifar10", "--data-dir", tmp_path / "data", "--download")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and out.count("--download with 2 ranks") == 1, out[-3000:]
+    assert "exitcode: 2" in out and not (tmp_path / "data").exists(), out[-3000:]

@@ -1,0 +1,225 @@
+"""The template's promises, each with a test that fails when the promise breaks.
+
+A world of one runs the template's own ``main()`` in this process (no launch): a
+divergence before the first evaluation, a rerun of a finished job, a resume with dropout,
+a timed save on a controllable clock, a file that would run code, the atomic save's
+fsync order. What needs real processes and real signals is tests/test_template_copy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_script
+
+TINY = ["--model", "mlp", "--image-size", "8", "--num-val", "16", "--no-progress",
+        "--backend", "gloo"]  # fmt: skip
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
+
+@pytest.fixture(scope="module")
+def template():
+    return load_script("train.py")
+
+
+@pytest.fixture
+def kit(template):
+    return template.kit
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torchrun's environment for one rank; the signal handlers and cuDNN flag put back."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.backends.cudnn.benchmark = benchmark
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def snapshot_steps(kit, folder: Path) -> list[int]:
+    return [step for step, _ in kit.list_snapshots(folder)]
+
+
+def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
+    template, kit, tmp_path, one_rank
+):
+    """lr 1e12 on 4 steps an epoch: the periodic check (every 10 steps) never runs before the
+    epoch's evaluation. The evaluation checks first: no best.pt of non-finite weights; then
+    failed.json makes a restart stop at once instead of replaying the divergence; and the
+    TensorBoard scalars logged so far reach the disk on this exit path too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1", "--lr", "1e12",
+            "--warmup", "0", "--log-every", "1", "--clip-grad", "0", "--checkpoint-dir",
+            str(tmp_path / "c"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
+    with pytest.raises(kit.DivergedError, match="stopped being finite at step"):
+        template.main(argv)
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "c" / "best.pt").exists(), "a diverged model was scored and kept"
+    assert not snapshot_steps(kit, tmp_path / "c")
+    failed = json.loads((tmp_path / "c" / "failed.json").read_text())
+    assert "stopped being finite" in failed["error"]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for tag in ("train/loss", "train/lr", "train/samples_per_sec"):  # 12 events: > 1 queue
+        assert [e.step for e in events.Scalars(tag)] == [1, 2, 3, 4], f"{tag}: what was logged"
+    with pytest.raises(SystemExit) as stopped:  # the restart torchrun would make
+        template.main(argv)
+    assert stopped.value.code == 2, "a restart stops at once, before training anything"
+
+
+def test_the_loss_check_alone_stops_a_divergence(kit):
+    """No weights given (the weight check off): a non-finite loss seen at step 3 stops the
+    run at the next agreement, naming step 3."""
+    checks = kit.StopCheck(torch.device("cpu"))
+    try:
+        for step, loss in ((1, 2.0), (2, 1.5), (3, float("nan")), (4, 1.0)):
+            checks.observe(step, torch.tensor(loss))
+        with pytest.raises(kit.DivergedError, match="at step 3"):
+            checks.check(10)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_path, one_rank,
+                                                            capsys):  # fmt: skip
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--max-steps", "3", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main(argv)
+    final = (tmp_path / "final.pt").read_bytes()
+    capsys.readouterr()
+    template.main(argv)
+    assert "nothing left to train" in capsys.readouterr().out
+    assert snapshot_steps(kit, tmp_path) == [3], "no step 4"
+    assert (tmp_path / "final.pt").read_bytes() == final, "final.pt left as it was"
+
+
+def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
+    template, kit, tmp_path, one_rank, monkeypatch
+):
+    """--save-minutes 1 with a clock that moves 61 s at every reading: every agreement (each
+    10 steps) saves. Without --checkpoint-dir nothing could be saved: no timed save at all."""
+    made = []
+
+    class Clocked(kit.StopCheck):
+        def __init__(self, device, every=10, save_minutes=0.0, clock=None):
+            ticks = iter(range(0, 10**6, 61))
+            super().__init__(device, every, save_minutes, clock=lambda: next(ticks))
+            made.append(self)
+
+    monkeypatch.setattr(kit, "StopCheck", Clocked)
+    base = [*TINY, "--num-samples", "256", "--batch-size", "8", "--epochs", "1",
+            "--save-minutes", "1", "--keep", "9"]  # 32 steps  # fmt: skip
+    template.main([*base, "--checkpoint-dir", str(tmp_path)])
+    assert snapshot_steps(kit, tmp_path) == [10, 20, 30, 32], "timed: 10, 20, 30; the epoch: 32"
+    template.main(base)
+    assert made[-1].save_s == 0, "no folder: the timed save is off"
+
+
+class Payload:
+    """What a malicious checkpoint holds: unpickling it would run code (here: make a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("where", ["--pretrain", "a snapshot to resume"])
+def test_a_file_that_would_run_code_is_refused_not_run(template, kit, tmp_path, one_rank, where):
+    marker, ckpt = tmp_path / "code-ran", tmp_path / "ckpt"
+    ckpt.mkdir()
+    evil = tmp_path / "evil.pt" if where == "--pretrain" else kit.snapshot_path(ckpt, 1)
+    torch.save({"model": Payload(marker)}, evil)
+    argv = [*TINY, "--num-samples", "32", "--batch-size", "16", "--epochs", "1",
+            "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    if where == "--pretrain":
+        argv += ["--pretrain", str(evil)]
+    with pytest.raises(kit.CheckpointError, match="weights_only=True"):
+        template.main(argv)
+    assert not marker.exists(), "the file's code ran"
+
+
+def test_an_exact_resume_of_a_model_with_dropout(template, kit, tmp_path, one_rank, monkeypatch):
+    """Dropout draws from the global RNG at every step: a resume must put each rank's back."""
+    real = kit.build_model
+
+    def with_dropout(name, num_classes, image_size=32, in_channels=3):
+        return torch.nn.Sequential(torch.nn.Dropout(0.5), real(name, num_classes, image_size))
+
+    monkeypatch.setattr(kit, "build_model", with_dropout)
+    argv = [*TINY, "--num-samples", "128", "--batch-size", "8", "--epochs", "2", "--warmup", "0"]
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "straight")])
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "cut"), "--max-steps", "11"])
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "cut")])
+    a, b = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("straight", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "bitwise, dropout included"
+
+
+def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, tmp_path,
+                                                                one_rank):  # fmt: skip
+    """After a crash the newest snapshot can be older than best.pt: the score best.pt holds
+    (best.json) is the bar, not the snapshot's."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--checkpoint-dir", str(tmp_path)]
+    template.main([*argv, "--epochs", "1"])
+    best = (tmp_path / "best.pt").read_bytes()
+    [(_, path)] = kit.list_snapshots(tmp_path)
+    older = torch.load(path, weights_only=True)  # as a snapshot older than best.pt would be
+    older["extra"]["best"] = -1.0
+    torch.save(older, path)
+    (tmp_path / "best.json").write_text(json.dumps({"step": 4, "val_accuracy": 1.5}))
+    template.main([*argv, "--epochs", "2"])
+    assert (tmp_path / "best.pt").read_bytes() == best, "overwritten by a worse model"
+
+
+def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
+    """The file's bytes reach the disk before the name points at them; the rename reaches
+    it after (the folder's fsync)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "model.pt"
+    kit.atomic_save({"w": torch.ones(3)}, target)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["fsync", "replace", "fsync"], events
+    assert events[0][1].endswith(".tmp") and events[2][1] == str(tmp_path), events
+
+
+def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypatch):
+    """An ImageFolder checked by 2 ranks: each opens half the files (ImageNet: 1.3 M opens
+    per rank otherwise, on a shared filesystem)."""
+    from PIL import Image
+
+    from ddp_tutorial.real_data import write_example_folder
+
+    root = write_example_folder(tmp_path, train=4, val=2)  # 3 classes: 18 files
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda p, *a: opened.append(p) or real_open(p, *a))
+    for rank in (0, 1):
+        kit.check_image_folder(root, rank, 2)
+    assert len(opened) == 18 == len(set(opened)), "together once each"
