@@ -23,6 +23,8 @@ CASES = register(
                     (PHYSICAL, PHYSICAL + '\n    device = torch.device("cuda", physical)'))),
         Case(GPU, "ignores-cuda-visible-devices", "the LOCAL_RANK",
              edits=((PHYSICAL, "physical = local_rank"),)),
+        Case(GPU, "reads-os-environ-not-env", "not os.environ",
+             edits=((LOCAL, 'local_rank = int(__import__("os").environ["LOCAL_RANK"])'),)),
         Case(GPU, "sorted-list", "expected 7",
              edits=(('listed.split(",")', 'sorted(listed.split(","), key=int)'),)),
     ]

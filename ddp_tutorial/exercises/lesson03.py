@@ -70,7 +70,7 @@ def run_gpu(module: ModuleType, ctx: Context) -> Record:
 
 
 def judge_gpu(records: list[Record]) -> str | None:
-    for rec in records:
+    for rank, rec in enumerate(records):
         for a in rec["answers"]:
             where, env = a["where"], a["env"]
             index, physical = _expected(env)
@@ -95,6 +95,11 @@ def judge_gpu(records: list[Record]) -> str | None:
                         f"{where}: you picked cuda:{physical}, the physical id; inside the "
                         f"process CUDA renumbers the listed cards from 0 in the order written, so "
                         f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK"
+                    )
+                if a["index"] == rank:  # torchrun's LOCAL_RANK here: one node, rank = local
+                    return (
+                        f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
+                        "the variables from `env`, the environment passed in, not os.environ"
                     )
                 return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
             if a["physical"] != physical:
