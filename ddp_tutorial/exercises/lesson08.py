@@ -5,7 +5,7 @@ rank 1 sends itself SIGTERM, as a cluster does when it preempts a job (only wher
 installed: without one SIGTERM ends the process at once, and the check would lose the rank).
 Each rank reports where it stopped, what it saved (and whether from inside the handler), and
 the status it would exit with; ``run`` adds the snapshot rank 0 left. A rank left alone in a
-collective by one that stopped fails on the group's timeout; its peer's last line names it.
+collective by one that stopped fails on the group's timeout, in ``loss.backward()``: named.
 """
 
 from __future__ import annotations
@@ -95,11 +95,10 @@ def judge_preempt(records: list[Record]) -> str | None:
     return None
 
 
-ERRORS = (
-    ("left the training loop after step", "one rank left the training loop while another went "
-     "on into the next step and waited for it in a collective: the SIGTERM reached one process "
-     "only - all_reduce the flag (MAX) at the step boundary, so that every rank stops at the "
-     "same step"),
+ERRORS = (  # matched against each failing rank's error and the line of the file it failed at
+    ("loss.backward()", "a rank went on into the next step and waited in backward's gradient "
+     "all_reduce for a rank that had stopped: the SIGTERM reached one process only - all_reduce "
+     "the flag (MAX) at the step boundary, so that every rank stops at the same step"),
 )  # fmt: skip
 
 EXERCISES = [

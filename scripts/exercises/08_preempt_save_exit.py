@@ -119,8 +119,6 @@ def main() -> int:
         if status:
             break
 
-    if step < total:
-        print(f"rank {rank}: left the training loop after step {step} of {total}", flush=True)
     report = {"rank": rank, "handler": handled, "stopped_at": step, "total": total,
               "status": status, "saves": SAVES, "weights": fingerprint(model.module)}  # fmt: skip
     (out / f"report-rank{rank}.json").write_text(json.dumps(report))  # read by the check
