@@ -25,6 +25,7 @@ CASES = register([
          edits=((SHARD_FIX, "    n = torch.tensor(len(shard))\n"
                             "    dist.all_reduce(n, op=dist.ReduceOp.MIN)\n"
                             "    shard = shard[: int(n)]\n"),)),
+    Case(EX, "evaluated-in-train-mode", "in eval mode", edits=(("            net.eval()\n", ""),)),
     Case(EX, "split-without-filter", "without a label",
          edits=((SHARD_FIX, "    shard = list(DistributedSampler(train_set, shuffle=False))\n"),)),
 ])  # fmt: skip

@@ -14,6 +14,10 @@ CASES = register([
     Case(EX, "sum-never-returned", "copy the all-reduced sum back into the bucket",
          edits=(("    future = work.get_future().then(decompress)\n",
                  "    work.wait()\n"),)),
+    Case(EX, "string-annotations", "DDP refused the hook's signature",
+         edits=(("DDP reads the hook's annotations at run time.\n",
+                 "DDP reads the hook's annotations at run time.\n"
+                 "from __future__ import annotations\n\n"),)),
     Case(EX, "sends-float16", "sent float16",
          edits=(("buffer.to(torch.bfloat16)", "buffer.to(torch.float16)"),)),
 ])  # fmt: skip

@@ -102,7 +102,8 @@ def judge_hook(records: list[Record]) -> str | None:
 
 
 ERRORS = (
-    ("the annotation", "DDP read the hook's annotations and refused them: keep the signature "
+    ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
+     "time: no `from __future__ import annotations` in this file): keep "
      "`(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]`"),
 )  # fmt: skip
 
