@@ -223,3 +223,16 @@ def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypat
     for rank in (0, 1):
         kit.check_image_folder(root, rank, 2)
     assert len(opened) == 18 == len(set(opened)), "together once each"
+
+
+def test_the_log_line_is_the_windows_mean_and_says_when_clipping_is_off(kit, capsys):
+    """Every --log-every steps: the mean loss of the window (not its last step's), and
+    "grad norm off" with --clip-grad 0 (no norm was computed: not "nan")."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    log = kit.TrainLog(rank=0, every=2, global_batch=8, sums=sums)
+    for step, loss in ((1, 1.0), (2, 3.0), (3, 10.0), (4, 20.0)):
+        sums += torch.tensor([loss, 1.0], dtype=torch.float64)
+        log.step(step, sums, 0.1, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["step 2: loss 2.0000", "step 4: loss 15.0000"]
+    assert all("grad norm off" in line for line in lines), lines
