@@ -184,3 +184,25 @@ def test_the_ring_picture_has_a_block_per_step_and_a_box_per_send():
     assert len(ax.images) == 1 and len(ax.patches) == 6 * 4
     titles = [t.get_text() for t in ax.texts if t.get_text().startswith(("start", "RS", "AG"))]
     assert titles == ["start", "RS 1", "RS 2", "RS 3", "AG 1", "AG 2", "AG 3"]
+
+
+def test_lesson_07_shows_the_timing_code_as_it_stands_in_the_files():
+    """Lesson 07 prints the timing functions in its markdown (readable without running):
+    perf.step_times, perf.slowest_rank and the benchmark's lines that use them, as they are."""
+    import inspect
+    import json
+    import re
+    import textwrap
+
+    from conftest import REPO
+    from ddp_tutorial.lessons.speed import source_of
+
+    cells = json.loads((REPO / "notebooks" / "07_scaling_and_performance.ipynb").read_text())
+    text = "\n".join("".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "markdown")
+    shown = re.findall(r"```python\n(.*?)\n```", text, re.S)
+    used = source_of(REPO / "scripts" / "benchmark.py", "ddp_throughput")
+    bench = "\n".join(line for line in used.splitlines() if "perf." in line or "samples" in line)
+    for name, lines in (("perf.step_times", inspect.getsource(perf.step_times)),
+                        ("perf.slowest_rank", inspect.getsource(perf.slowest_rank)),
+                        ("benchmark.py's ddp_throughput", textwrap.dedent(bench))):  # fmt: skip
+        assert lines.rstrip("\n") in shown, f"lesson 07's markdown no longer shows {name} as it is"

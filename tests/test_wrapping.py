@@ -52,6 +52,34 @@ def test_shard_refuses_uneven_batches():
         shard(torch.arange(6), 0, 4)
 
 
+def fenced_python(notebook: str) -> list[str]:
+    """The ```python blocks of a notebook's markdown cells: what a reader sees unexecuted."""
+    import re
+
+    from conftest import REPO
+
+    cells = json.loads((REPO / "notebooks" / notebook).read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return re.findall(r"```python\n(.*?)\n```", text, re.S)
+
+
+def test_lesson_04_shows_the_lines_its_script_runs_as_they_stand_in_the_file():
+    """Lesson 04 prints the taught functions of ddp_anatomy.py in its markdown (readable
+    without running); the notebook asserts they are the lines the ranks ran, this test that
+    the markdown still holds the file's text."""
+    from conftest import load_script
+    from ddp_tutorial.lessons.speed import source_of
+
+    shown = fenced_python("04_ddp_wrapping.ipynb")
+    taught = [fn.__name__ for fn in load_script("demos/ddp_anatomy.py").TAUGHT]
+    assert taught == ["wrap_model", "accumulate", "average_buffers"]
+    for name in taught:
+        assert source_of(DEMOS / "ddp_anatomy.py", name) in shown, (
+            f"lesson 04's markdown no longer shows ddp_anatomy.py's {name} as it stands: "
+            "copy the function's lines into its ```python block"
+        )
+
+
 def timeline(sent: list[float], grads: list[float], done: float = 9.0) -> dict:
     """A recorded step (StepTimeline.record()) with one parameter per bucket."""
     names = [f"p{i}" for i in range(len(grads))]

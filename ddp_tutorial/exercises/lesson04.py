@@ -199,7 +199,8 @@ def judge_buffers(records: list[Record]) -> str | None:
         kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
         layers = sorted({k.rsplit(".", 1)[0] for k in differ})
         return (
-            f"{' and '.join(kinds)} still differ between the ranks (layer(s) {', '.join(layers)}): "
+            f"{' and '.join(kinds)} still differ{'s' if len(kinds) == 1 else ''} between the "
+            f"ranks (layer(s) {', '.join(layers)}): "
             "every BatchNorm statistic of every layer must be made the same - running_mean "
             "and running_var (loop over model.buffers() or named_buffers())"
         )

@@ -6,12 +6,19 @@ One launch runs every experiment of lesson 04 (each launch costs seconds of
 start-up, so they share one): the broadcast at construction, the bucketed
 all_reduce in backward with the order of its events (gradient ready, bucket
 sent, bucket done), replicas after N steps, ``no_sync`` accumulation, unused
-parameters, BatchNorm vs SyncBatchNorm, which buffer-sync spelling syncs when,
+parameters, BatchNorm vs SyncBatchNorm, BatchNorm where SyncBatchNorm cannot run
+(per-process statistics measured against one process, buffers averaged, GroupNorm and
+LayerNorm), which buffer-sync spelling syncs when,
 ``device_ids``, and three pitfalls (``ddp_tutorial.lessons.pitfalls``):
 BatchNorm against the one-process reference, reentrant activation
 checkpointing, two forwards before one backward. Each rank writes what it saw
 to ``--out``; the notebook compares the ranks and checks the claims.
 ``--only NAME`` runs a subset (the tests use it).
+
+The lines the lesson teaches are the functions right below the imports
+(``wrap_model``, ``accumulate``, ``average_buffers``): the lesson shows them as
+they stand here, and every rank records their source, so that the notebook can
+assert that the lines it shows are the ones that ran.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import copy
 import inspect
 import statistics
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import (
+    IN_FEATURES,
+    NUM_CLASSES,
     CommCounter,
     StepTimeline,
     UnusedBranch,
@@ -50,7 +60,43 @@ from ddp_tutorial.lessons.anatomy import (
 from ddp_tutorial.lessons.pitfalls import bn_model, checkpointing, two_forwards
 from ddp_tutorial.models import SmallCNN
 
-EXPERIMENTS = ("wrap", "no_sync", "unused", "batchnorm", "buffers", "device_ids", "pitfalls")
+EXPERIMENTS = ("taught", "wrap", "no_sync", "unused", "batchnorm", "bn_cpu", "buffers",
+               "device_ids", "pitfalls")  # fmt: skip
+
+
+# -- The lines lesson 04 teaches. Its cells show these three functions as they stand here --
+
+
+def wrap_model(model: nn.Module, device: torch.device, local_rank: int, **options: Any) -> DDP:
+    """The DDP line of scripts/minimal_ddp.py: this rank's device first, then the wrapper."""
+    model = model.to(device)  # 1. the model on this rank's device, BEFORE wrapping
+    device_ids = [local_rank] if device.type == "cuda" else None  # a CPU model takes none
+    return DDP(model, device_ids=device_ids, **options)  # 2. broadcasts rank 0's weights
+
+
+def accumulate(model: DDP, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Backward over k micro-batches with one all_reduce: .grad as for one batch of all of them."""
+    k = len(micro_batches)
+    for x, y in micro_batches[:-1]:
+        with model.no_sync():  # forward AND backward in here: the gradients add up, unsent
+            (F.cross_entropy(model(x), y) / k).backward()  # / k: the mean over the whole batch
+    x, y = micro_batches[-1]
+    (F.cross_entropy(model(x), y) / k).backward()  # outside: one all_reduce of the sum
+
+
+def average_buffers(model: nn.Module) -> None:
+    """Every rank's BatchNorm statistics replaced by their mean over the ranks.
+
+    Call it on every rank (it is a collective) before evaluating or saving.
+    """
+    world = dist.get_world_size()
+    for buffer in model.buffers():
+        if buffer.is_floating_point():  # running_mean, running_var; not num_batches_tracked
+            dist.all_reduce(buffer)  # SUM over the ranks, in place
+            buffer /= world
+
+
+TAUGHT = (wrap_model, accumulate, average_buffers)
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +108,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.001, help="small: many buckets")
     parser.add_argument("--timing-steps", type=int, default=10, help="steps per timing block")
     parser.add_argument("--timing-rounds", type=int, default=6, help="interleaved timing rounds")
+    parser.add_argument("--bn-steps", type=int, default=100, help="steps of the BatchNorm runs")
+    parser.add_argument("--bn-batches", type=int, nargs="+", default=[4, 32],
+                        help="per-process batch sizes of the BatchNorm runs")  # fmt: skip
     parser.add_argument("--only", nargs="*", choices=EXPERIMENTS, default=list(EXPERIMENTS))
     parser.add_argument("--backend", default=None, help="auto (default), gloo or nccl")
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
@@ -78,11 +127,8 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
     """Broadcast at construction; averaged, bucketed gradients; identical replicas."""
     model = tiny_model(args.seed + info.rank)  # every rank starts from a DIFFERENT init
     before = flat_params(model)
-    # The lines lesson 04 shows (the DDP line of scripts/minimal_ddp.py), plus a small bucket cap:
-    model = model.to(info.device)  # 1. this rank's device first
     plain = model  # kept only to check below that the wrapper holds this very object
-    device_ids = [info.local_rank] if info.device.type == "cuda" else None  # a CPU module: none
-    model = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)  # 2. broadcast
+    model = wrap_model(model, info.device, info.local_rank, bucket_cap_mb=args.bucket_cap_mb)
     after_wrap = flat_params(model)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
@@ -152,9 +198,7 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
         if name == "one_big_batch":
             F.cross_entropy(ddp(x), y).backward()
         elif name == "accumulate_no_sync":
-            with ddp.no_sync():  # gradients accumulate locally, nothing is sent
-                F.cross_entropy(ddp(micro[0][0]), micro[0][1]).div(2).backward()
-            F.cross_entropy(ddp(micro[1][0]), micro[1][1]).div(2).backward()  # syncs the sum
+            accumulate(ddp, micro)  # the first under no_sync, the last syncs the sum
         elif name == "accumulate_naive":  # without no_sync: every micro-batch is all-reduced
             for mx, my in micro:
                 F.cross_entropy(ddp(mx), my).div(2).backward()
@@ -254,6 +298,81 @@ def exp_batchnorm(args: argparse.Namespace, info: DistInfo) -> dict:
         out["syncbn_collectives"] = syncbn_collectives(info)
     except (ValueError, RuntimeError) as exc:  # CPU/gloo: SyncBatchNorm needs GPUs
         out["syncbn_error"] = first_line(exc)
+    return out
+
+
+def exp_taught(args: argparse.Namespace, info: DistInfo) -> dict:
+    """The source of the lines the lesson shows, as this rank ran them."""
+    return {fn.__name__: inspect.getsource(fn).rstrip("\n") for fn in TAUGHT}
+
+
+def norm_net(norm: str, seed: int, hidden: int = 16) -> nn.Module:
+    """Linear -> a normalisation layer -> ReLU -> Linear, initialised from ``seed`` only."""
+    torch.manual_seed(seed)
+    layer = {"BatchNorm1d": nn.BatchNorm1d(hidden), "GroupNorm": nn.GroupNorm(4, hidden),
+             "LayerNorm": nn.LayerNorm(hidden)}[norm]  # fmt: skip
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), layer, nn.ReLU(),
+                         nn.Linear(hidden, NUM_CLASSES))  # fmt: skip
+
+
+def train_norm(model: nn.Module, per_process: int, steps: int, rank: int, world: int) -> list:
+    """``steps`` SGD steps on this process's shard of each global batch; its losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, per_process * world)
+        losses.append(sgd_step(model, shard(x, rank, world), shard(y, rank, world), opt))
+    return losses
+
+
+def evaluate(model: nn.Module, device: torch.device) -> dict:
+    """Loss and accuracy on 1024 held-out samples, in eval mode (running statistics)."""
+    x, y = (t.to(device) for t in global_batch(10_000, 1024))
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train()
+    return {"loss": F.cross_entropy(out, y).item(), "accuracy": (out.argmax(1) == y).float()
+            .mean().item()}  # fmt: skip
+
+
+def norm_buffers(model: nn.Module) -> dict:
+    return {name: b.detach().cpu().reshape(-1).tolist() for name, b in model.named_buffers()}
+
+
+def exp_bn_cpu(args: argparse.Namespace, info: DistInfo) -> dict:
+    """BatchNorm without SyncBatchNorm: per-process statistics against one process on the
+    global batch (loss, accuracy), the buffers before and after averaging, GroupNorm and
+    LayerNorm (no batch statistics: DDP equals one process)."""
+    runs: dict[str, dict] = {}
+    out: dict = {"runs": runs, "steps": args.bn_steps}
+    norms = [("BatchNorm1d", b) for b in args.bn_batches]
+    norms += [("GroupNorm", args.bn_batches[0]), ("LayerNorm", args.bn_batches[0])]
+    for norm, per_process in norms:
+        model = wrap_model(norm_net(norm, args.seed), info.device, info.local_rank)
+        losses = train_norm(model, per_process, args.bn_steps, info.rank, info.world_size)
+        if norm == "BatchNorm1d" and per_process == args.bn_batches[0]:
+            own = copy.deepcopy(list(model.module.buffers()))  # each rank's, as training left them
+            out["buffers_after_training"] = norm_buffers(model.module)
+            out["eval_own_buffers"] = evaluate(model.module, info.device)
+            model.eval()
+            with torch.no_grad():
+                model(global_batch(0, 2)[0].to(info.device))  # a forward through the wrapper
+            out["buffers_after_wrapper_forward"] = norm_buffers(model.module)  # rank 0's
+            model.train()
+            for buffer, mine in zip(model.module.buffers(), own, strict=True):
+                buffer.copy_(mine)  # back to this rank's own, then the fix:
+            average_buffers(model.module)
+            out["buffers_averaged"] = norm_buffers(model.module)
+        average_buffers(model.module)  # every run is evaluated with the ranks' mean statistics
+        one = norm_net(norm, args.seed).to(info.device)  # one process, the whole global batch
+        one_losses = train_norm(one, per_process * info.world_size, args.bn_steps, 0, 1)
+        runs[f"{norm}, {per_process} per process"] = {
+            "norm": norm, "per_process": per_process, "ddp_losses": losses,
+            "one_losses": one_losses, "ddp_params": flat_params(model),
+            "one_params": flat_params(one), "ddp_eval": evaluate(model.module, info.device),
+            "one_eval": evaluate(one, info.device),
+        }  # fmt: skip
     return out
 
 
@@ -377,10 +496,12 @@ def exp_pitfalls(args: argparse.Namespace, info: DistInfo) -> dict:
 def main() -> None:
     args = parse_args()
     experiments = {
+        "taught": exp_taught,
         "wrap": exp_wrap,
         "no_sync": exp_no_sync,
         "unused": exp_unused,
         "batchnorm": exp_batchnorm,
+        "bn_cpu": exp_bn_cpu,
         "buffers": exp_buffers,
         "device_ids": exp_device_ids,
         "pitfalls": exp_pitfalls,
