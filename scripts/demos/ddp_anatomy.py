@@ -315,13 +315,14 @@ def norm_net(norm: str, seed: int, hidden: int = 16) -> nn.Module:
                          nn.Linear(hidden, NUM_CLASSES))  # fmt: skip
 
 
-def train_norm(model: nn.Module, per_process: int, steps: int, rank: int, world: int) -> list:
+def train_norm(model: nn.Module, per_process: int, steps: int, rank: int, world: int,
+               device: torch.device) -> list:  # fmt: skip
     """``steps`` SGD steps on this process's shard of each global batch; its losses."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = global_batch(step, per_process * world)
-        losses.append(sgd_step(model, shard(x, rank, world), shard(y, rank, world), opt))
+        x, y = (shard(t, rank, world).to(device) for t in global_batch(step, per_process * world))
+        losses.append(sgd_step(model, x, y, opt))
     return losses
 
 
@@ -350,8 +351,11 @@ def exp_bn_cpu(args: argparse.Namespace, info: DistInfo) -> dict:
     norms += [("GroupNorm", args.bn_batches[0]), ("LayerNorm", args.bn_batches[0])]
     for norm, per_process in norms:
         model = wrap_model(norm_net(norm, args.seed), info.device, info.local_rank)
-        losses = train_norm(model, per_process, args.bn_steps, info.rank, info.world_size)
-        if norm == "BatchNorm1d" and per_process == args.bn_batches[0]:
+        losses = train_norm(
+            model, per_process, args.bn_steps, info.rank, info.world_size, info.device
+        )
+        shown = norm == "BatchNorm1d" and per_process == args.bn_batches[0]  # its buffers
+        if shown:
             own = copy.deepcopy(list(model.module.buffers()))  # each rank's, as training left them
             out["buffers_after_training"] = norm_buffers(model.module)
             out["eval_own_buffers"] = evaluate(model.module, info.device)
@@ -362,11 +366,12 @@ def exp_bn_cpu(args: argparse.Namespace, info: DistInfo) -> dict:
             model.train()
             for buffer, mine in zip(model.module.buffers(), own, strict=True):
                 buffer.copy_(mine)  # back to this rank's own, then the fix:
-            average_buffers(model.module)
-            out["buffers_averaged"] = norm_buffers(model.module)
         average_buffers(model.module)  # every run is evaluated with the ranks' mean statistics
+        if shown:
+            out["buffers_averaged"] = norm_buffers(model.module)
         one = norm_net(norm, args.seed).to(info.device)  # one process, the whole global batch
-        one_losses = train_norm(one, per_process * info.world_size, args.bn_steps, 0, 1)
+        global_size = per_process * info.world_size
+        one_losses = train_norm(one, global_size, args.bn_steps, 0, 1, info.device)
         runs[f"{norm}, {per_process} per process"] = {
             "norm": norm, "per_process": per_process, "ddp_losses": losses,
             "one_losses": one_losses, "ddp_params": flat_params(model),
