@@ -1,4 +1,5 @@
-"""Lesson 11's exercise: wrong bf16 compression hooks, each named (edits of the solution)."""
+"""Lesson 11's exercises: wrong mixed-precision steps and bf16 hooks, each named (edits of the
+solutions)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,30 @@ import pytest
 from exercise_cases import Case, assert_verdict, register
 
 EX = "11_bf16_hook"
+AMP = "11_amp_step"
 CASES = register([
+    Case(AMP, "all-reduce-every-micro-batch", "model.no_sync()",
+         edits=(("sync = nullcontext() if last else model.no_sync()", "sync = nullcontext()"),)),
+    Case(AMP, "no-autocast", "torch.autocast",
+         edits=(("cast = torch.autocast(x.device.type, dtype=dtype)", "cast = nullcontext()"),)),
+    Case(AMP, "backward-on-the-unscaled-loss", "scaler.scale(loss)",
+         edits=(("to_backward = scaler.scale(loss)", "to_backward = loss"),)),
+    Case(AMP, "optimizer-step-past-the-scaler", "not optimizer.step()",
+         edits=(("    scaler.step(optimizer)", "    optimizer.step()"),)),
+    Case(AMP, "optimizer-step-no-scaler", "step through the scaler",
+         edits=(("    scaler.step(optimizer)", "    optimizer.step()"),
+                ("    scaler.update()  # after a skip: the scale halves\n", ""))),
+    Case(AMP, "step-every-micro-batch", "one scaler.step, after the last micro-batch",
+         edits=(("        total += loss.item()\n",
+                 "        total += loss.item()\n        scaler.step(optimizer)\n"
+                 "        scaler.update()\n"),
+                ("    scaler.step(optimizer)  # unscales", "    # unscales"),
+                ("    scaler.update()  # after a skip: the scale halves\n", ""))),
+    Case(AMP, "no-update", "call scaler.update() after every scaler.step",
+         edits=(("    scaler.update()  # after a skip: the scale halves\n", ""),)),
+    Case(AMP, "loss-not-divided", "divide each micro-batch's loss",
+         edits=(("loss = nn.functional.cross_entropy(model(x), y) / accum",
+                 "loss = nn.functional.cross_entropy(model(x), y)"),)),
     Case(EX, "sum-not-mean", "divide by the world size",
          edits=((".div_(world_size)", ""),)),
     Case(EX, "sends-float32", "cast the bucket to torch.bfloat16",

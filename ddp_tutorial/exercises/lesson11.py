@@ -1,5 +1,8 @@
-"""Lesson 11's exercise: a communication hook that compresses the gradients to bf16.
+"""Lesson 11's exercises: a comm hook that compresses the gradients to bf16; a mixed-precision step.
 
+``11_amp_step``: the learner's ``amp_step`` (autocast, a GradScaler, ``no_sync`` accumulation)
+runs one float16 step on every rank, which is compared with float32 on the global batch, then a
+step with an inf in one rank's gradient, which every rank must skip.
 ``11_bf16_hook``: the learner writes the hook torch ships as ``default_hooks.bf16_compress_hook``.
 ``run`` trains two copies of one model side by side on every rank: plain DDP, and DDP with the
 learner's hook; it records both gradients and what the hook handed to ``dist.all_reduce``
@@ -17,9 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+
+AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale; float16 vs 32
 
 STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
@@ -101,6 +107,124 @@ def judge_hook(records: list[Record]) -> str | None:
     return None
 
 
+def amp_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: 8 samples per rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8 * world_size, 16, generator=g), torch.randint(
+        0, 4, (8 * world_size,), generator=g
+    )
+
+
+def amp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def run_amp(module: ModuleType, ctx: Context) -> Record:
+    """Step 0: the learner's float16 step against float32 on the global batch; step 1: an inf
+    in rank 1's first micro-batch gradient (inside no_sync). DDP's all_reduces are counted."""
+    model = DDP(amp_model())
+    counts = [0]
+
+    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+        counts[0] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counted)
+    dtypes: set[str] = set()
+    model.module[0].register_forward_hook(lambda m, i, out: dtypes.add(str(out.dtype)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE)
+    record: Record = {"allreduces": [], "dtypes": []}
+
+    def step(n: int) -> None:
+        x, y = amp_batch(n, ctx.world_size)
+        mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))
+        micro = list(zip(x[mine].chunk(2), y[mine].chunk(2), strict=True))
+        counts[0] = 0
+        dtypes.clear()
+        module.amp_step(model, micro, optimizer, scaler, torch.float16)
+        record["allreduces"].append(counts[0])
+        record["dtypes"].append(sorted(dtypes))
+
+    before = flat(model)
+    step(0)
+    reference = amp_model()  # float32, one process, the global batch
+    x, y = amp_batch(0, ctx.world_size)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    with torch.no_grad():
+        want = torch.cat([-AMP_LR * p.grad.reshape(-1) for p in reference.parameters()])
+    got = flat(model) - before
+    record["ratio"] = (got.norm() / want.norm()).item()
+    record["gap"] = ((got - want).abs().max() / want.abs().max()).item()
+
+    calls: list[int] = []
+
+    def first_call_inf(grad: torch.Tensor) -> torch.Tensor:
+        """Rank 1's first micro-batch (inside no_sync: nothing sent yet) gets an inf."""
+        calls.append(1)
+        return grad.clone().fill_(float("inf")) if len(calls) == 1 else grad
+
+    weight = model.module[0].weight
+    hook = weight.register_hook(first_call_inf) if ctx.rank == 1 else None
+    before = flat(model)
+    step(1)
+    if hook is not None:
+        hook.remove()
+    after = flat(model)
+    record.update(
+        inf_moved=not torch.equal(before, after),
+        finite=bool(torch.isfinite(after).all()),
+        weights=after.tolist(),
+    )
+    return record
+
+
+def judge_amp(records: list[Record]) -> str | None:
+    for rank, rec in enumerate(records):
+        if not rec["finite"]:
+            return (f"rank {rank}'s weights became inf after a step with an inf gradient: "
+                    "step through the scaler, scaler.step(optimizer), which skips it")  # fmt: skip
+        if rec["ratio"] == 0:
+            return ("the weights never moved: after the micro-batches, scaler.step(optimizer), "
+                    "then scaler.update()")  # fmt: skip
+        if rec["allreduces"][0] != 1:
+            return (f"DDP all-reduced {rec['allreduces'][0]} times in one step of 2 micro-batches: "
+                    "all but the last run under model.no_sync(), so that one all_reduce carries "
+                    "their sum")  # fmt: skip
+        if rec["dtypes"][0] != ["torch.float16"]:
+            return (f"the forward ran in {', '.join(rec['dtypes'][0]) or 'nothing'}, not in the "
+                    "float16 asked for: forward and loss under torch.autocast(x.device.type, "
+                    "dtype=dtype)")  # fmt: skip
+        if rec["inf_moved"]:
+            return (f"rank {rank} stepped although rank 1's gradient held an inf: the scaler "
+                    "must see the gradients after DDP's all_reduce: one scaler.step, after the "
+                    "last micro-batch")  # fmt: skip
+        if abs(rec["ratio"] * 2 - 1) < 0.1 or abs(rec["ratio"] / 2 - 1) < 0.1:
+            return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: "
+                    "divide each micro-batch's loss by their number (accum)")  # fmt: skip
+        if rec["gap"] > AMP_TOL:
+            return (f"the step differs from float32's on the global batch by {rec['gap']:.2g} of "
+                    f"its largest element (float16 rounding stays below {AMP_TOL:g})")  # fmt: skip
+    if any(rec["weights"] != records[0]["weights"] for rec in records):
+        return "the ranks ended with different weights: every rank must step alike"
+    return None
+
+
+AMP_ERRORS = (
+    ("Attempted step but _scale is None", "backward() ran on the loss itself: with a GradScaler "
+     "it must run on scaler.scale(loss) (fp16: small gradients stay above 0)"),
+    ("No inf checks were recorded prior to update", "scaler.update() came after a step that "
+     "went past the scaler: step with scaler.step(optimizer), not optimizer.step() - it "
+     "unscales the gradients and skips a step with inf or nan"),
+    ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
+     "without scaler.update() between: call scaler.update() after every scaler.step"),
+)  # fmt: skip
+
 ERRORS = (
     ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
      "time: no `from __future__ import annotations` in this file): keep "
@@ -108,6 +232,11 @@ ERRORS = (
 )  # fmt: skip
 
 EXERCISES = [
+    Exercise(
+        name="11_amp_step", lesson="11", run=run_amp, judge=judge_amp,
+        title="a mixed-precision step with accumulation: autocast, GradScaler, no_sync",
+        teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
+    ),
     Exercise(
         name="11_bf16_hook", lesson="11", run=run_hook, judge=judge_hook,
         title="a comm hook that sends the gradients as bfloat16",

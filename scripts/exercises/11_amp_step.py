@@ -1,0 +1,51 @@
+"""Lesson 11, your turn: a mixed-precision optimizer step with accumulation, under DDP.
+
+Lesson 11, "1 · Mixed precision under DDP": forward and loss under autocast (the 16-bit type
+`dtype`); backward through a `GradScaler` (float16 needs it: the loss times the scale, so that
+small gradients stay above 0); `accum` micro-batches per optimizer step, DDP's all_reduce on the
+last one only (`model.no_sync()` on the others); then the step through the scaler, which
+unscales the gradients and skips the step if one is inf or nan, and the scaler's update. The
+check runs your `amp_step` on 2 gloo ranks in float16 with a GradScaler, counts DDP's
+all_reduces, compares the step with float32 on the global batch, and puts an inf into one
+rank's gradient: every rank must skip that step and halve its scale.
+
+Check it:
+
+    ddp-tutorial check 11
+"""
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+
+def amp_step(
+    model: nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    dtype: torch.dtype,
+) -> float:
+    """One optimizer step of the DDP ``model`` over ``micro_batches``, in ``dtype``; the loss."""
+    accum, total = len(micro_batches), 0.0
+    optimizer.zero_grad(set_to_none=True)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == accum - 1
+        sync, cast = nullcontext(), nullcontext()
+        # YOUR CODE: `sync`: no all_reduce but on the last micro-batch; `cast`: autocast
+        # (lesson 11's snippet: `model.no_sync()`; `torch.autocast(device_type, dtype=...)`)
+        # END YOUR CODE
+        with sync:
+            with cast:
+                loss = nn.functional.cross_entropy(model(x), y) / accum
+            to_backward = loss
+            # YOUR CODE: what backward() must run on, with a GradScaler
+            # (the loss, multiplied by the scaler's scale)
+            # END YOUR CODE
+            to_backward.backward()
+        total += loss.item()
+    # YOUR CODE: the optimizer step, and the scale for the next one
+    # (two lines: the step through the scaler, then its update)
+    # END YOUR CODE
+    return total
