@@ -20,6 +20,9 @@ CASES = register([
          edits=((SAVE, SAVE.replace("if rank == 0:", "if True:")),)),
     Case(EX, "stops-without-saving", "no snapshot of step",
          edits=((SAVE, SAVE.replace("if rank == 0:", "if False:")),)),
+    Case(EX, "exits-in-the-loop", "set status = PREEMPTED and break",
+         edits=(("                status = PREEMPTED\n                break\n",
+                 "                raise SystemExit(PREEMPTED)\n"),)),
 ])  # fmt: skip
 
 

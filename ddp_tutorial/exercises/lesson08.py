@@ -96,6 +96,9 @@ def judge_preempt(records: list[Record]) -> str | None:
 
 
 ERRORS = (  # matched against each failing rank's error and the line of the file it failed at
+    ("SystemExit: 75", "the file exited with 75 from inside the loop: right for a job on a "
+     "cluster, but this file reports first - set status = PREEMPTED and break, and main() "
+     "returns it (on a cluster, end the script with sys.exit(main()))"),
     ("loss.backward()", "a rank went on into the next step and waited in backward's gradient "
      "all_reduce for a rank that had stopped: the SIGTERM reached one process only - all_reduce "
      "the flag (MAX) at the step boundary, so that every rank stops at the same step"),
