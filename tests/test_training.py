@@ -406,6 +406,8 @@ def test_a_failed_save_stops_every_rank_at_once_with_rank_0s_error(runs):
         err = run.rank_log(rank, "stderr")
         assert "rank 0 failed to save" in err and "File too large" in err, (rank, err[-2000:])
     assert not list((run.run_dir / "ckpt").glob("snapshot-*.pt")), "no partial snapshot left"
+    failed = json.loads((run.run_dir / "ckpt" / "failed.json").read_text())
+    assert "File too large" in failed["error"], "a restart would stop at once, naming it"
 
 
 @pytest.mark.torchrun
