@@ -15,10 +15,10 @@ every epoch, the final weights.
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
-from ddp_tutorial.exercises.runner import meet
+from ddp_tutorial.exercises.runner import agent_store, meet
 
-DELAY_S = 0.5  # how long rank 0's torch.save is held up in the first save
+DELAY_S = 1.5  # the longest rank 0's first torch.save waits for the other ranks to return
 EPOCH, STEP = 3, 120  # what the first save is asked to store
 
 
@@ -47,14 +47,16 @@ def _target(f: Any) -> str:
 
 
 @contextmanager
-def _spied_save(calls: list[str], delay_s: float = 0.0, kill: bool = False) -> Iterator[None]:
-    """Record every torch.save target; hold the write up, or write half of it and die."""
+def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
+                kill: bool = False) -> Iterator[None]:  # fmt: skip
+    """Record every torch.save target; hold the write up (``hold``), or write half and die."""
     real = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(_target(f))
         if not kill:
-            time.sleep(delay_s)
+            if hold is not None:
+                hold()
             return real(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         real(obj, buffer, *args, **kwargs)
@@ -131,17 +133,28 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
     meet(ctx, "05-ready")  # the check's own waits go through torchrun's store: a learner's
     # collective left unmatched costs only the learner's call, not the check's next step
 
-    # 1. every rank saves; rank 0's write is held up for DELAY_S
+    # 1. every rank saves; rank 0's write waits until the other ranks have returned (a rank
+    # that returns before the file exists did not wait for it), or DELAY_S at most
+    store, returned = agent_store(), f"{ctx.out.name}/05-returned"
+
+    def hold() -> None:
+        try:
+            store.wait([f"{returned}/{r}" for r in range(1, ctx.world_size)],
+                       datetime.timedelta(seconds=DELAY_S))  # fmt: skip
+        except Exception:  # they are waiting for this write, as they should: go on
+            pass
+
     calls: list[str] = []
     replaced: list[tuple[str, str]] = []
     fsyncs: list[int] = []
     try:
-        with _spied_save(calls, DELAY_S if ctx.rank == 0 else 0.0), _spied_os(replaced, fsyncs):
+        with _spied_save(calls, hold if ctx.rank == 0 else None), _spied_os(replaced, fsyncs):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:
         record["save_error"] = _error(exc)
     record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs),
                   there_on_return=path.is_file())  # fmt: skip
+    store.set(f"{returned}/{ctx.rank}", "")
     meet(ctx, "05-saved")
     record["saved"] = _read(path) if path.is_file() else None
     record["left_in_folder"] = sorted(p.name for p in folder.iterdir() if p.name != path.name)
@@ -216,7 +229,7 @@ def judge_atomic(records: list[Record]) -> str | None:
     if late:
         return (
             f"rank {late[0]} returned from save_snapshot before rank 0's file was in place "
-            f"(rank 0 took {DELAY_S} s to write it): every rank must wait at "
+            f"(rank 0 was still writing it): every rank must wait at "
             "dist.barrier() after the write, so that no rank reads a file that is not there"
         )
     saved = first["saved"]
