@@ -93,18 +93,23 @@ def test_a_copy_trains_is_preempted_with_workers_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_a_rank_exits_75_after_a_real_signal(tmp_path, sig):
-    """``python train.py``, a world of one: the process's own exit status, no launcher between."""
+def test_a_rank_exits_75_after_a_real_sigterm_and_a_real_sigusr1(tmp_path):
+    """``python train.py``, a world of one: the process's own exit status, no launcher between
+    (two processes side by side, one signal each); --eval-every 10 is due at the stop step."""
+    from concurrent.futures import ThreadPoolExecutor
+
     folder, env = copied(tmp_path)
-    proc = start(folder, env, *ARGS, "--num-workers", "0", "--checkpoint-dir", tmp_path / "c",
-                 "--eval-every", "10", nproc=None)  # fmt: skip
-    out, sent = signal_after(proc, 3, sig, group=False)
-    assert sent and proc.returncode == 75, (proc.returncode, out[-3000:])
-    name = signal.Signals(sig).name
-    saved = re.search(rf"{name}: saved step (\d+), exit 75", out)
-    assert saved and (tmp_path / "c" / f"snapshot-{int(saved[1]):09d}.pt").is_file(), out
-    assert "val accuracy" not in out, "an evaluation ran inside the grace period, before the save"
+    procs = {sig: start(folder, env, *ARGS, "--num-workers", "0", "--eval-every", "10",
+                        "--checkpoint-dir", tmp_path / sig.name, nproc=None)
+             for sig in (signal.SIGTERM, signal.SIGUSR1)}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        ended = {sig: pool.submit(signal_after, proc, 3, sig, False) for sig, proc in procs.items()}
+        results = {sig: future.result() for sig, future in ended.items()}
+    for sig, (out, sent) in results.items():
+        assert sent and procs[sig].returncode == 75, (sig, procs[sig].returncode, out[-3000:])
+        saved = re.search(rf"{sig.name}: saved step (\d+), exit 75", out)
+        assert saved and (tmp_path / sig.name / f"snapshot-{int(saved[1]):09d}.pt").is_file(), out
+        assert "val accuracy" not in out, "an evaluation ran inside the grace period, first"
 
 
 @pytest.mark.torchrun
