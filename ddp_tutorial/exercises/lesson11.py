@@ -31,12 +31,24 @@ STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
 
 
+def ready_for_ddp(ctx: Context) -> None:
+    """DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
+    machine, and not the same seconds on every rank. Imported here, then the ranks meet in
+    torchrun's store (no collective timeout there), so a slow import cannot pass for a hang."""
+    import torch._dynamo  # noqa: F401
+
+    from ddp_tutorial.exercises.runner import meet  # not at the top: the runner imports us
+
+    meet(ctx, "dynamo-imported")
+
+
 def grads(model: nn.Module) -> list[float]:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
 
 
 def run_hook(module: ModuleType, ctx: Context) -> Record:
     """Plain DDP and DDP with the learner's hook, the same model and data; what each computed."""
+    ready_for_ddp(ctx)
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
@@ -127,6 +139,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 def run_amp(module: ModuleType, ctx: Context) -> Record:
     """Step 0: the learner's float16 step against float32 on the global batch; step 1: an inf
     in rank 1's first micro-batch gradient (inside no_sync). DDP's all_reduces are counted."""
+    ready_for_ddp(ctx)
     model = DDP(amp_model())
     counts = [0]
 
