@@ -153,7 +153,7 @@ def _third_party_imports(paths) -> set[str]:
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-    return found - set(sys.stdlib_module_names) - {"ddp_tutorial", "__future__"}
+    return found - set(sys.stdlib_module_names) - {"ddp_tutorial", "ddp_kit", "__future__"}
 
 
 def test_gpu_check_needs_what_the_package_and_scripts_import():
