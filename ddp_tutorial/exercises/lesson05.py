@@ -128,10 +128,15 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
     folder = ctx.out / "snapshots"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "snapshot.pt"
-    model, optimizer = _model()
-    record: Record = {"rank": ctx.rank}
+    # DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
+    # machine, not the same on every rank. Imported here, then the ranks meet in torchrun's
+    # store (no collective timeout there), so that a slow import cannot pass for a hang.
+    import torch._dynamo  # noqa: F401
+
     meet(ctx, "05-ready")  # the check's own waits go through torchrun's store: a learner's
     # collective left unmatched costs only the learner's call, not the check's next step
+    model, optimizer = _model()
+    record: Record = {"rank": ctx.rank}
 
     # 1. every rank saves; rank 0's write waits until the other ranks have returned (a rank
     # that returns before the file exists did not wait for it), or DELAY_S at most

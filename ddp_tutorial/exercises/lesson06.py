@@ -56,6 +56,14 @@ def reference(world_size: int, clip: bool) -> list[dict[str, object]]:
 
 
 def run_clip(module: ModuleType, ctx: Context) -> Record:
+    # DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
+    # machine, not the same on every rank. Imported here, then the ranks meet in torchrun's
+    # store (no collective timeout there), so that a slow import cannot pass for a hang.
+    import torch._dynamo  # noqa: F401
+
+    from ddp_tutorial.exercises.runner import meet  # not at the top: the runner imports us
+
+    meet(ctx, "06-ready")  # in torchrun's store: no collective timeout there
     model = nn.parallel.DistributedDataParallel(_net())
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
