@@ -74,7 +74,7 @@ def test_a_copy_trains_is_preempted_with_workers_and_resumes_exactly(tmp_path):
     folder, env = copied(tmp_path)
     straight = start(folder, env, *ARGS, "--checkpoint-dir", tmp_path / "straight")
     job = start(folder, env, *ARGS, "--checkpoint-dir", tmp_path / "job")
-    out, sent = signal_after(job, 5, signal.SIGTERM, group=True)  # every process: workers too
+    out, sent = signal_after(job, 1, signal.SIGTERM, group=True)  # every process: workers too
     straight_out = straight.communicate(timeout=300)[0]
     assert straight.returncode == 0, straight_out[-3000:]
     assert "ModuleNotFoundError" not in out and sent, out[-3000:]
