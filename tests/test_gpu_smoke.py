@@ -14,10 +14,11 @@ import pytest
 
 from conftest import REPO
 from ddp_tutorial.harness import gpu_probes, gpu_smoke
+from ddp_tutorial.harness.gpu_check import Step
 
 
 def test_the_plan_fits_eight_minutes_and_names_what_exists(tmp_path):
-    steps = gpu_smoke.plan(tmp_path)
+    steps = gpu_smoke.smoke_plan(tmp_path)
     assert sum(s.timeout_s for s in steps) == gpu_smoke.BUDGET_S <= 8 * 60
     for step in steps:
         if "gpu_probes" in step.command:
@@ -34,18 +35,18 @@ def test_a_failing_and_a_hanging_step_are_rows_and_the_rest_still_runs(
 ):
     py = sys.executable
     fake = [
-        gpu_smoke.Step("fails", [py, "-c", "raise SystemExit(3)"], 20),
-        gpu_smoke.Step("hangs", [py, "-c", "import time; time.sleep(60)"], 1.5),
-        gpu_smoke.Step(
+        Step("fails", [py, "-c", "raise SystemExit(3)"], 20),
+        Step("hangs", [py, "-c", "import time; time.sleep(60)"], 1.5),
+        Step(
             "measures",
             [py, "-m", "ddp_tutorial.harness.gpu_probes", "nope", str(tmp_path)],
             30,
-            "nope",
+            measures="nope",
         ),  # fmt: skip
-        gpu_smoke.Step("works", [py, "-c", "print('fine')"], 20),
+        Step("works", [py, "-c", "print('fine')"], 20),
     ]
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(gpu_smoke, "plan", lambda out: fake)
+    monkeypatch.setattr(gpu_smoke, "smoke_plan", lambda out: fake)
     monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 1)
     assert gpu_smoke.main([]) == 1
     rows = json.loads((tmp_path / "smoke.json").read_text())

@@ -118,7 +118,7 @@ def judge_gpu(records: list[Record]) -> str | None:
 
 EXERCISES = [
     Exercise(
-        name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu, collective_timeout_s=20,
+        name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu,
         title="this rank's device, and the physical GPU behind it",
         teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
     ),

@@ -124,20 +124,10 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-def run_atomic(module: ModuleType, ctx: Context) -> Record:
-    folder = ctx.out / "snapshots"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "snapshot.pt"
-    # DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
-    # machine, not the same on every rank. Imported here, then the ranks meet in torchrun's
-    # store (no collective timeout there), so that a slow import cannot pass for a hang.
-    import torch._dynamo  # noqa: F401
-
-    meet(ctx, "05-ready")  # the check's own waits go through torchrun's store: a learner's
-    # collective left unmatched costs only the learner's call, not the check's next step
-    model, optimizer = _model()
-    record: Record = {"rank": ctx.rank}
-
+def _save_phase(
+    module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
+) -> None:
+    folder = path.parent
     # 1. every rank saves; rank 0's write waits until the other ranks have returned (a rank
     # that returns before the file exists did not wait for it), or DELAY_S at most
     store, returned = agent_store(), f"{ctx.out.name}/05-returned"
@@ -165,6 +155,10 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
     record["left_in_folder"] = sorted(p.name for p in folder.iterdir() if p.name != path.name)
     meet(ctx, "05-read")
 
+
+def _kill_phase(
+    module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
+) -> None:
     # 2. rank 0 alone saves again, and dies halfway through torch.save
     if ctx.rank == 0 and record["saved"] and "error" not in record["saved"]:
         died: list[str] = []
@@ -184,6 +178,11 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
             record["kill"] = f"raised {_error(exc)}"
     meet(ctx, "05-killed")
 
+
+def _load_phase(
+    module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
+) -> None:
+    folder = path.parent
     # 3. every rank loads a snapshot whose tensors rank 0 saved from cuda:0
     gpu_file = folder / "from-gpu.pt"
     if ctx.rank == 0:
@@ -214,10 +213,28 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
     except Exception as exc:
         record["load_error"] = _error(exc)
     record["loads"] = loads
+
+
+def run_atomic(module: ModuleType, ctx: Context) -> Record:
+    folder = ctx.out / "snapshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "snapshot.pt"
+    # DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
+    # machine, not the same on every rank. Imported here, then the ranks meet in torchrun's
+    # store (no collective timeout there), so that a slow import cannot pass for a hang.
+    import torch._dynamo  # noqa: F401
+
+    meet(ctx, "05-ready")  # the check's own waits go through torchrun's store: a learner's
+    # collective left unmatched costs only the learner's call, not the check's next step
+    model, optimizer = _model()
+    record: Record = {"rank": ctx.rank}
+    for phase in (_save_phase, _kill_phase, _load_phase):
+        phase(module, ctx, model, optimizer, path, record)
     return record
 
 
-def judge_atomic(records: list[Record]) -> str | None:
+def _judge_writes(records: list[Record]) -> str | None:
+    """Who wrote, whether the others waited, and what the file holds."""
     first = records[0]
     writers = [r["rank"] for r in records if r["saves"]]
     if len(writers) > 1:
@@ -253,6 +270,11 @@ def judge_atomic(records: list[Record]) -> str | None:
                 f"to save epoch {EPOCH}, step {STEP}")  # fmt: skip
     if not saved["momentum"]:
         return "the optimizer's state is empty: save optimizer.state_dict() (its momentum)"
+    return None
+
+
+def _judge_crash_safety(first: Record) -> str | None:
+    """A save killed halfway left the old snapshot; temp file beside it, fsynced, renamed."""
     kill = first.get("kill")
     if kill != "intact":
         return (
@@ -276,6 +298,11 @@ def judge_atomic(records: list[Record]) -> str | None:
         )
     if first["left_in_folder"]:
         return f"files left beside the snapshot after a save: {first['left_in_folder']}"
+    return None
+
+
+def _judge_loads(records: list[Record]) -> str | None:
+    """Every rank loaded the snapshot onto its own device, weights only."""
     for r in records:
         if "load_error" in r:
             if "CUDA device" in r["load_error"]:
@@ -293,6 +320,11 @@ def judge_atomic(records: list[Record]) -> str | None:
                     "this rank's device: return torch.load(path, map_location=device, "
                     "weights_only=True)")  # fmt: skip
     return None
+
+
+def judge_atomic(records: list[Record]) -> str | None:
+    return (_judge_writes(records) or _judge_crash_safety(records[0])
+            or _judge_loads(records))  # fmt: skip
 
 
 # ---------------------------------------------------------------- 05_exact_resume

@@ -28,7 +28,7 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def expected(n: int, seed: int, epoch: int, consumed: int, world: int) -> list[list[int]]:
+def _expected(n: int, seed: int, epoch: int, consumed: int, world: int) -> list[list[int]]:
     rest = epoch_order(n, seed, epoch)[consumed:]
     rest += rest[: -len(rest) % world]
     return [rest[r::world] for r in range(world)]
@@ -49,7 +49,7 @@ def judge_rest(records: list[Record]) -> str | None:
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
         lists = [r["got"][i] for r in records]
-        want = expected(n, seed, epoch, consumed, world)
+        want = _expected(n, seed, epoch, consumed, world)
         order = epoch_order(n, seed, epoch)
         done, rest = set(order[:consumed]), order[consumed:]
         if lists == want:

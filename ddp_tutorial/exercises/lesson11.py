@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
@@ -132,8 +133,8 @@ def amp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def _flat(model: nn.Module) -> torch.Tensor:
+    return parameters_to_vector(model.parameters()).detach()
 
 
 def run_amp(module: ModuleType, ctx: Context) -> Record:
@@ -164,14 +165,14 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
         record["allreduces"].append(counts[0])
         record["dtypes"].append(sorted(dtypes))
 
-    before = flat(model)
+    before = _flat(model)
     step(0)
     reference = amp_model()  # float32, one process, the global batch
     x, y = amp_batch(0, ctx.world_size)
     nn.functional.cross_entropy(reference(x), y).backward()
     with torch.no_grad():
         want = torch.cat([-AMP_LR * p.grad.reshape(-1) for p in reference.parameters()])
-    got = flat(model) - before
+    got = _flat(model) - before
     record["ratio"] = (got.norm() / want.norm()).item()
     record["gap"] = ((got - want).abs().max() / want.abs().max()).item()
 
@@ -184,11 +185,11 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
 
     weight = model.module[0].weight
     hook = weight.register_hook(first_call_inf) if ctx.rank == 1 else None
-    before = flat(model)
+    before = _flat(model)
     step(1)
     if hook is not None:
         hook.remove()
-    after = flat(model)
+    after = _flat(model)
     record.update(
         inf_moved=not torch.equal(before, after),
         finite=bool(torch.isfinite(after).all()),

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
@@ -58,8 +59,8 @@ def rank_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+def _flat(model: nn.Module) -> torch.Tensor:
+    return parameters_to_vector(model.parameters()).detach()
 
 
 def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
@@ -161,9 +162,9 @@ def references(rank: int, world: int) -> dict[str, Any]:
     alone = make_model(0)
     train(alone, rank, LR)
     return {
-        "ddp": flat(ddp.module),
-        "summed": flat(summed.module),
-        "alone": flat(alone),
+        "ddp": _flat(ddp.module),
+        "summed": _flat(summed.module),
+        "alone": _flat(alone),
         "ddp_seconds": seconds,
     }
 
@@ -181,7 +182,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             module.broadcast_parameters(model)
             module.add_gradient_hooks(model)
             mine, finish = None, lambda: None
-        start = flat(model)
+        start = _flat(model)
         for p in params:  # after the learner's hooks: these run once theirs have
             p.register_post_accumulate_grad_hook(
                 lambda _p: setattr(trace, "grads", trace.grads + 1)
@@ -198,10 +199,10 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             buckets = repr(found)
 
     def far(other: torch.Tensor) -> float:
-        return (flat(model) - other).abs().max().item()
+        return (_flat(model) - other).abs().max().item()
 
     return {
-        "start_is_rank0": torch.equal(start, flat(make_model(0))),
+        "start_is_rank0": torch.equal(start, _flat(make_model(0))),
         "nparams": len(params),
         "nbytes": [p.numel() * p.element_size() for p in params],
         "buckets": buckets,
@@ -278,14 +279,8 @@ def per_step(rec: Record, kind: str) -> list[list[dict[str, Any]]]:
     ]
 
 
-def judge_buckets(records: list[Record]) -> str | None:
-    mistake = judge_start(records)
-    if mistake:
-        return mistake
-    rec = records[0]
-    want = expected_buckets(rec["nbytes"])
-    n = rec["nparams"]
-    got = rec["buckets"]
+def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
+    """The buckets the learner built, against DDP's rule (reverse order, closed at the cap)."""
     if not isinstance(got, list) or not got:
         return (
             f"self.buckets is {got!r}: it must hold the parameters in {len(want)} lists, "
@@ -313,51 +308,73 @@ def judge_buckets(records: list[Record]) -> str | None:
             "parameters in reverse, add each to the current bucket, and close it once it "
             f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B)"
         )
+    return None
+
+
+def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> str | None:
+    """One rank's all_reduces and waits, step by step: one per bucket, async, overlapped."""
+    calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
+    for s in range(STEPS):
+        if len(calls[s]) == n and n != len(want):
+            return (
+                f"rank {rank} called all_reduce {n} times in step {s}, once per "
+                f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
+                "into one tensor (torch.cat) and all_reduce that, once per bucket"
+            )
+        if len(calls[s]) != len(want):
+            return (
+                f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
+                f"for {len(want)} buckets: exactly one per bucket per step (are the "
+                "ready counts reset after each step?)"
+            )
+        blocking = [c for c in calls[s] if not c["async_op"]]
+        if blocking:
+            return (
+                f"rank {rank}'s all_reduce in step {s} blocked backward until it "
+                "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
+                "it returns, and wait on it in finish_gradient_sync"
+            )
+        if steps[s] and steps[s][0]["unwaited"]:
+            return (
+                f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
+                "were never waited on before optimizer.step(): an async all_reduce "
+                "may still be writing into its tensor - call work.wait() on each in "
+                "finish_gradient_sync, before reading the result"
+            )
+        early = [w for w in waits[s] if w["grads"] < n]
+        if early:
+            return (
+                f"rank {rank} waited on an all_reduce while backward was still "
+                "computing the earlier layers' gradients: that blocks backward until "
+                "the bucket is sent - no overlap; wait in "
+                "finish_gradient_sync, after backward"
+            )
+        # the check's hooks run after the learner's: n - 1 counted = inside the last hook
+        if calls[s][0]["grads"] >= n - 1:
+            return (
+                f"rank {rank} sent its first bucket in step {s} only once backward had "
+                "produced every gradient: launch each bucket's "
+                "all_reduce from the hook of its last gradient, while backward still "
+                "computes the earlier layers' - that is the overlap"
+            )
+    return None
+
+
+def judge_buckets(records: list[Record]) -> str | None:
+    mistake = judge_start(records)
+    if mistake:
+        return mistake
+    rec = records[0]
+    want = expected_buckets(rec["nbytes"])
+    n = rec["nparams"]
+    got = rec["buckets"]
+    mistake = _bucket_layout(got, want, n)
+    if mistake:
+        return mistake
     for rank, rec in enumerate(records):
-        calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
-        for s in range(STEPS):
-            if len(calls[s]) == n and n != len(want):
-                return (
-                    f"rank {rank} called all_reduce {n} times in step {s}, once per "
-                    f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
-                    "into one tensor (torch.cat) and all_reduce that, once per bucket"
-                )
-            if len(calls[s]) != len(want):
-                return (
-                    f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
-                    f"for {len(want)} buckets: exactly one per bucket per step (are the "
-                    "ready counts reset after each step?)"
-                )
-            blocking = [c for c in calls[s] if not c["async_op"]]
-            if blocking:
-                return (
-                    f"rank {rank}'s all_reduce in step {s} blocked backward until it "
-                    "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
-                    "it returns, and wait on it in finish_gradient_sync"
-                )
-            if steps[s] and steps[s][0]["unwaited"]:
-                return (
-                    f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
-                    "were never waited on before optimizer.step(): an async all_reduce "
-                    "may still be writing into its tensor - call work.wait() on each in "
-                    "finish_gradient_sync, before reading the result"
-                )
-            early = [w for w in waits[s] if w["grads"] < n]
-            if early:
-                return (
-                    f"rank {rank} waited on an all_reduce while backward was still "
-                    "computing the earlier layers' gradients: that blocks backward until "
-                    "the bucket is sent - no overlap; wait in "
-                    "finish_gradient_sync, after backward"
-                )
-            # the check's hooks run after the learner's: n - 1 counted = inside the last hook
-            if calls[s][0]["grads"] >= n - 1:
-                return (
-                    f"rank {rank} sent its first bucket in step {s} only once backward had "
-                    "produced every gradient: launch each bucket's "
-                    "all_reduce from the hook of its last gradient, while backward still "
-                    "computes the earlier layers' - that is the overlap"
-                )
+        mistake = _bucket_traffic(rank, rec, n, want)
+        if mistake:
+            return mistake
     mistake = judge_weights(records)
     if mistake:
         return mistake

@@ -17,13 +17,16 @@ mistakes) ends the batch, and the checker launches the rest again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,12 +65,30 @@ def agent_store() -> dist.Store:
                          is_master=False, timeout=datetime.timedelta(seconds=120))  # fmt: skip
 
 
-def init_kwargs(ex: Exercise, ctx: Context) -> dict[str, Any]:
-    """A fresh group under this candidate's own prefix, its timeout capped (a hang is named in
-    seconds, not after gloo's 30 minutes)."""
+JOIN_TIMEOUT_S = 90.0  # joining may be slow on a loaded host: a peer still starting is no hang
+
+
+def init_kwargs(ctx: Context) -> dict[str, Any]:
+    """A fresh group under this candidate's own prefix (what env:// would do, isolated)."""
     return {"store": dist.PrefixStore(ctx.out.name, agent_store()), "rank": ctx.rank,
             "world_size": ctx.world_size,
-            "timeout": datetime.timedelta(seconds=ex.collective_timeout_s)}  # fmt: skip
+            "timeout": datetime.timedelta(seconds=JOIN_TIMEOUT_S)}  # fmt: skip
+
+
+def cap_collective_timeout(ex: Exercise) -> None:
+    """Once joined, a collective a peer never calls fails in seconds, not after gloo's 30 min."""
+    dist.set_timeout(datetime.timedelta(seconds=ex.collective_timeout_s))
+
+
+@contextlib.contextmanager
+def restored_signals() -> Iterator[None]:
+    """A candidate's signal handlers (lesson 08 installs them) end with the candidate."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
@@ -76,17 +97,20 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
 
     def init(backend: Any = None, init_method: Any = None, **kwargs: Any) -> None:
         if init_method in (None, "env://") and "store" not in kwargs:
-            kwargs = {**kwargs, **init_kwargs(ex, ctx)}  # what env:// would do, isolated
+            kwargs = {**kwargs, **init_kwargs(ctx)}
         original(backend, **kwargs)
+        cap_collective_timeout(ex)
 
     argv = sys.argv
     sys.argv = [str(path), *ex.args, "--out", str(ctx.out)]
     dist.init_process_group = init
+    exit_code: Any = 0
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as stop:
-        if stop.code not in (None, 0):
+        if stop.code not in (None, 0, *ex.exit_codes):
             raise
+        exit_code = stop.code or 0
     finally:
         sys.argv = argv
         dist.init_process_group = original
@@ -94,7 +118,8 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
         if left_open:
             dist.destroy_process_group()
         meet(ctx, "script-done")  # every rank's files are written before any rank reads them
-    return {"left_group_open": left_open, **(ex.run(None, ctx) if ex.run else {})}  # type: ignore[arg-type]
+    found = ex.run(None, ctx) if ex.run else {}  # type: ignore[arg-type]
+    return {"left_group_open": left_open, "exit_code": exit_code, **found}
 
 
 def run_functions(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
@@ -108,11 +133,13 @@ def one(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
     """Run one candidate on this rank; never raises (the record says what went wrong)."""
     record: dict[str, Any] = {"exercise": ex.name, "file": str(path), "status": "ok"}
     try:
-        if ex.kind == "script":
-            record["result"] = run_script(ex, path, ctx)
-        else:
-            dist.init_process_group("gloo", **init_kwargs(ex, ctx))
-            record["result"] = run_functions(ex, path, ctx, tag)
+        with restored_signals():
+            if ex.kind == "script":
+                record["result"] = run_script(ex, path, ctx)
+            else:
+                dist.init_process_group("gloo", **init_kwargs(ctx))
+                cap_collective_timeout(ex)
+                record["result"] = run_functions(ex, path, ctx, tag)
     except BaseException as exc:  # the learner's code may raise anything, SystemExit included
         record.update(status="error", error=f"{type(exc).__name__}: {exc}".strip(),
                       where=where(exc, path))  # fmt: skip
@@ -143,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="an exercise and the file to check for it (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # DDP's constructor imports torch._dynamo before its first collective: seconds on a busy
+    # host, which a peer already waiting would count against the collective timeout. Now, once.
+    importlib.import_module("torch._dynamo")
     for i, pair in enumerate(args.candidate):
         name, _, file = pair.partition("=")
         (ex,) = find(name)

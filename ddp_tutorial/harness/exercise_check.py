@@ -22,7 +22,14 @@ from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.harness.runs import default_run_dir
 from ddp_tutorial.records import read_rank_records
 
-HANG_WORDS = ("timed out", "Timed out", "Connection closed by peer", "Connection reset")
+MAX_LAUNCH_S = 420.0
+HANG_WORDS = (
+    "timed out",
+    "Timed out",
+    "timeout caused pair closure",
+    "Connection closed by peer",
+    "Connection reset",
+)
 
 
 @dataclass
@@ -41,26 +48,40 @@ class ExerciseVerdict:
         return f"{mark}  {self.exercise.name} ({self.file}): {self.message}"
 
 
+def _hung(record: Record) -> bool:
+    return any(w in record.get("error", "") for w in HANG_WORDS)
+
+
 def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
-    """The first failing rank's error, named: a known mistake, a hang, or the line it came from."""
+    """The first failing rank's error, named: a known mistake, a hang, or the line it came from.
+
+    ``ex.errors`` are matched against the failing ranks' errors and the lines they failed at,
+    and against the launch's output only when a rank died without a record (the output is
+    shared by every candidate of the launch). A real error beats a peer's timeout: the first
+    failure is the one to read (lesson 09); a hang names every rank that waited, and where.
+    """
     bad = [r for r in records if r.get("status") != "ok"]
-    said = "\n".join([r.get("error", "") for r in bad] + [output])
+    died = len(records) < ex.nproc
+    said = "\n".join([f"{r.get('error', '')}\n{r.get('where', '')}" for r in bad]
+                     + ([output] if died else []))  # fmt: skip
     for text, mistake in ex.errors:
         if text in said:
             return ex.hint(mistake)
     if not bad:
         missing = sorted(set(range(ex.nproc)) - {r["rank"] for r in records})
         return f"rank {missing[0] if missing else '?'} never reported: it crashed or hung"
-    first = min(bad, key=lambda r: (not any(w in r["error"] for w in HANG_WORDS), r["rank"]))
-    where = f" at {first['where']}" if first.get("where") else ""
-    if any(w in first["error"] for w in HANG_WORDS):
+    first = min(bad, key=lambda r: (_hung(r), r["rank"]))
+    if _hung(first):
+        waits = "; ".join(f"rank {r['rank']} waited" + (f" at {r['where']}" if r.get("where")
+                          else "") for r in sorted(bad, key=lambda r: r["rank"]))  # fmt: skip
         others = [r["rank"] for r in records if r.get("status") == "ok"]
         return ex.hint(
-            f"rank {first['rank']} waited{where} for a peer that never came"
+            f"{waits}, for a peer that never came"
             + (f" (rank {others[0]} had finished)" if others else "")
             + ": every rank must call the same collectives, and each send needs its recv, in "
             "the same order - is one under `if rank == ...`?"
         )
+    where = f" at {first['where']}" if first.get("where") else ""
     return ex.hint(f"rank {first['rank']} raised {first['error'].splitlines()[0]}{where}")
 
 
@@ -81,7 +102,8 @@ def _launch(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[list[list[R
     nproc = batch[0][0].nproc
     args = [a for ex, path in batch for a in ("--candidate", f"{ex.name}={path.resolve()}")]
     run_dir = default_run_dir("exercise_check")
-    timeout = sum(ex.launch_timeout_s for ex, _ in batch)
+    # a batch that outlives this is killed; the candidates without a record run again
+    timeout = min(sum(ex.launch_timeout_s for ex, _ in batch), MAX_LAUNCH_S)
     # CPU and gloo everywhere: the same check on a laptop and a GPU box
     env = {settings.VISIBLE_DEVICES_ENV: "", "OMP_NUM_THREADS": "1"}
     result = torchrun("ddp_tutorial.exercises.runner", *args, module=True, nproc=nproc, env=env,

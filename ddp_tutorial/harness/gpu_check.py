@@ -69,6 +69,7 @@ class Step:
     command: list[str]
     timeout_s: float
     note: str = ""
+    measures: str = ""  # gpu-smoke: the probe's JSON (OUT/<measures>.json) read into the row
 
 
 def plan(gpus: int, python: str = sys.executable) -> list[Step]:

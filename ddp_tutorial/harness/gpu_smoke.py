@@ -24,27 +24,17 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_tutorial import settings
+from ddp_tutorial.harness.gpu_check import Step
 from ddp_tutorial.harness.processes import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 480.0  # 8 minutes: the steps' limits add up to this
 
 
-@dataclass(frozen=True)
-class Step:
-    """One step: a command, its limit, and the JSON it leaves in the folder (if any)."""
-
-    name: str
-    command: list[str]
-    timeout_s: float
-    measures: str = ""  # OUT/<measures>.json: the probe's numbers, read into the row
-
-
-def plan(out: Path, python: str = sys.executable) -> list[Step]:
+def smoke_plan(out: Path, python: str = sys.executable) -> list[Step]:
     """The steps, in order; their limits sum to :data:`BUDGET_S`."""
     probe = [python, "-m", "ddp_tutorial.harness.gpu_probes"]
     pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o",
@@ -52,12 +42,14 @@ def plan(out: Path, python: str = sys.executable) -> list[Step]:
     speed = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
              "scripts/demos/speed_tools.py", "--out", str(out / "speed_tools")]  # fmt: skip
     return [
-        Step("inventory", [*probe, "inventory", str(out)], 30, "inventory"),
+        Step("inventory", [*probe, "inventory", str(out)], 30, measures="inventory"),
         Step("gpu tests (one GPU)", pytest, 150),
         Step("lesson 11: amp, compile, overlap", speed, 120),
-        Step("lesson 06: utilization", [*probe, "utilization", str(out)], 60, "utilization"),
-        Step("lesson 12: memory", [*probe, "memory", str(out)], 45, "memory"),
-        Step("template twice, bitwise", [*probe, "bitwise", str(out)], 75, "bitwise"),
+        Step(
+            "lesson 06: utilization", [*probe, "utilization", str(out)], 60, measures="utilization"
+        ),
+        Step("lesson 12: memory", [*probe, "memory", str(out)], 45, measures="memory"),
+        Step("template twice, bitwise", [*probe, "bitwise", str(out)], 75, measures="bitwise"),
     ]
 
 
@@ -65,7 +57,7 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-def run_step(step: Step, out: Path, index: int) -> dict[str, object]:
+def run_smoke_step(step: Step, out: Path, index: int) -> dict[str, object]:
     """Run one step; its row (never raises: a failed step is a row)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, settings.RUNS_ENV: str(out / "runs")}
@@ -90,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     args = parser.parse_args(argv)
     out = Path(os.environ.get("OUT") or REPO / "build" / "gpu-smoke").resolve()
-    steps = plan(out)
+    steps = smoke_plan(out)
     if args.dry_run:
         for step in steps:
             print(f"{step.timeout_s:5.0f} s  {step.name}: {' '.join(step.command)}")
@@ -111,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for i, step in enumerate(steps):
         print(f"gpu-smoke: {step.name} ...", flush=True)
-        rows.append(run_step(step, out, i))
+        rows.append(run_smoke_step(step, out, i))
         (out / "smoke.json").write_text(json.dumps(rows, indent=1, default=str))
     table = format_table(rows, ["step", "seconds", "status", "log"])
     (out / "smoke.txt").write_text(table + "\n")
