@@ -77,3 +77,31 @@ def test_each_lesson_with_exercises_has_a_your_turn_section_and_check_cell(lesso
     for ex in find(lesson):
         assert f"scripts/exercises/{ex.name}.py" in after, f"{path.name} does not name {ex.name}"
     assert f'show("{lesson}")' in after, f"{path.name}: no check cell (exercise_check.show)"
+
+
+def _headings() -> set[str]:
+    found = set()
+    for path in REPO.glob("notebooks/[0-9][0-9]_*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                lines = "".join(cell["source"]).splitlines()
+                found |= {line.lstrip("#").strip() for line in lines if line.startswith("#")}
+    return found
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_every_hint_points_to_a_section_that_exists(ex):
+    """A verdict ends with where the lesson teaches it: each quoted section must be a heading."""
+    import re
+
+    headings = _headings()
+    quoted = re.findall(r'"([^"]+)"', ex.teaches)
+    assert quoted, f"{ex.name}: teaches names no section in quotes"
+    for section in quoted:
+        assert any(h.startswith(section) for h in headings), f"{ex.name}: no section {section!r}"
+
+
+def test_at_least_eighteen_exercises_and_one_in_every_lesson():
+    lessons = {p.name[:2] for p in REPO.glob("notebooks/[0-9][0-9]_*.ipynb")}
+    assert {ex.lesson for ex in EXERCISES} == lessons, "every lesson has an exercise"
+    assert len(EXERCISES) >= 18
