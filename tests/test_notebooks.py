@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from conftest import REPO
-from ddp_tutorial.harness.hosted import SETUP_CELL, SETUP_TAG
+from ddp_tutorial.harness.hosted import SETUP_CELL, SETUP_METADATA, SETUP_TAG
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # The course's budget is 60 s a lesson on a quiet 2-core machine (lessons take 55-65 s
@@ -52,6 +52,7 @@ def test_every_lesson_starts_its_code_with_the_setup_cell(path):
     code = [c for c in cells if c["cell_type"] == "code"]
     assert SETUP_TAG in code[0]["metadata"].get("tags", []), f"{path.name}: no setup cell first"
     assert "".join(code[0]["source"]) == SETUP_CELL, f"{path.name}: an old copy of the setup cell"
+    assert code[0]["metadata"] == SETUP_METADATA, f"{path.name}: the setup cell shows expanded"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
