@@ -73,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--lr",
         type=float,
-        help=f"peak LR for a global batch of {REFERENCE_BATCH}, scaled "
-        "linearly (default: 3e-3 adamw, 0.2 sgd)",
+        help=f"peak LR for a global batch of {REFERENCE_BATCH}, scaled to the run's: x k for "
+        "sgd, x sqrt(k) for adamw (default: 3e-3 adamw, 0.2 sgd)",
     )
     add(
         "--weight-decay",
@@ -288,11 +288,14 @@ def train(
     train_set, val_set, num_classes = data
     say = partial(print, flush=True) if rank == 0 else (lambda *a: None)  # flushed: SLURM buffers
     global_batch = args.batch_size * world_size * args.grad_accum
-    peak_lr = args.lr * global_batch / REFERENCE_BATCH
+    # lesson 02's rule: a global batch k times the reference's takes lr x k (SGD), x sqrt(k) (AdamW)
+    k = global_batch / REFERENCE_BATCH
+    peak_lr = args.lr * (k if args.optimizer == "sgd" else math.sqrt(k))
     say(
         f"{world_size} ranks ({why}); global batch {global_batch} = {args.batch_size} per rank x "
-        f"{world_size} ranks x {args.grad_accum} accumulation; peak lr {args.lr} x {global_batch}"
-        f"/{REFERENCE_BATCH} = {peak_lr:.4g}, {args.warmup:.0%} warm-up then cosine"
+        f"{world_size} ranks x {args.grad_accum} accumulation; peak lr {args.lr} scaled for "
+        f"{global_batch}/{REFERENCE_BATCH} ({args.optimizer}) = {peak_lr:.4g}, "
+        f"{args.warmup:.0%} warm-up then cosine"
     )
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
 
