@@ -56,17 +56,17 @@ def test_every_lesson_starts_its_code_with_the_setup_cell(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_every_lesson_opens_with_its_card_and_ends_with_what_to_remember_and_your_turn(path):
+def test_every_lesson_opens_with_its_card_and_ends_with_your_turn_and_what_to_remember(path):
     """How a lesson reads (README.md: "Every lesson opens with what you will learn and what
-    you need ... and ends with 'What to remember' and 'Your turn'"): a title and one-line
-    summary (the course map reads them), the card (what you will learn, what you need), what
-    to remember, as a few points and the snippet to copy, then where to go next; and last the
-    exercises (tests/test_exercises.py checks what that section names)."""
+    you need ... 'Your turn' ... and ends with 'What to remember'"): a title and one-line
+    summary (the course map reads them), the card (what you will learn, what you need), the
+    exercises just before the end (tests/test_exercises.py checks what that section names),
+    and last what to remember, as a few points and the snippet to copy, then where to go next."""
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"]
     texts = ["".join(c["source"]) for c in cells]
     turn = [i for i, t in enumerate(texts) if t.startswith("## Your turn")]
-    assert len(turn) == 1 and turn[0] == len(texts) - 1, f"{path.name}: ends with Your turn"
-    first, last = texts[0], texts[turn[0] - 1]  # What to remember, then Your turn
+    assert turn == [len(texts) - 2], f"{path.name}: Your turn, just before What to remember"
+    first, last = texts[0], texts[-1]
     title, summary, *card = first.splitlines()
     assert re.fullmatch(rf"# {path.name[:2]} · \S.*", title), f"{path.name}: title {title!r}"
     assert summary.strip(), f"{path.name}: the one-sentence summary on line 2"
