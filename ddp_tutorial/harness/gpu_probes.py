@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -100,12 +99,6 @@ def memory(out: Path) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _torchrun(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", str(REPO / script), *args]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
 def utilization(out: Path) -> dict[str, Any]:
     """Lesson 06's picture on one GPU: the template trains while NVML is sampled."""
     from ddp_tutorial.harness.launch import torchrun
@@ -120,13 +113,15 @@ def utilization(out: Path) -> dict[str, Any]:
 
 def bitwise(out: Path) -> dict[str, Any]:
     """Two ``--deterministic`` template runs from the same seed: the same final.pt, bit for bit."""
+    from ddp_tutorial.harness.launch import torchrun  # raises, naming the rank, if a run fails
+
     digests = []
     for name in ("a", "b"):
         ckpt = out / f"bitwise-{name}"
-        done = _torchrun("scripts/train.py", "--deterministic", "--max-steps", "20",
-                         "--no-progress", "--checkpoint-dir", str(ckpt), timeout=30)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"run {name} failed:\n{done.stderr[-3000:]}")
+        # out_flag=None: no --out, so the template runs the path a copy of it runs
+        torchrun(REPO / "scripts/train.py", "--deterministic", "--max-steps", "20",
+                 "--no-progress", "--checkpoint-dir", ckpt, nproc=1, timeout=30,
+                 out_flag=None, run_dir=out / f"bitwise-{name}-run", echo=False)  # fmt: skip
         digests.append(hashlib.sha256((ckpt / "final.pt").read_bytes()).hexdigest())
     if digests[0] != digests[1]:
         raise RuntimeError(f"two deterministic runs differ: {digests}")
