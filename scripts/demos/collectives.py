@@ -62,7 +62,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_avg(t: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.AVG)  # nccl; gloo since torch 2.7 (not for int64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)  # nccl; gloo since pytorch#149781 (not int64)
     return t
 
 
