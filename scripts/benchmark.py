@@ -3,9 +3,9 @@
     python scripts/benchmark.py --out runs/bench.json           # the full run
     python scripts/benchmark.py --quick --out runs/quick.json   # small enough for tests
 
-Every throughput comes from ``perf.step_times`` (warm-up steps not timed; on
+Every throughput comes from ``step_times`` (warm-up steps not timed; on
 GPUs synchronised before the clock is read) and, under DDP, from the slowest
-rank's time (``perf.slowest_rank``). It measures:
+rank's time (``slowest_rank``). It measures:
 
 * ``plain_1thread`` / ``plain_all_cores``: a plain single-process loop (on
   GPUs: one process on ``cuda:0``, for both);
@@ -38,11 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -123,6 +126,109 @@ def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+# --------------------------------------------------------------------------- timing
+# Lesson 07's three habits, the loop to copy: warm-up untimed, synchronise on a GPU, the
+# slowest rank's time. Plain and DDP runs go through the same timed_loop: they execute
+# the same code and differ only in the wrapper.
+
+
+def step_times(
+    step: Callable[[], object], steps: int, warmup: int, device: torch.device | None = None
+) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step()``, after ``warmup`` calls not timed.
+
+    The timing loop to copy into your own script. The first steps allocate
+    memory, choose kernels, build DDP's buckets (and compile, with
+    ``torch.compile``): they are not the speed you keep, so they run untimed.
+    On a GPU a call returns once its kernels are *queued*: synchronise before
+    reading the clock, or it measures the queueing, not the work.
+    """
+    cuda = device is not None and device.type == "cuda"
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)  # start with nothing queued
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's kernels have run, not only been queued
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank(seconds: float, device: torch.device) -> float:
+    """The largest ``seconds`` over every rank (a collective: every rank calls it).
+
+    Every DDP step ends in an all_reduce that waits for the last rank to
+    arrive, so a job runs at its slowest rank's pace: its throughput is
+    computed from that rank's time, never from rank 0's alone.
+    """
+    total = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return total.item()
+
+
+def accumulation_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: nn.Module,
+    device: torch.device | None,
+) -> None:
+    """One optimizer step over the micro-batches; with DDP all but the last under no_sync()."""
+    for micro, (x, y) in enumerate(micro_batches):
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == len(micro_batches) - 1
+        ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) / len(micro_batches)
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def timed_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[], Any],
+    steps: int,
+    warmup: int,
+    accumulate: int = 1,
+    device: torch.device | None = None,
+) -> list[float]:
+    """Train ``warmup + steps`` optimizer steps; return the durations of the last ``steps``.
+
+    ``batches``: a list cycled through (data loading excluded) or a callable
+    returning an iterator (a DataLoader: loading included). ``accumulate``
+    micro-batches per optimizer step; with a DDP model all but the last run
+    under ``no_sync()`` (no all_reduce), the gradient-accumulation recipe.
+    """
+    loss_fn = nn.CrossEntropyLoss()
+    source = iter(batches()) if callable(batches) else None
+    cursor = 0
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal source, cursor
+        if source is not None:
+            try:
+                return next(source)
+            except StopIteration:
+                source = iter(batches())  # type: ignore[operator]
+                return next(source)
+        batch = batches[cursor % len(batches)]  # type: ignore[index]
+        cursor += 1
+        return batch
+
+    def one_step() -> None:
+        accumulation_step(
+            model, optimizer, [next_batch() for _ in range(accumulate)], loss_fn, device
+        )
+
+    return step_times(one_step, steps, warmup, device)
+
+
 # --------------------------------------------------------------------------- roles
 
 
@@ -137,7 +243,7 @@ def role_plain(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model = new_model(args).to(device)
     batches = make_batches(args, 8)
-    times = perf.timed_loop(model, sgd(model), batches, args.steps, args.warmup, device=device)
+    times = timed_loop(model, sgd(model), batches, args.steps, args.warmup, device=device)
     result = perf.summarize_steps(times, args.batch_size)
     write_json(args.result, {**result, "threads": torch.get_num_threads()})
 
@@ -164,8 +270,8 @@ def ddp_throughput(
     if count:
         ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
     batches = batches if batches is not None else make_batches(args, 8, dist.get_rank())
-    times = perf.timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device)
-    slowest = perf.slowest_rank(sum(times), device)  # the job moves at the slowest rank's pace
+    times = timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device)
+    slowest = slowest_rank(sum(times), device)  # the job moves at the slowest rank's pace
     world = dist.get_world_size()
     samples = args.batch_size * accumulate * world * len(times)
     summary = perf.summarize_steps(times, args.batch_size * accumulate * world)
@@ -304,7 +410,7 @@ def fixed_cost_pairs(args: argparse.Namespace, device: torch.device) -> dict[str
     for i in range(args.warmup + pairs):
         for k, (model, optimizer) in enumerate(loops):
             dist.barrier()  # both ranks start each half together: no wait carried over
-            t = perf.timed_loop(model, optimizer, [batches[i % len(batches)]], 1, 0, device=device)
+            t = timed_loop(model, optimizer, [batches[i % len(batches)]], 1, 0, device=device)
             if i >= args.warmup:
                 times[k] += t
     diffs = [1000 * (d - p) for p, d in zip(*times, strict=True)]

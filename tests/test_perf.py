@@ -67,7 +67,7 @@ def test_the_ring_latency_grows_with_n_and_its_bandwidth_term_stays_below_2s_ove
         assert perf.ring_time(big, n, 0.0, bandwidth) < 2 * big / bandwidth
 
 
-def test_step_times_leaves_the_warmup_out():
+def test_step_times_leaves_the_warmup_out(benchmark):
     import time
 
     calls = []
@@ -76,26 +76,27 @@ def test_step_times_leaves_the_warmup_out():
         calls.append(None)
         time.sleep(0.05 if len(calls) == 1 else 0.001)
 
-    times = perf.step_times(step, steps=3, warmup=1)
+    times = benchmark.step_times(step, steps=3, warmup=1)
     assert len(calls) == 4 and len(times) == 3
     assert max(times) < 0.04  # the slow first call is not among them
-    assert len(perf.step_times(step, steps=2, warmup=0)) == 2
+    assert len(benchmark.step_times(step, steps=2, warmup=0)) == 2
 
 
-def test_slowest_rank_takes_the_max_over_the_ranks(world_of_one):
+def test_slowest_rank_takes_the_max_over_the_ranks(world_of_one, benchmark):
     import torch
 
     # a world of one: the max over one rank is its own time, as a float
-    assert perf.slowest_rank(1.5, torch.device("cpu")) == 1.5
+    assert benchmark.slowest_rank(1.5, torch.device("cpu")) == 1.5
 
 
 def test_the_benchmark_times_with_the_functions_the_lesson_shows(benchmark):
     """Lesson 07 shows step_times and slowest_rank as the loop to copy: the benchmark uses them."""
     import inspect
 
-    assert "step_times(" in inspect.getsource(perf.timed_loop)
-    assert "perf.slowest_rank(" in inspect.getsource(benchmark.ddp_throughput)
-    assert "perf.timed_loop(" in inspect.getsource(benchmark.role_plain)
+    assert "step_times(" in inspect.getsource(benchmark.timed_loop)
+    assert "slowest_rank(sum(times)" in inspect.getsource(benchmark.ddp_throughput)
+    assert "= timed_loop(" in inspect.getsource(benchmark.role_plain)
+    assert "accumulation_step(" in inspect.getsource(benchmark.timed_loop)
 
 
 def test_the_knob_groups_can_be_chosen(benchmark):
@@ -187,9 +188,9 @@ def test_the_ring_picture_has_a_block_per_step_and_a_box_per_send():
 
 
 def test_lesson_07_shows_the_timing_code_as_it_stands_in_the_files():
-    """Lesson 07 prints the timing functions in its markdown (readable without running):
-    perf.step_times, perf.slowest_rank and the benchmark's lines that use them, as they are."""
-    import inspect
+    """Lesson 07 prints the timing code in its markdown (readable without running): step_times,
+    slowest_rank and accumulation_step as same-as blocks (test_readable keeps them equal to
+    scripts/benchmark.py), and the benchmark's lines that use them, checked here."""
     import json
     import re
     import textwrap
@@ -200,9 +201,9 @@ def test_lesson_07_shows_the_timing_code_as_it_stands_in_the_files():
     cells = json.loads((REPO / "notebooks" / "07_scaling_and_performance.ipynb").read_text())
     text = "\n".join("".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "markdown")
     shown = re.findall(r"```python\n(.*?)\n```", text, re.S)
+    for name in ("step_times", "slowest_rank", "accumulation_step"):
+        assert f"<!-- same as: scripts/benchmark.py {name} -->" in text, f"07 shows {name}"
     used = source_of(REPO / "scripts" / "benchmark.py", "ddp_throughput")
-    bench = "\n".join(line for line in used.splitlines() if "perf." in line or "samples" in line)
-    for name, lines in (("perf.step_times", inspect.getsource(perf.step_times)),
-                        ("perf.slowest_rank", inspect.getsource(perf.slowest_rank)),
-                        ("benchmark.py's ddp_throughput", textwrap.dedent(bench))):  # fmt: skip
-        assert lines.rstrip("\n") in shown, f"lesson 07's markdown no longer shows {name} as it is"
+    keys = ("timed_loop(", "slowest_rank(", "perf.", "samples")
+    bench = "\n".join(line for line in used.splitlines() if any(k in line for k in keys))
+    assert textwrap.dedent(bench) in shown, "lesson 07 no longer shows ddp_throughput's lines"

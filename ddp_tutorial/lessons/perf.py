@@ -1,22 +1,21 @@
 """Measuring DDP honestly: timed loops, percentiles, derived figures, the ring model.
 
-Pure functions (tested on fixed inputs) plus the timed training loop that
-``scripts/benchmark.py`` runs in every configuration, so plain and DDP runs
-execute literally the same code and differ only in the wrapper.
+Host-side analysis: pure functions tested on fixed inputs (percentiles, derived
+figures, the ring model and its picture), plus :func:`clock`, the synchronised
+clock the lessons' demos read. The timed training loop that lesson 07 teaches
+(``step_times``, ``slowest_rank``, the ``no_sync`` accumulation step) lives in
+``scripts/benchmark.py``, the script that runs it, where a reader copies it from.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -190,101 +189,6 @@ def clock(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def step_times(
-    step: Callable[[], object], steps: int, warmup: int, device: torch.device | None = None
-) -> list[float]:
-    """Seconds of each of ``steps`` calls of ``step()``, after ``warmup`` calls not timed.
-
-    The timing loop to copy into your own script. The first steps allocate
-    memory, choose kernels, build DDP's buckets (and compile, with
-    ``torch.compile``): they are not the speed you keep, so they run untimed.
-    On a GPU a call returns once its kernels are *queued*: synchronise before
-    reading the clock, or it measures the queueing, not the work.
-    """
-    cuda = device is not None and device.type == "cuda"
-    times = []
-    for i in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize(device)  # start with nothing queued
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)  # the step's kernels have run, not only been queued
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def slowest_rank(seconds: float, device: torch.device) -> float:
-    """The largest ``seconds`` over every rank (a collective: every rank calls it).
-
-    Every DDP step ends in an all_reduce that waits for the last rank to
-    arrive, so a job runs at its slowest rank's pace: its throughput is
-    computed from that rank's time, never from rank 0's alone.
-    """
-    total = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return total.item()
-
-
-def _step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: nn.Module,
-    device: torch.device | None,
-) -> None:
-    """One optimizer step over the micro-batches; with DDP all but the last under no_sync()."""
-    for micro, (x, y) in enumerate(micro_batches):
-        if device is not None:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = micro == len(micro_batches) - 1
-        ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext()
-        with ctx:
-            loss = loss_fn(model(x), y) / len(micro_batches)
-            loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def timed_loop(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[], Any],
-    steps: int,
-    warmup: int,
-    accumulate: int = 1,
-    device: torch.device | None = None,
-) -> list[float]:
-    """Train ``warmup + steps`` optimizer steps; return the durations of the last ``steps``.
-
-    ``batches``: a list cycled through (data loading excluded) or a callable
-    returning an iterator (a DataLoader: loading included). ``accumulate``
-    micro-batches per optimizer step; with a DDP model all but the last run
-    under ``no_sync()`` (no all_reduce), the gradient-accumulation recipe.
-    """
-    loss_fn = nn.CrossEntropyLoss()
-    source = iter(batches()) if callable(batches) else None
-    cursor = 0
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal source, cursor
-        if source is not None:
-            try:
-                return next(source)
-            except StopIteration:
-                source = iter(batches())  # type: ignore[operator]
-                return next(source)
-        batch = batches[cursor % len(batches)]  # type: ignore[index]
-        cursor += 1
-        return batch
-
-    def one_step() -> None:
-        _step(model, optimizer, [next_batch() for _ in range(accumulate)], loss_fn, device)
-
-    return step_times(one_step, steps, warmup, device)
 
 
 # -- the ring all-reduce, step by step (lesson 07) ----------------------------------------
