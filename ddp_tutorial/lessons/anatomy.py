@@ -31,6 +31,18 @@ def tiny_model(seed: int, hidden: int = 16) -> nn.Module:
     return MLP(IN_FEATURES, NUM_CLASSES, hidden=hidden)
 
 
+def bn_model(seed: int, hidden: int = 16) -> nn.Module:
+    """Linear → BatchNorm → ReLU → Linear, initialised from ``seed`` only: lesson 04's
+    BatchNorm model, trained by the ranks and by the one-process reference alike."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, NUM_CLASSES),
+    )
+
+
 def global_batch(step: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``step``-th global batch: the same on every process, learnable labels."""
     gen = torch.Generator().manual_seed(seed * 100_003 + step)
