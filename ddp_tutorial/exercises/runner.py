@@ -7,8 +7,9 @@ Several candidates share one launch (torchrun's start-up costs seconds; a candid
 fraction of one). For each, every rank writes ``RUN_DIR/c{i}/status-rank{r}.json``: ok or the
 error, the line of the learner's file it came from, and what the exercise's ``run`` recorded.
 Each candidate gets a process group of its own, under its own key prefix in torchrun's store
-(a group made again under the same keys can read the last one's addresses and hang), and a
-short collective timeout: a rank left waiting by a peer fails in seconds, named. After each
+(a group made again under the same keys can read the last one's addresses and hang), made once
+every rank has met in the store, and a short collective timeout: a rank left waiting by a peer
+fails in seconds, named. After each
 candidate the ranks meet in the store before the next begins, so a wrong answer — even one
 that hangs — costs only itself; only a rank that dies (gloo aborts the process on some
 mistakes) ends the batch, and the checker launches the rest again.
@@ -65,14 +66,19 @@ def agent_store() -> dist.Store:
                          is_master=False, timeout=datetime.timedelta(seconds=120))  # fmt: skip
 
 
-JOIN_TIMEOUT_S = 90.0  # joining may be slow on a loaded host: a peer still starting is no hang
+# Every rank has met in torchrun's store (which waits 120 s: a peer still starting on a loaded
+# host is no hang) before a candidate's group is made, so connecting takes a moment. gloo keeps
+# this timeout for point-to-point sends and receives, which dist.set_timeout does not reach: it
+# is also how long a deadlocked send (every rank sending first) waits before it fails.
+CONNECT_TIMEOUT_S = 15.0
 
 
-def init_kwargs(ctx: Context) -> dict[str, Any]:
+def init_kwargs(ctx: Context, ex: Exercise) -> dict[str, Any]:
     """A fresh group under this candidate's own prefix (what env:// would do, isolated)."""
+    timeout = max(ex.collective_timeout_s, CONNECT_TIMEOUT_S)
     return {"store": dist.PrefixStore(ctx.out.name, agent_store()), "rank": ctx.rank,
             "world_size": ctx.world_size,
-            "timeout": datetime.timedelta(seconds=JOIN_TIMEOUT_S)}  # fmt: skip
+            "timeout": datetime.timedelta(seconds=timeout)}  # fmt: skip
 
 
 def cap_collective_timeout(ex: Exercise) -> None:
@@ -97,7 +103,7 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
 
     def init(backend: Any = None, init_method: Any = None, **kwargs: Any) -> None:
         if init_method in (None, "env://") and "store" not in kwargs:
-            kwargs = {**kwargs, **init_kwargs(ctx)}
+            kwargs = {**kwargs, **init_kwargs(ctx, ex)}
         original(backend, **kwargs)
         cap_collective_timeout(ex)
 
@@ -137,7 +143,7 @@ def one(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
             if ex.kind == "script":
                 record["result"] = run_script(ex, path, ctx)
             else:
-                dist.init_process_group("gloo", **init_kwargs(ctx))
+                dist.init_process_group("gloo", **init_kwargs(ctx, ex))
                 cap_collective_timeout(ex)
                 record["result"] = run_functions(ex, path, ctx, tag)
     except BaseException as exc:  # the learner's code may raise anything, SystemExit included
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         name, _, file = pair.partition("=")
         (ex,) = find(name)
         ctx = Context(rank=rank, world_size=world, out=args.out / f"c{i}")
+        meet(ctx, "start")  # every rank is here: the group below connects at once
         record = one(ex, Path(file), ctx, tag=f"{i}")
         write_json(ctx.out / f"status-rank{rank}.json", {"rank": rank, **record})
         agree(ctx, record["status"])
