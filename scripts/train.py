@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     def fail(message: str, everywhere: bool = False) -> NoReturn:  # one message per node
         if local_rank == 0 or everywhere:
             print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+        else:  # local rank 0 fails the same check and says why: exiting first could let
+            time.sleep(30)  # torchrun kill it before it printed (seen on a loaded host)
         sys.exit(2)
 
     # 2. Flags, then data: a bad folder or an impossible batch stops every rank in seconds.
