@@ -53,14 +53,23 @@ def snapshot_steps(kit, folder: Path) -> list[int]:
 
 
 def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
-    template, kit, tmp_path, one_rank
+    template, kit, tmp_path, one_rank, monkeypatch
 ):
     """lr 1e12 on 4 steps an epoch: the periodic check (every 10 steps) never runs before the
     epoch's evaluation. The evaluation checks first: no best.pt of non-finite weights; then
     failed.json makes a restart stop at once instead of replaying the divergence; and the
     TensorBoard scalars logged so far reach the disk on this exit path too."""
+    import torch.utils.tensorboard as tb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    opened = []
+
+    class Writer(tb.SummaryWriter):  # the template's writer, kept to see whether it was closed
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    monkeypatch.setattr(tb, "SummaryWriter", Writer)
     argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1", "--lr", "1e12",
             "--warmup", "0", "--log-every", "1", "--clip-grad", "0", "--checkpoint-dir",
             str(tmp_path / "c"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
@@ -71,6 +80,9 @@ def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
     assert not snapshot_steps(kit, tmp_path / "c")
     failed = json.loads((tmp_path / "c" / "failed.json").read_text())
     assert "stopped being finite" in failed["error"]
+    # closed (its buffer written out) on this exit path: the scalars reading back below would
+    # pass without it, since a writer left open in this process still flushes on its own
+    assert len(opened) == 1 and opened[0].file_writer is None, "the writer was left open"
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     for tag in ("train/loss", "train/lr", "train/samples_per_sec"):  # 12 events: > 1 queue
