@@ -15,6 +15,9 @@ CONSTRAINTS := $(VENV)/constraints.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test's pytest-xdist workers: the suite waits more than it computes (tests/conftest.py
+# says how its groups are spread); 0 runs it in this one process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-fast rehearse lab lint format strip gpu-check gpu-smoke clean
 
@@ -32,7 +35,7 @@ run: $(STAMP)  ## execute every notebook into build/ (ipynb + HTML) and print a 
 test: $(STAMP)  ## lint + the whole pytest suite (unit, torchrun, notebooks)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)  ## the edit loop: lint + every test that starts no torchrun, no notebook and needs no GPU
 	$(BIN)/ruff check .

@@ -49,7 +49,50 @@ def gpu_count() -> int:
     return gpu_view()[0]
 
 
+# `make test` runs two pytest-xdist workers: the suite waits more than it computes (launch
+# start-up, rendezvous, the exercises' hang timeouts: 123 % of one core on average over a
+# serial run), so a second worker fills the idle core. A group runs whole on one worker:
+# each test file (its module fixtures are set up once), the lesson notebooks in two halves
+# (each half one after another, as `make run` executes them) and every exercise test (they
+# share one session batch of launches). The long groups go first, then the files that
+# launch, so that the short files fill in at the end and both workers end together.
+# (xdist's own --dist loadgroup cannot do this with pytest 9: the group it appends to a
+# node id is lost, since pytest 9 derives node ids; so the scheduler below groups by id.)
+FIRST_GROUPS = ("notebooks 07-12", "exercises", "notebooks 00-06")
+
+
+def suite_group(nodeid: str) -> str:
+    """The group of a test (by its node id) under `make test`'s workers (see above)."""
+    path, _, name = nodeid.partition("::")
+    if name.startswith("test_notebook_executes["):
+        lesson = int(name.removeprefix("test_notebook_executes[")[:2])
+        return "notebooks 07-12" if lesson >= 7 else "notebooks 00-06"
+    if Path(path).name.startswith("test_exercises"):
+        return "exercises"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a GPU box may not have
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return suite_group(nodeid)
+
+    config.option.loadscopereorder = False  # in collection order: the long groups first
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    launching = {suite_group(item.nodeid) for item in items if "torchrun" in item.keywords}
+    rank = {name: i for i, name in enumerate(FIRST_GROUPS)}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:  # a stable sort: else as collected
+        group = suite_group(item.nodeid)
+        return rank.get(group, len(rank)), group not in launching
+
+    items.sort(key=order)
     count, why = gpu_view()
     if count > 0:
         return
@@ -57,6 +100,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker launches into its own runs folder: two workers naming runs of the same
+    script in the same second, or pruning each other's old runs, would share folders."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "DDP_TUTORIAL_RUNS" not in os.environ:
+        os.environ["DDP_TUTORIAL_RUNS"] = str(REPO / "runs" / f"pytest-{worker}")
 
 
 def processes_running(marker: str) -> list[psutil.Process]:

@@ -1,0 +1,27 @@
+"""`make test`'s two workers keep what must run together together (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import REPO, suite_group
+
+
+def test_exercises_share_a_worker_and_the_notebooks_run_in_two_ordered_halves():
+    assert suite_group("tests/test_exercises.py::test_x[00_convert_loop-solution]") == "exercises"
+    assert suite_group("tests/test_exercises_12.py::test_y[case]") == "exercises"
+    early = suite_group("tests/test_notebooks.py::test_notebook_executes[06_training.ipynb]")
+    late = suite_group("tests/test_notebooks.py::test_notebook_executes[07_scaling.ipynb]")
+    assert (early, late) == ("notebooks 00-06", "notebooks 07-12")
+    # the notebooks' static checks are a file like any other
+    clean = "tests/test_notebooks.py::test_notebook_is_committed_clean[00_environment.ipynb]"
+    assert suite_group(clean) == "tests/test_notebooks.py"
+    assert suite_group("tests/test_training.py::test_a[x]") == "tests/test_training.py"
+
+
+def test_make_test_runs_two_workers_and_test_fast_one_process():
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"(?m)^TEST_WORKERS \?= 2$", makefile)
+    test = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    fast = makefile.split("\ntest-fast:", 1)[1].split("\n\n", 1)[0]
+    assert "-m pytest -n $(TEST_WORKERS)" in test and "-n " not in fast
