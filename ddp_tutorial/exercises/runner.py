@@ -70,7 +70,7 @@ def agent_store() -> dist.Store:
 # host is no hang) before a candidate's group is made, so connecting takes a moment. gloo keeps
 # this timeout for point-to-point sends and receives, which dist.set_timeout does not reach: it
 # is also how long a deadlocked send (every rank sending first) waits before it fails.
-CONNECT_TIMEOUT_S = 15.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 def init_kwargs(ctx: Context, ex: Exercise) -> dict[str, Any]:

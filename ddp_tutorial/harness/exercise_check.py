@@ -10,7 +10,6 @@ rank died (gloo aborts the process on some mistakes), for the candidates after i
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 from ddp_tutorial import settings
 from ddp_tutorial.exercises.core import BEGIN, END, Exercise, Record, find, not_started
-from ddp_tutorial.harness.launch import torchrun
+from ddp_tutorial.harness.launch import Launch, start
 from ddp_tutorial.harness.runs import default_run_dir
 from ddp_tutorial.records import read_rank_records
 
@@ -96,9 +95,8 @@ def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, 
     return True, "right" + (f" - {ex.report(results)}" if ex.report else "")
 
 
-def _launch(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[list[list[Record]], str]:
-    """One torchrun for a batch of the same world size: each candidate's records (maybe none)
-    and the launch's output (where a rank that died without a record left its last words)."""
+def _start(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[Launch, Path]:
+    """Start one torchrun for a batch of the same world size; its run directory."""
     nproc = batch[0][0].nproc
     args = [a for ex, path in batch for a in ("--candidate", f"{ex.name}={path.resolve()}")]
     run_dir = default_run_dir("exercise_check")
@@ -106,16 +104,16 @@ def _launch(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[list[list[R
     timeout = min(sum(ex.launch_timeout_s for ex, _ in batch), MAX_LAUNCH_S)
     # CPU and gloo everywhere: the same check on a laptop and a GPU box
     env = {settings.VISIBLE_DEVICES_ENV: "", "OMP_NUM_THREADS": "1"}
-    result = torchrun("ddp_tutorial.exercises.runner", *args, module=True, nproc=nproc, env=env,
-                      run_dir=run_dir, timeout=timeout, check=False, echo=echo)  # fmt: skip
-    records = [read_rank_records(run_dir / f"c{i}", "status-rank*.json") for i in range(len(batch))]
-    return records, result.output
+    launch = start("ddp_tutorial.exercises.runner", *args, module=True, nproc=nproc, env=env,
+                   run_dir=run_dir, timeout=timeout, check=False, echo=echo)  # fmt: skip
+    return launch, run_dir
 
 
 def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 force: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
     """Verdicts for (exercise, file) pairs, in order; untouched stubs without a launch
-    (``force``: launch them too - the tests prove that every stub runs)."""
+    (``force``: launch them too - the tests prove that every stub runs). One launch per world
+    size, side by side (lesson 01's 3-rank ring and 2-rank gather: one wait, not two)."""
     verdicts: dict[int, ExerciseVerdict] = {}
     todo: dict[int, list[int]] = {}  # world size -> indexes still to run
     for i, (ex, path) in enumerate(pairs):
@@ -127,13 +125,21 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 f"then run `ddp-tutorial check {ex.lesson}` ({ex.teaches})"))  # fmt: skip
         else:
             todo.setdefault(ex.nproc, []).append(i)
-    for indexes in todo.values():
-        while indexes:
-            begun = time.perf_counter()
-            results, output = _launch([pairs[i] for i in indexes], echo)
-            seconds = time.perf_counter() - begun
-            ran = 0
-            for i, records in zip(indexes, results, strict=True):
+    while todo:
+        launches: dict[int, tuple[Launch, Path]] = {}
+        try:
+            for n, indexes in todo.items():
+                launches[n] = _start([pairs[i] for i in indexes], echo)
+            results = {n: launch.wait() for n, (launch, _) in launches.items()}
+        except BaseException:  # an interrupt (Ctrl-C in a cell): no launch outlives the check
+            for launch, _ in launches.values():
+                launch.kill()
+            raise
+        for n, (_, run_dir) in launches.items():
+            output, seconds = results[n].output, results[n].seconds
+            indexes, ran = todo[n], 0
+            for c, i in enumerate(indexes):
+                records = read_rank_records(run_dir / f"c{c}", "status-rank*.json")
                 if not records:
                     break  # the batch stopped before this one: launch the rest again
                 ex, path = pairs[i]
@@ -146,7 +152,8 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                     message="the launch failed before your code ran: run it in a shell, "
                     f"torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
                 ran = 1
-            indexes = indexes[ran:]
+            todo[n] = indexes[ran:]
+        todo = {n: indexes for n, indexes in todo.items() if indexes}
     return [verdicts[i] for i in range(len(pairs))]
 
 
