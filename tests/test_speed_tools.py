@@ -358,3 +358,25 @@ def test_the_code_lesson_11_shows_is_the_code_that_ran():
     profiled = "\n".join(imports) + "\n\n\n" + speed.source_of(path, "profiled_step")
     assert amp in blocks, "lesson 11's amp_step differs from scripts/demos/speed_tools.py"
     assert profiled in blocks, "lesson 11's profiled_step differs from speed_tools.py"
+
+
+def test_the_overlap_record_does_not_grow_with_the_model(world_of_one, tmp_path):
+    """Lesson 11's overlap model is 2048 wide on a GPU (25 M weights): a record holding each
+    knob's weights was ~2.6 GB of JSON per rank there. It holds the comparisons the lesson
+    asserts instead, so its size is the same at any width (here 16 and 64, in one process)."""
+    from ddp_tutorial.distributed import DistInfo
+    from ddp_tutorial.records import write_json
+
+    demo = load_script("demos/speed_tools.py")
+    info = DistInfo(0, 0, 1, 1, "gloo", torch.device("cpu"), "a world of one")
+    sizes = {}
+    for width in (16, 64):
+        args = SimpleNamespace(overlap_width=width, batch_size=8, seed=0, timing_steps=1)
+        record = demo.case_overlap(args, info)
+        knobs = record["knobs"]
+        for k in knobs.values():  # the profiled events are as many at any width
+            k.pop("events"), k.pop("kernels")
+        sizes[width] = write_json(tmp_path / f"{width}.json", record).stat().st_size  # as ranks do
+    assert sizes[64] < 1.5 * sizes[16], f"the record grows with the model: {sizes}"
+    assert knobs["gradient_as_bucket_view"]["same_weights_as_first"], "bit for bit"
+    assert knobs["small buckets"]["max_diff_from_first"] == 0.0

@@ -429,6 +429,8 @@ def case_overlap(args: argparse.Namespace, info: DistInfo) -> dict:
         "static_graph": {"bucket_cap_mb": small, "static_graph": True},
     }
     out: dict = {"width": width, "knobs": {}}
+    reference = None  # the first knob's weights, kept here: on a GPU (2048 wide) a record of
+    # every knob's weights would be ~100 M floats of JSON per rank; the lesson needs only these
     for name, options in knobs.items():
         ddp = wrap(overlap_model(args.seed, width), info.device, **options)
         seen: dict = {"storages": set(), "numels": []}
@@ -447,11 +449,15 @@ def case_overlap(args: argparse.Namespace, info: DistInfo) -> dict:
         seen["storages"].clear()  # only the buckets of the step whose .grad we look at
         _sgd(ddp, x, y, opt)
         views = [p.grad.untyped_storage().data_ptr() in seen["storages"] for p in ddp.parameters()]
+        weights = flat_params(ddp)
+        reference = weights if reference is None else reference
         out["knobs"][name] = {**profiled, "bucket_cap_mb": options["bucket_cap_mb"],
                               "bucket_numels": buckets,
                               "step_ms": 1e3 * statistics.median(times),
                               "grads_in_buckets": sum(views), "params": len(views),
-                              "weights": flat_params(ddp)}  # fmt: skip
+                              "same_weights_as_first": torch.equal(weights, reference),
+                              "max_diff_from_first": (weights - reference).abs().max().item(),
+                              "largest_weight": weights.abs().max().item()}  # fmt: skip
     return out
 
 
