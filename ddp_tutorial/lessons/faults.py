@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from ddp_tutorial.data import SyntheticImages
+from ddp_tutorial.lessons.speed import script_module
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
@@ -130,11 +130,7 @@ def excerpt(source: str, first: str, last: str) -> str:
 
 def load_template() -> ModuleType:
     """``scripts/train.py`` as a module (its functions, without a launch)."""
-    spec = importlib.util.spec_from_file_location("template_train", TEMPLATE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(TEMPLATE, "template_train")
 
 
 class AugmentedImages(SyntheticImages):

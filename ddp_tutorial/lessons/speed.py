@@ -10,10 +10,12 @@ type, the counter of bytes on the wire) lives in the script itself, where the le
 from __future__ import annotations
 
 import ast
+import importlib.util
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -62,6 +64,21 @@ def source_of(path: str | Path, name: str) -> str:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             return "\n".join(lines[first - 1 : node.end_lineno])  # whole lines: comments too
     raise LookupError(f"no top-level function {name!r} in {path}")
+
+
+def script_module(path: str | Path, name: str | None = None) -> ModuleType:
+    """A launched script imported as a module: its functions, its ``main()`` not run.
+
+    Lesson 07 times a step in its own kernel with the benchmark's ``step_times``: the
+    function that ran on the ranks, not a copy. Only scripts whose ``main()`` is behind
+    ``if __name__ == "__main__"`` (every script here) can be imported this way.
+    """
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or f"script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None, f"cannot import {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def powersgd_elements(
