@@ -248,3 +248,27 @@ def test_the_log_line_is_the_windows_mean_and_says_when_clipping_is_off(kit, cap
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(",")[0] for line in lines] == ["step 2: loss 2.0000", "step 4: loss 15.0000"]
     assert all("grad norm off" in line for line in lines), lines
+
+
+def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, one_rank,
+                                                      monkeypatch, capsys):  # fmt: skip
+    """Point 3: SIGTERM lands after step 12; with --eval-every 15, step 15 is an evaluation
+    and no periodic stop check (those come every 10 steps). The check before the evaluation
+    stops the job there: the snapshot is written, the evaluation never runs inside the grace
+    period. (Without that check the evaluation runs at 15 and the job stops at 20.)"""
+    observe = kit.StopCheck.observe
+
+    def observe_then_signal(self, step, loss):  # the scheduler's SIGTERM, at a known step
+        observe(self, step, loss)
+        if step == 12:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    argv = [*TINY, "--num-samples", "512", "--batch-size", "16", "--epochs", "1",
+            "--eval-every", "15", "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    out = capsys.readouterr().out
+    assert stopped.value.code == kit.PREEMPTED_EXIT, out
+    assert "SIGTERM: saved step 15" in out and "val accuracy" not in out, out
+    assert snapshot_steps(kit, tmp_path / "c") == [15]
