@@ -9,10 +9,10 @@ error, the line of the learner's file it came from, and what the exercise's ``ru
 Each candidate gets a process group of its own, under its own key prefix in torchrun's store
 (a group made again under the same keys can read the last one's addresses and hang), made once
 every rank has met in the store, and a short collective timeout: a rank left waiting by a peer
-fails in seconds, named. After each
-candidate the ranks meet in the store before the next begins, so a wrong answer — even one
-that hangs — costs only itself; only a rank that dies (gloo aborts the process on some
-mistakes) ends the batch, and the checker launches the rest again.
+fails in seconds, named. After each candidate the ranks meet in the store before the next
+begins, so a wrong answer — even one that hangs — costs only itself; only a rank that dies
+(gloo aborts the process on some mistakes) ends the batch, and the checker launches the rest
+again.
 """
 
 from __future__ import annotations
