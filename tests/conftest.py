@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,12 @@ PROCESS_GRACE_S = 10.0  # how long a process a test started may take to end afte
 _test_ids = itertools.count()
 
 
+# A handler a test installs in this process (the template's StopCheck takes SIGTERM and SIGUSR1)
+# would decide what a later signal does: pytest's own SIGINT, a CI's SIGTERM. Not SIGCHLD:
+# torch's DataLoader sets its handler once per process and remembers that it did.
+GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
 def _processes_of(test_id: str, before: set[int]) -> list[psutil.Process]:
     """Live processes not in ``before`` whose environment carries ``test_id``.
 
@@ -194,7 +201,7 @@ def _set_torch_switches(saved: dict[str, object]) -> None:
 
 
 class _Baseline:
-    """The environment, torch's switches and the process table, taken before a scope runs.
+    """The environment, torch's switches, signal handlers and the process table, before a scope.
 
     ``leaks()`` puts back what changed and says what it was: the caller fails with it.
     Processes started meanwhile carry ``scope_id`` in their environment.
@@ -205,6 +212,7 @@ class _Baseline:
         self.env = dict(os.environ)
         self.switches = _torch_switches()
         self.pids = set(psutil.pids())
+        self.handlers = {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
         os.environ[TEST_ID_ENV] = scope_id
 
     def leaks(self) -> list[str]:
@@ -222,6 +230,9 @@ class _Baseline:
             f"{k} {self.switches[k]!r} -> {now[k]!r}" for k in now if now[k] != self.switches[k]
         ]
         _set_torch_switches(self.switches)
+        handlers = [sig.name for sig, h in self.handlers.items() if signal.getsignal(sig) != h]
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
         deadline = time.monotonic() + PROCESS_GRACE_S
         left = _processes_of(self.scope_id, self.pids)
         while left and time.monotonic() < deadline:
@@ -239,6 +250,8 @@ class _Baseline:
             problems.append(f"changed environment variables {changed}")
         if flipped:
             problems.append(f"changed torch settings {flipped}")
+        if handlers:
+            problems.append(f"left signal handlers installed for {handlers}")
         if left:
             problems.append(f"left {len(left)} processes running: {names}")
         return problems
@@ -265,8 +278,8 @@ def _no_module_leaks(request: pytest.FixtureRequest):
 
 @pytest.fixture(autouse=True)
 def _no_leaks(_no_module_leaks: None, request: pytest.FixtureRequest):
-    """A test leaves the environment, torch's switches, the global RNGs and the process table
-    as it found them.
+    """A test leaves the environment, torch's switches, the global RNGs, the signal handlers
+    and the process table as it found them.
 
     The global RNG states of torch, numpy and ``random`` are restored (building
     a layer draws from them; a test that reseeds them must not decide what the
@@ -473,6 +486,16 @@ def world_of_one():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """For a test that runs code installing signal handlers in this process (the template's
+    StopCheck): pytest's handlers come back after it, so the leak guard has nothing to find."""
+    saved = {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,9 @@ def test_step_costs_times_the_calls_train_py_makes(step_costs):
     assert "StopCheck(device, save_minutes" in train  # every 10 steps: the tool's 0.9 / 0.1
 
 
-def test_step_costs_adds_up_the_template_side_against_the_bare_side(step_costs, world_of_one):
+def test_step_costs_adds_up_the_template_side_against_the_bare_side(
+    step_costs, world_of_one, own_signal_handlers
+):
     args = argparse.Namespace(model="mlp", image_size=8, batch_size=4, number=3, repeats=1)
     result = step_costs.measure(args)
     rows = {r["piece"]: r for r in result["rows"]}

@@ -197,17 +197,28 @@ def test_an_interrupt_while_waiting_kills_the_launch(tmp_path, write_script):
     script = write_script("hangs_interrupted.py", HANGING)
     launch = start(script, nproc=2, run_dir=tmp_path / "run", timeout=120, echo=False)
 
+    caught = threading.Event()
+
     def interrupt_once_both_ranks_run() -> None:
         deadline = time.monotonic() + 60
         while len(list((tmp_path / "run").glob("rank*.json"))) < 2:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        _thread.interrupt_main()
+        # Pressed again until it lands, as a user would: an interrupt that arrives while the
+        # main thread runs a finalizer (a __del__ during garbage collection) is swallowed
+        # there ("Exception ignored in ..."); seen once in a long one-process run.
+        while True:
+            _thread.interrupt_main()
+            if caught.wait(2):
+                break
 
     threading.Thread(target=interrupt_once_both_ranks_run, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        launch.wait()
+        try:
+            launch.wait()
+        finally:
+            caught.set()
     pids = [int(p.read_text().split('"pid": ')[1].split("}")[0]) for p in
             (tmp_path / "run").glob("rank*.json")]  # fmt: skip
     assert len(pids) == 2

@@ -1,8 +1,8 @@
 """The suite's guards (tests/conftest.py), run on small test files that break them on purpose.
 
 Each case copies this suite's conftest into a scratch folder and runs pytest there in
-this process: a test that leaks an environment variable, ``cudnn.benchmark`` or a
-process must fail, and so must a module fixture that leaves a process running; a test
+this process: a test that leaks an environment variable, ``cudnn.benchmark``, a signal
+handler or a process must fail, and so must a module fixture that leaves a process running; a test
 that sets what it needs through ``monkeypatch`` must pass, whatever the guards are named.
 """
 
@@ -28,6 +28,10 @@ LEAKS = {
     ),
     "deterministic": (
         "import torch\n\ndef test_it():\n    torch.use_deterministic_algorithms(True)\n"
+    ),
+    "signal": (
+        "import signal\n\ndef test_it():\n"
+        "    signal.signal(signal.SIGTERM, lambda signum, frame: None)\n"
     ),
     "process": ("import subprocess\n\ndef test_it():\n    subprocess.Popen(['sleep', '30'])\n"),
     "module fixture process": (
@@ -74,6 +78,7 @@ def test_a_test_that_leaks_fails(pytester, case):
         "env": "changed environment variables ['DDP_TUTORIAL_LEAKED']",
         "cudnn": "changed torch settings ['torch.backends.cudnn.benchmark",
         "deterministic": "changed torch settings ['torch.are_deterministic_algorithms_enabled()",
+        "signal": "left signal handlers installed for ['SIGTERM']",
         "process": "left 1 processes running: ['sleep 30']",
         "module fixture process": "(module fixtures) left 1 processes running: ['sleep 30']",
         "module fixture env": "(module fixtures) changed environment variables",
