@@ -230,7 +230,8 @@ class _Baseline:
             f"{k} {self.switches[k]!r} -> {now[k]!r}" for k in now if now[k] != self.switches[k]
         ]
         _set_torch_switches(self.switches)
-        handlers = [sig.name for sig, h in self.handlers.items() if signal.getsignal(sig) != h]
+        handlers = [f"{sig.name} {h!r} -> {signal.getsignal(sig)!r}"
+                    for sig, h in self.handlers.items() if signal.getsignal(sig) != h]  # fmt: skip
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
         deadline = time.monotonic() + PROCESS_GRACE_S

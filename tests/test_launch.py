@@ -192,8 +192,9 @@ def _gone(script, pids, within_s: float = 10.0) -> None:
 
 
 INTERRUPTED_KERNEL = """
-import sys
+import signal, sys
 from ddp_tutorial.harness.launch import start
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a kernel's, even if started ignored
 launch = start(sys.argv[1], nproc=2, run_dir=sys.argv[2], timeout=120, echo=False)
 print("waiting", flush=True)
 try:

@@ -78,7 +78,7 @@ def test_a_test_that_leaks_fails(pytester, case):
         "env": "changed environment variables ['DDP_TUTORIAL_LEAKED']",
         "cudnn": "changed torch settings ['torch.backends.cudnn.benchmark",
         "deterministic": "changed torch settings ['torch.are_deterministic_algorithms_enabled()",
-        "signal": "left signal handlers installed for ['SIGTERM']",
+        "signal": "left signal handlers installed for ['SIGTERM <Handlers.SIG_DFL: 0> -> <function",
         "process": "left 1 processes running: ['sleep 30']",
         "module fixture process": "(module fixtures) left 1 processes running: ['sleep 30']",
         "module fixture env": "(module fixtures) changed environment variables",

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -159,6 +161,10 @@ def run_notebook(
     env = {**os.environ, settings.RUNS_ENV: str(Path(runs_dir).resolve())}
     start = time.monotonic()
     ok, error = True, ""
+    # The caller's Ctrl-C stays as it was: a run under pytest-xdist's workers was seen to come
+    # back with SIGINT's handler changed by the Jupyter client machinery.
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
         client.execute(env=env)
     except CellExecutionError as exc:
@@ -167,6 +173,8 @@ def run_notebook(
         ok, error = False, f"{type(exc).__name__}: {exc}"
     finally:
         stop_kernel(km)  # with every launch a cell left running: nothing outlives the lesson
+        if main_thread and sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - start
