@@ -60,6 +60,18 @@ def gpu_count() -> int:
 # (xdist's own --dist loadgroup cannot do this with pytest 9: the group it appends to a
 # node id is lost, since pytest 9 derives node ids; so the scheduler below groups by id.)
 FIRST_GROUPS = ("notebooks 07-12", "exercises", "notebooks 00-06")
+# Then the longest files that launch (seconds on one worker of a two-worker run, 2026-12-02:
+# 60, 28, 27, 22, 20, 19): given last, test_training.py alone kept one worker busy for a
+# minute after the other had finished.
+LONG = ("training", "launch", "template_copy", "gpu_readiness", "compare", "checkpoint")
+LONG_FILES = tuple(f"tests/test_{name}.py" for name in LONG)
+
+
+def group_order(group: str, launches: bool) -> tuple[int, bool]:
+    """Where a group runs in `make test`: the long ones first, then the rest of those that
+    launch, then the quick ones (in collection order within each)."""
+    ranked = FIRST_GROUPS + LONG_FILES
+    return (ranked.index(group) if group in ranked else len(ranked)), not launches
 
 
 def suite_group(nodeid: str) -> str:
@@ -87,11 +99,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     launching = {suite_group(item.nodeid) for item in items if "torchrun" in item.keywords}
-    rank = {name: i for i, name in enumerate(FIRST_GROUPS)}
 
     def order(item: pytest.Item) -> tuple[int, bool]:  # a stable sort: else as collected
         group = suite_group(item.nodeid)
-        return rank.get(group, len(rank)), group not in launching
+        return group_order(group, group in launching)
 
     items.sort(key=order)
     count, why = gpu_view()

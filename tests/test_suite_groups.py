@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO, suite_group
+from conftest import REPO, group_order, suite_group
 
 
 def test_exercises_share_a_worker_and_the_notebooks_run_in_two_ordered_halves():
@@ -25,3 +25,13 @@ def test_make_test_runs_two_workers_and_test_fast_one_process():
     test = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     fast = makefile.split("\ntest-fast:", 1)[1].split("\n\n", 1)[0]
     assert "-m pytest -n $(TEST_WORKERS)" in test and "-n " not in fast
+
+
+def test_the_long_groups_go_first_and_the_quick_files_last():
+    files = {name: f"tests/test_{name}.py" for name in ("data", "samplers", "training", "launch")}
+    groups = [files["data"], files["samplers"], files["training"], "notebooks 00-06",
+              files["launch"], "exercises", "notebooks 07-12"]  # fmt: skip
+    launches = {files["samplers"], files["training"], files["launch"]}
+    ordered = sorted(groups, key=lambda g: group_order(g, g in launches))
+    assert ordered == ["notebooks 07-12", "exercises", "notebooks 00-06", files["training"],
+                       files["launch"], files["samplers"], files["data"]]  # fmt: skip
