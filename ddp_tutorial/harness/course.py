@@ -10,6 +10,7 @@ reported with its error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,19 @@ def stop_kernel(km: KernelManager) -> None:
         kill_tree(pid, grace_s=2.0)
 
 
+@contextlib.contextmanager
+def _callers_sigint() -> Iterator[None]:
+    """The caller's Ctrl-C stays as it was: a run under pytest-xdist's workers was seen to
+    come back with SIGINT's handler changed by the Jupyter client machinery."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGINT, saved)
+
+
 def run_notebook(
     path: str | Path,
     output_dir: str | Path | None = None,
@@ -161,20 +175,15 @@ def run_notebook(
     env = {**os.environ, settings.RUNS_ENV: str(Path(runs_dir).resolve())}
     start = time.monotonic()
     ok, error = True, ""
-    # The caller's Ctrl-C stays as it was: a run under pytest-xdist's workers was seen to come
-    # back with SIGINT's handler changed by the Jupyter client machinery.
-    main_thread = threading.current_thread() is threading.main_thread()
-    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
-        client.execute(env=env)
+        with _callers_sigint():
+            client.execute(env=env)
     except CellExecutionError as exc:
         ok, error = False, str(exc)
     except (CellTimeoutError, DeadKernelError, TimeoutError, RuntimeError) as exc:
         ok, error = False, f"{type(exc).__name__}: {exc}"
     finally:
         stop_kernel(km)  # with every launch a cell left running: nothing outlives the lesson
-        if main_thread and sigint is not None:
-            signal.signal(signal.SIGINT, sigint)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - start
