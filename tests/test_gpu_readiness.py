@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SCRIPTS
+from conftest import REPO, SCRIPTS, fake_gpu
 
 ALL_SCRIPTS = sorted(SCRIPTS.rglob("*.py"))
 # Scripts that join a process group (the others, e.g. single_process.py, have no rank device)
@@ -380,3 +380,35 @@ def test_zero1_shares_lie_within_one_tensor_of_one_over_n(ranks):
         largest = max(numels) / sum(numels)
         assert max(shares) - min(shares) <= largest + 1e-12, (numels, owned)
         assert all(abs(s - 1 / ranks) <= largest + 1e-12 for s in shares)
+
+
+def test_one_gpu_runs_the_two_rank_lessons_on_the_cpu_and_the_table_says_so(nvml):
+    """Point 5: a one-GPU machine ran lessons 04, 06, 08, 11, 12 (two ranks each) on gloo while
+    gpu-check printed "ok". Their rows and their own output now say the GPU branch did not run."""
+    from ddp_tutorial.harness.gpu_check import LESSON_RANKS, passed, plan
+    from ddp_tutorial.harness.gpu_plan import gpu_branch_note
+
+    one = {s.command[-1]: s.cpu_only for s in plan(1, python="py") if s.name.startswith("lesson")}
+    assert {n for n, why in one.items() if why} == {f"notebooks/{n}.ipynb" for n in LESSON_RANKS}
+    assert set(one.values()) == {"", "GPU branch not run: needs 2 GPUs"}
+    assert not any(s.cpu_only for s in plan(2, python="py")), "two GPUs: every GPU branch runs"
+    assert passed({"status": "GPU branch not run: needs 2 GPUs"}) and not passed(
+        {"status": "FAILED (exit 1)"}
+    )
+    for gpus, said in ((0, ""), (1, "GPU branch not run: needs 2 GPUs, 1 visible"), (2, "")):
+        nvml([fake_gpu(i) for i in range(gpus)])
+        assert gpu_branch_note(2).startswith(said) and bool(gpu_branch_note(2)) == bool(said)
+
+
+def test_the_lessons_say_when_their_gpu_branch_does_not_run():
+    """Each lesson of LESSON_RANKS prints gpu_branch_note for the ranks it launches: its NPROC
+    parameter (lesson 08: the nproc=2 of its launches)."""
+    from ddp_tutorial.harness.gpu_check import LESSON_RANKS
+
+    for lesson, ranks in LESSON_RANKS.items():
+        cells = json.loads((REPO / f"notebooks/{lesson}.ipynb").read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        nproc = re.search(r"(?m)^NPROC = (\d+)", code)
+        asked = nproc and int(nproc[1]) or int(re.search(r"\bnproc=(\d+)", code)[1])
+        assert asked == ranks, f"{lesson}: launches {asked} ranks, gpu-check expects {ranks}"
+        assert re.search(r"gpu_branch_note\((NPROC|\d+)\)", code), f"{lesson} does not say it"

@@ -38,3 +38,19 @@ def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """
     merged = {**os.environ, **(env or {})}
     return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
+
+
+def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
+    """What a lesson of ``nproc`` ranks prints on a machine with fewer GPUs ("" otherwise).
+
+    Its launches then run on the CPU with gloo (the backend is nccl only with one GPU per
+    rank): a GPU machine that silently ran the CPU branch would teach the CPU's numbers as
+    the GPU's. gpu-check's table says the same for the lesson (``gpu_check.LESSON_RANKS``).
+    """
+    gpus = launch_gpu_count(env)
+    if 0 < gpus < nproc:
+        return (
+            f"GPU branch not run: needs {nproc} GPUs, {gpus} visible; this lesson's launches "
+            f"run on the CPU with gloo"
+        )
+    return ""
