@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import random
@@ -24,10 +23,9 @@ DEMOS = SCRIPTS / "demos"  # the lessons' demonstration scripts
 
 def load_script(name: str) -> ModuleType:
     """``scripts/<name>`` imported as a module: its functions run here, without a launch."""
-    spec = importlib.util.spec_from_file_location(f"script_{Path(name).stem}", SCRIPTS / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from ddp_tutorial.lessons.speed import script_module
+
+    return script_module(SCRIPTS / name)
 
 
 def gpu_view() -> tuple[int, str]:
