@@ -5,6 +5,7 @@
 ``ddp-tutorial strip``   remove notebook outputs before committing
 ``ddp-tutorial doctor``  check this machine before training (exit status 1 if something blocks it)
 ``ddp-tutorial check NN`` check your answers to lesson NN's exercises (1: a mistake, named)
+``ddp-tutorial lint FILE...`` the classic DDP mistakes in training scripts, read from the code
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def _check(args: argparse.Namespace) -> int:
     return main(args.lesson, args.files, solution=args.solution)
 
 
+def _lint(args: argparse.Namespace) -> int:
+    from ddp_tutorial.harness.lint import main
+
+    return main(args.files)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddp-tutorial", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="*", help="your files (default: scripts/exercises/...)")
     check.add_argument("--solution", action="store_true", help="check the reference answers")
     check.set_defaults(func=_check)
+    lint = sub.add_parser("lint", help="find the classic DDP mistakes in training scripts")
+    lint.add_argument("files", nargs="*", help="Python files or folders to read (nothing runs)")
+    lint.set_defaults(func=_lint)
     return parser
 
 

