@@ -6,6 +6,7 @@
 ``ddp-tutorial doctor``  check this machine before training (exit status 1 if something blocks it)
 ``ddp-tutorial check NN`` check your answers to lesson NN's exercises (1: a mistake, named)
 ``ddp-tutorial lint FILE...`` the classic DDP mistakes in training scripts, read from the code
+``ddp-tutorial explain LOG`` what the DDP/torchrun/NCCL/gloo messages in a log mean, and the fix
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _lint(args: argparse.Namespace) -> int:
     return main(args.files)
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from ddp_tutorial.harness.explain import main
+
+    return main(args.logs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddp-tutorial", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     lint = sub.add_parser("lint", help="find the classic DDP mistakes in training scripts")
     lint.add_argument("files", nargs="*", help="Python files or folders to read (nothing runs)")
     lint.set_defaults(func=_lint)
+    explain = sub.add_parser("explain", help="explain the DDP error messages in a log")
+    explain.add_argument("logs", nargs="*", help="log files (default, or -: standard input)")
+    explain.set_defaults(func=_explain)
     return parser
 
 
