@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 from ddp_tutorial.harness.explain import (
     KNOWN,
-    explain,
+    explain_log,
     keys,
     lagging_ranks,
     main,
@@ -54,7 +54,7 @@ def test_the_watchdog_names_the_rank_that_never_called_the_collective():
     assert lagging_ranks(log.splitlines()) == (
         "ranks 0, 1, 3 waited in ALLREDUCE #12; the rank that fell behind: 2 (never called it)"
     )
-    report = explain(log)
+    report = explain_log(log)
     assert "nccl-watchdog" in keys(log) and "lesson 09" in report
     assert "from ranks 0, 1, 3" in report  # the first hit's ranks: those that waited
 
@@ -76,7 +76,7 @@ def test_where_each_rank_failed_is_its_last_line_of_its_own_code():
     teed = [f"[default{line[5]}]:{line}" for line in lines]  # torchrun --tee adds the role
     assert where_ranks_failed(teed) == where_ranks_failed(lines)
     assert where_ranks_failed(lines) == {0: "train.py:52 in evaluate", 1: "train.py:60 in train"}
-    assert "different lines: the ranks took different paths" in explain(log)
+    assert "different lines: the ranks took different paths" in explain_log(log)
 
 
 @pytest.mark.parametrize("known", KNOWN, ids=lambda k: k.key)

@@ -305,7 +305,7 @@ def rank_of(line: str) -> int | None:
     return int(m["rank"] if m["rank"] is not None else m["local"])
 
 
-def find(lines: list[str]) -> list[Hit]:
+def find_known(lines: list[str]) -> list[Hit]:
     """Every known message in ``lines``, once each, in the order they first appear."""
     hits: dict[str, Hit] = {}
     for number, line in enumerate(lines, 1):
@@ -366,11 +366,11 @@ def lagging_ranks(lines: list[str]) -> str | None:
     return text + "; every rank that logged reached it: the slow one logged nothing (look for it)"
 
 
-def explain(text: str) -> str:
+def explain_log(text: str) -> str:
     """The report for one log: each known message with cause, fix and lesson; then where
     the ranks were. An empty string when nothing in the log is known."""
     lines = text.splitlines()
-    hits = find(lines)
+    hits = find_known(lines)
     if not hits:
         return ""
     out = []
@@ -405,7 +405,7 @@ def explain(text: str) -> str:
 
 def keys(text: str) -> list[str]:
     """The keys of the known messages in ``text`` (tests and lessons assert on them)."""
-    return [hit.known.key for hit in find(text.splitlines())]
+    return [hit.known.key for hit in find_known(text.splitlines())]
 
 
 def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -419,7 +419,7 @@ def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = N
         except OSError as exc:
             print(f"ddp-tutorial explain: cannot read {path}: {exc.strerror}", file=err)
             return 2
-        report = explain(text)
+        report = explain_log(text)
         if len(paths) > 1:
             print(f"== {path}", file=out)
         print(

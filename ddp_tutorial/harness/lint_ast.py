@@ -1,0 +1,238 @@
+"""What ``ddp-tutorial lint`` knows of Python code: names, calls, and what a name holds.
+
+The linter reads one file at a time and guesses what a name holds from how it was made
+(``dist.get_rank()``, ``DistributedDataParallel(...)``, a name whose ``.module`` is read).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+from ddp_tutorial.harness.lint_rules import COLLECTIVES, DIST_PREFIXES, GLOBAL_RANK_SOURCES
+
+
+def dotted(node: ast.AST) -> str:
+    """``torch.distributed.all_reduce`` for the expression that names it ('' if not a name)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    if isinstance(node, ast.Call):  # torch.distributed.get_rank().something
+        return dotted(node.func)
+    return ""
+
+
+def last_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else dotted(func)
+
+
+def keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def is_collective(call: ast.Call) -> bool:
+    name = dotted(call.func)
+    head, _, tail = name.rpartition(".")
+    return tail in COLLECTIVES and (head in DIST_PREFIXES or head.endswith(".distributed"))
+
+
+def names_in(node: ast.AST) -> set[str]:
+    """Names and dotted attributes read in ``node`` (``info.rank`` gives 'info' and 'info.rank')."""
+    found = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Attribute) and (name := dotted(sub)):
+            found.add(name)
+    return found
+
+
+def env_key(node: ast.AST) -> str | None:
+    """'RANK' for ``os.environ["RANK"]``, ``os.environ.get("RANK")``, ``os.getenv("RANK")``."""
+    if isinstance(node, ast.Subscript) and dotted(node.value).endswith("environ"):
+        key = node.slice
+        return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
+    if isinstance(node, ast.Call) and dotted(node.func).endswith(("environ.get", "getenv")):
+        first = node.args[0] if node.args else None
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            return first.value
+    return None
+
+
+def pairs(stmt: ast.stmt) -> list[tuple[str, ast.expr]]:
+    """``(name, value)`` for each name an assignment binds (``a, b = x, y`` pairs them up)."""
+    if isinstance(stmt, ast.Assign):
+        nodes, value = list(stmt.targets), stmt.value
+    elif isinstance(stmt, ast.AnnAssign | ast.AugAssign) and stmt.value is not None:
+        nodes, value = [stmt.target], stmt.value
+    else:
+        return []
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Tuple) and isinstance(value, ast.Tuple):
+            if len(node.elts) == len(value.elts):
+                out += [
+                    (t.id, v)
+                    for t, v in zip(node.elts, value.elts, strict=True)
+                    if isinstance(t, ast.Name)
+                ]
+                continue
+        out += [(name.id, value) for name in bound_names(node)]
+    return out
+
+
+def bound_names(target: ast.expr) -> list[ast.Name]:
+    """The names an assignment target binds: ``a``, ``a, *b`` (not ``x[i]`` nor ``x.y``)."""
+    if isinstance(target, ast.Name):
+        return [target]
+    if isinstance(target, ast.Tuple | ast.List):
+        return [n for e in target.elts for n in bound_names(e)]
+    if isinstance(target, ast.Starred):
+        return bound_names(target.value)
+    return []
+
+
+def targets(stmt: ast.stmt) -> list[str]:
+    return [name for name, _ in pairs(stmt)]
+
+
+def own_nodes(body: Sequence[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of ``body``, not looking into the functions and classes defined in it."""
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+class Scope:
+    """What one function (or the module's top level) makes of its names.
+
+    ``rank``: names whose value depends on the rank (a branch on them splits the ranks);
+    ``global_rank``: names that hold the global rank itself; wrappers: names that hold a
+    DDP model at a given line (``net = model`` then ``net = model.module``: only before)."""
+
+    def __init__(self, body: Sequence[ast.stmt], params: Iterable[str] = ()) -> None:
+        self.rank = {p for p in params if "rank" in p.lower()}
+        self.global_rank: set[str] = set()
+        self.always_wrapped: set[str] = set()  # read as x.module, given to Join or no_sync
+        self.bound: dict[str, list[tuple[int, bool | None]]] = {}  # name: (line, holds a wrapper)
+        nodes = list(own_nodes(body))
+        for sub in nodes:
+            if isinstance(sub, ast.Attribute) and sub.attr in ("module", "no_sync"):
+                if name := dotted(sub.value):
+                    self.always_wrapped.add(name)
+            if isinstance(sub, ast.Call) and last_name(sub) == "Join" and sub.args:
+                if isinstance(sub.args[0], ast.List | ast.Tuple):
+                    self.always_wrapped.update(dotted(e) for e in sub.args[0].elts)
+        assigns = sorted(
+            (s for s in nodes if isinstance(s, ast.stmt) and pairs(s)), key=lambda s: s.lineno
+        )
+        for _ in range(3):  # names feed each other: a few passes reach a fixed point
+            self.bound = {}
+            for stmt in assigns:
+                for name, value in pairs(stmt):
+                    self._learn(name, value, stmt.lineno)
+
+    def _learn(self, name: str, value: ast.expr, line: int) -> None:
+        if self.is_global_rank(value):
+            self.global_rank.add(name)
+        if self.depends_on_rank(value):
+            self.rank.add(name)
+        options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+        status = [self.holds_wrapper(v, line) for v in options]
+        wrapped = True if True in status else False if all(x is False for x in status) else None
+        self.bound.setdefault(name, []).append((line, wrapped))
+
+    def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
+        """True: a DDP model (``DDP(...)``, or a name holding one); False: surely not (its
+        ``.module``); None: cannot tell (``wrap(model)``: then how the name is used decides)."""
+        if isinstance(value, ast.Call) and last_name(value) in ("DistributedDataParallel", "DDP"):
+            return True
+        if isinstance(value, ast.Name):
+            return self.wrapper(value.id, line)
+        if isinstance(value, ast.Attribute) and value.attr == "module":
+            return False
+        return None
+
+    def wrapper(self, name: str, line: int) -> bool:
+        """Whether ``name`` holds a DDP model at ``line`` (its last assignment before it)."""
+        before = [w for at, w in self.bound.get(name, []) if at < line]
+        if before and before[-1] is not None:
+            return before[-1]
+        return name in self.always_wrapped
+
+    def is_global_rank(self, node: ast.AST) -> bool:
+        """``dist.get_rank()``, ``int(os.environ["RANK"])`` or a name holding one of them."""
+        if isinstance(node, ast.Call) and last_name(node) == "int" and node.args:
+            return self.is_global_rank(node.args[0])
+        if isinstance(node, ast.Call) and last_name(node) in GLOBAL_RANK_SOURCES:
+            return True
+        if isinstance(node, ast.Name):
+            return node.id in self.global_rank
+        return env_key(node) == "RANK"
+
+    def depends_on_rank(self, node: ast.AST) -> bool:
+        for sub in ast.walk(node):
+            if self.is_global_rank(sub) or env_key(sub) in ("RANK", "LOCAL_RANK"):
+                return True
+        for name in names_in(node):
+            if name in self.rank or "rank" in name.rsplit(".", 1)[-1].lower():
+                return True
+        return False
+
+
+def is_rank_test(test: ast.expr, scope: Scope) -> bool:
+    """``rank == 0``, ``not rank``, ``is_main``-like names: a test only some ranks pass."""
+    return scope.depends_on_rank(test) or any(
+        re.search(r"(main|master)_?(process|rank)|is_main|is_master", n) for n in names_in(test)
+    )
+
+
+def only_local(test: ast.expr, scope: Scope) -> str | None:
+    """The local-rank name a guard tests when it tests no global rank ('args.local_rank')."""
+    names = [n for n in names_in(test) if "rank" in n.rsplit(".", 1)[-1].lower()]
+    local = [n for n in names if "local" in n.lower()]
+    if (
+        local
+        and len(local) == len(names)
+        and not any(scope.is_global_rank(n) for n in ast.walk(test))
+    ):
+        return local[0]
+    return None
+
+
+def calls_in(node: ast.AST) -> list[ast.Call]:
+    """Every call in ``node`` (itself included), not in the functions defined inside it."""
+    return [c for c in own_nodes([node]) if isinstance(c, ast.Call)]  # type: ignore[list-item]
+
+
+def is_none(node: ast.AST | None) -> bool:
+    return node is None or (isinstance(node, ast.Constant) and node.value is None)
+
+
+def under_modulo(loop: ast.For, call: ast.Call) -> bool:
+    """Whether ``call`` runs only under an ``if`` that tests a remainder (``epoch % k``)."""
+    for node in ast.walk(loop):
+        if isinstance(node, ast.If) and any(sub is call for s in node.body for sub in ast.walk(s)):
+            if any(
+                isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod) for b in ast.walk(node.test)
+            ):
+                return True
+    return False
+
+
+def unbounded_bincount(call: ast.Call) -> bool:
+    """``torch.bincount(x)`` whose length can be this rank's largest label + 1."""
+    minlength = keyword(call, "minlength")
+    if minlength is None:
+        return True
+    options = (
+        [minlength.body, minlength.orelse] if isinstance(minlength, ast.IfExp) else [minlength]
+    )
+    return any(isinstance(o, ast.Constant) and o.value == 0 for o in options)

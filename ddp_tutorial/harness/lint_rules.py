@@ -1,0 +1,157 @@
+"""The rules of ``ddp-tutorial lint``: each code, what is wrong and what to do, and the lesson
+that shows it; a finding as the linter prints it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+RULES: dict[str, tuple[str, str]] = {
+    "DDP101": (
+        "{what} inside a branch that depends on the rank: the ranks that skip it leave the "
+        "others waiting in it until the timeout; call it on every rank, outside the branch",
+        "09",
+    ),
+    "DDP102": (
+        "the global rank ({name}) used as a GPU index: on every node but the first it names a "
+        "GPU that does not exist; use LOCAL_RANK (int(os.environ['LOCAL_RANK']))",
+        "03",
+    ),
+    "DDP103": (
+        "DistributedSampler {name} is never given .set_epoch(epoch): every epoch reads the "
+        "same order; call {name}.set_epoch(epoch) at the top of the epoch loop",
+        "02",
+    ),
+    "DDP104": (
+        "shuffle=True beside sampler=: DataLoader refuses both; the sampler shuffles "
+        "(DistributedSampler(shuffle=True) and set_epoch)",
+        "02",
+    ),
+    "DDP105": (
+        "torch.save on every rank: N processes write the same file at once (a torn file: "
+        "'storage has wrong size'); save under `if rank == 0:` (the global rank)",
+        "05",
+    ),
+    "DDP106": (
+        "the save is guarded by the local rank ({name}): one writer per node, still concurrent "
+        "writers on a shared disk; guard it with the global rank (dist.get_rank() == 0)",
+        "05",
+    ),
+    "DDP107": (
+        "{name}.state_dict() of the DDP wrapper: every key gets a 'module.' prefix that a "
+        "plain model refuses; save {name}.module.state_dict()",
+        "05",
+    ),
+    "DDP108": (
+        "torch.load without map_location: tensors return to the device they were saved "
+        "from (every rank onto cuda:0); pass map_location='cpu' or this rank's device",
+        "05",
+    ),
+    "DDP109": (
+        "init_process_group with nccl and no device_id: pass device_id=torch.device('cuda', "
+        "local_rank) so that the group is bound to this rank's GPU (no guess, no "
+        "'using GPU N to perform barrier' warning)",
+        "03",
+    ),
+    "DDP110": (
+        "torch.cuda.set_device after CUDA was used on line {line}: that work (and its "
+        "context) is on the previous device, usually cuda:0; call set_device first",
+        "03",
+    ),
+    "DDP111": (
+        "init_process_group without destroy_process_group: call "
+        "dist.destroy_process_group() at the end (in a finally:) for a clean exit",
+        "01",
+    ),
+    "DDP112": (
+        "CUDA_VISIBLE_DEVICES set after CUDA was used on line {line}: the process already "
+        "chose its GPUs and ignores it; set it before the process starts (the launcher's "
+        "environment)",
+        "03",
+    ),
+    "DDP113": (
+        "{what}: torch.distributed.launch and its --local_rank argument are deprecated; start "
+        "with torchrun and read int(os.environ['LOCAL_RANK'])",
+        "01",
+    ),
+    "DDP114": (
+        "find_unused_parameters=True: DDP then walks the autograd graph after every forward; "
+        "keep it only for a model that really leaves parameters unused",
+        "04",
+    ),
+    "DDP115": (
+        "{name}[7:] cuts 7 characters from every key, also from keys without 'module.'; use "
+        "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.')",
+        "05",
+    ),
+    "DDP116": (
+        "nn.DataParallel: one process driving every GPU (and its GIL); use "
+        "DistributedDataParallel, one process per GPU",
+        "04",
+    ),
+    "DDP117": (
+        "RANK set to a constant in the environment: every process started from here "
+        "inherits it and believes it is that rank; pass each process its own rank",
+        "01",
+    ),
+    "DDP118": (
+        "a tqdm bar on every rank: N bars draw over one terminal; tqdm(..., disable=rank != 0)",
+        "01",
+    ),
+    "DDP119": (
+        "{name} has parameters that forward() never uses: DDP stops at the second step "
+        "('Expected to have finished reduction'); remove or freeze it, or "
+        "find_unused_parameters=True",
+        "09",
+    ),
+    "DDP120": (
+        "{what} has a length that depends on this rank's data: a collective on it gets "
+        "different shapes on different ranks; give it a fixed length (minlength=...)",
+        "09",
+    ),
+    "DDP121": (
+        "training on a number of batches computed from the rank without Join: the rank with "
+        "more batches waits in its last backward for partners that have finished; equal "
+        "shards, or `with Join([model]):`",
+        "09",
+    ),
+    "DDP122": (
+        "rank 0 works alone ({what}) and the others wait for it in the next collective: "
+        "longer than the timeout and they fail; do it before init_process_group, on every "
+        "rank, or with a longer timeout",
+        "09",
+    ),
+    "DDP123": (
+        "the only save in the epoch loop is conditional and nothing saves after the loop: "
+        "the last epoch's weights are never written",
+        "05",
+    ),
+}
+
+COLLECTIVES = frozenset(
+    "all_reduce reduce broadcast all_gather all_gather_object all_gather_into_tensor gather "
+    "gather_object scatter scatter_object_list reduce_scatter reduce_scatter_tensor "
+    "all_to_all all_to_all_single broadcast_object_list barrier monitored_barrier".split()
+)
+DIST_PREFIXES = ("dist", "torch.distributed", "distributed")
+GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
+SLOW_WORK = re.compile(r"download|prepare|preprocess|tokeni[sz]e|build_cache|extract|sleep")
+IGNORE = re.compile(r"#\s*ddp-lint:\s*ignore(?:\[(?P<codes>[A-Z0-9, ]+)\])?")
+CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
+
+
+@dataclass(frozen=True, order=True)
+class LintFinding:
+    """One mistake at one line."""
+
+    path: str
+    line: int
+    code: str
+    message: str = field(compare=False)
+
+    @property
+    def lesson(self) -> str:
+        return RULES[self.code][1]
+
+    def format(self) -> str:
+        return f"{self.path}:{self.line}: {self.code} {self.message} (lesson {self.lesson})"

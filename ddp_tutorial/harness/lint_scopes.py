@@ -1,0 +1,314 @@
+"""The checks of ``ddp-tutorial lint`` that read one function (or the module's top level)
+at a time: branches on the rank, devices, saves, what must come before CUDA, uneven data."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+from ddp_tutorial.harness.lint_ast import (
+    Scope,
+    calls_in,
+    dotted,
+    env_key,
+    is_collective,
+    is_rank_test,
+    keyword,
+    last_name,
+    names_in,
+    only_local,
+    pairs,
+    targets,
+)
+from ddp_tutorial.harness.lint_rules import CUDA_STRING, IGNORE, RULES, SLOW_WORK, LintFinding
+from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+
+
+class ScopeChecks:
+    """One parsed file, and the rules that read it a function at a time."""
+
+    def __init__(self, path: str, source: str) -> None:
+        self.path, self.source = path, source
+        self.lines = source.splitlines()
+        self.tree = ast.parse(source, filename=path)
+        self.found: list[LintFinding] = []
+        self.every = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call)]
+        self.distributed = any(
+            last_name(c) in ("init_process_group", "DistributedDataParallel", "DDP")
+            or is_collective(c)
+            for c in self.every
+        )
+        # mp.spawn(fn, ...) calls fn(index, ...): that index is the rank
+        self.spawned = {dotted(c.args[0]) for c in self.every if last_name(c) == "spawn" and c.args}
+        self.parents: dict[int, list[ast.stmt]] = {}
+        for node in ast.walk(self.tree):
+            for name in ("body", "orelse", "finalbody"):
+                body = getattr(node, name, None)
+                if isinstance(body, list):
+                    for stmt in body:
+                        self.parents[id(stmt)] = body
+
+    def add(self, node: ast.AST, code: str, **fmt: object) -> None:
+        line = getattr(node, "lineno", 1)
+        text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        if (m := IGNORE.search(text)) and (not m["codes"] or code in m["codes"]):
+            return
+        self.found.append(LintFinding(self.path, line, code, RULES[code][0].format(**fmt)))
+
+    def scopes(self) -> Iterator[tuple[ast.Module | ast.FunctionDef | ast.AsyncFunctionDef, Scope]]:
+        yield self.tree, Scope(self.tree.body)
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+                if node.name in self.spawned and params:
+                    params[0] = "rank"  # its first argument is the rank (renamed for the scan)
+                    scope = Scope(node.body, params)
+                    scope.rank.add(node.args.args[0].arg if node.args.args else "rank")
+                else:
+                    scope = Scope(node.body, params)
+                yield node, scope
+
+    # ---------------------------------------------------------------- walking
+
+    @staticmethod
+    def statements(owner: ast.AST) -> Iterator[ast.stmt]:
+        """The statements of one scope, in source order, not those of nested functions."""
+        todo = list(reversed(owner.body))  # type: ignore[attr-defined]
+        while todo:
+            stmt = todo.pop()
+            yield stmt
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            children = [c for c in ast.iter_child_nodes(stmt) if isinstance(c, ast.stmt)]
+            for handler in getattr(stmt, "handlers", []):
+                children.extend(handler.body)
+            todo.extend(sorted(children, key=lambda c: c.lineno, reverse=True))
+
+    @staticmethod
+    def own_calls(stmt: ast.stmt) -> list[ast.Call]:
+        """The calls of one statement itself, not of the statements nested in it."""
+        nested = {
+            id(c)
+            for s in ast.iter_child_nodes(stmt)
+            if isinstance(s, ast.stmt | ast.excepthandler)
+            for c in ast.walk(s)
+        }
+        return [c for c in ast.walk(stmt) if isinstance(c, ast.Call) and id(c) not in nested]
+
+    def after(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """The statements that follow ``stmt`` in its block."""
+        body = self.parents.get(id(stmt), [])
+        return body[body.index(stmt) + 1 :] if stmt in body else []
+
+    def overwritten(self, stmt: ast.stmt) -> bool:
+        """``x = a`` at once followed by ``x = b`` (not reading x): the first value is dead
+        (an exercise's stub line, kept above the answer that replaces it)."""
+        following = self.after(stmt)
+        names = targets(stmt)
+        if not following or not names or not isinstance(following[0], ast.Assign):
+            return False
+        nxt = following[0]
+        return set(names) <= set(targets(nxt)) and not set(names) & names_in(nxt.value)
+
+    @staticmethod
+    def is_cuda(node: ast.AST | None) -> bool:
+        return (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and bool(CUDA_STRING.match(node.value))
+        )
+
+    @staticmethod
+    def nccl(call: ast.Call) -> bool:
+        backend = keyword(call, "backend") or (call.args[0] if call.args else None)
+        return isinstance(backend, ast.Constant) and "nccl" in str(backend.value)
+
+    def forward(self, call: ast.Call, scope: Scope) -> bool:
+        return isinstance(call.func, ast.Name) and scope.wrapper(call.func.id, call.lineno)
+
+    # ---------------------------------------------------------------- rules by scope
+
+    def branch_calls(self, body: Sequence[ast.stmt], scope: Scope) -> list[tuple[str, ast.Call]]:
+        """Collectives and DDP forwards in a branch: ('all_reduce', call), ('forward', call)."""
+        out = []
+        for call in (c for stmt in body for c in calls_in(stmt)):
+            if is_collective(call):
+                out.append((last_name(call), call))
+            elif self.forward(call, scope):
+                out.append(("forward", call))
+        return out
+
+    def rank_branches(self, owner: ast.AST, scope: Scope) -> None:
+        """DDP101 (a collective some ranks skip), DDP122 (rank 0 busy, the others waiting)."""
+        for stmt in self.statements(owner):
+            if not isinstance(stmt, ast.If) or not is_rank_test(stmt.test, scope):
+                continue
+            inside = self.branch_calls(stmt.body, scope)
+            elif_ = len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
+            if elif_ and not is_rank_test(stmt.orelse[0].test, scope):  # type: ignore[attr-defined]
+                other = []  # `elif <not about ranks>:` is a branch of its own
+            else:
+                other = self.branch_calls(stmt.orelse, scope)
+            # the same collectives on both sides is fine (point-to-point is not in the list)
+            if Counter(n for n, _ in inside) != Counter(n for n, _ in other):
+                for name, call in inside + other:
+                    what = "a forward of the DDP model (it syncs buffers: a collective)"
+                    self.add(call, "DDP101", what=what if name == "forward" else f"dist.{name}")
+            if inside or stmt.orelse:
+                continue
+            slow = [
+                c for s in stmt.body for c in calls_in(s) if SLOW_WORK.search(last_name(c).lower())
+            ]
+            waits = any(
+                is_collective(c) or self.forward(c, scope)
+                for s in self.after(stmt)
+                for c in calls_in(s)
+            )
+            if slow and waits:
+                self.add(stmt, "DDP122", what=f"{last_name(slow[0])}()")
+
+    def devices(self, owner: ast.AST, scope: Scope) -> None:
+        """DDP102: the global rank where a GPU index goes."""
+        for call in (c for s in self.statements(owner) for c in self.own_calls(s)):
+            name = dotted(call.func)
+            slots: list[ast.expr] = []
+            if name.endswith("cuda.set_device") or last_name(call) in ("cuda", "to"):
+                slots = list(call.args[:1])
+            elif last_name(call) == "device" and call.args[:1] and self.is_cuda(call.args[0]):
+                slots = list(call.args[1:2])
+            ids = keyword(call, "device_ids")
+            if isinstance(ids, ast.List | ast.Tuple):
+                slots += list(ids.elts)
+            for slot in slots:
+                if scope.is_global_rank(slot):
+                    label = dotted(slot) or "the rank"
+                    self.add(
+                        call, "DDP102", name=label + ("()" if isinstance(slot, ast.Call) else "")
+                    )
+                    break
+
+    def guard(self, target: ast.AST, owner: ast.AST, scope: Scope) -> ast.expr | None:
+        """The rank test that keeps ``target`` to some ranks: an enclosing ``if``, or an
+        earlier ``if <rank test>: return`` in the same function (None: every rank runs it)."""
+        line = target.lineno  # type: ignore[attr-defined]
+        for stmt in self.statements(owner):
+            if stmt.lineno > line:
+                break
+            if not isinstance(stmt, ast.If) or not is_rank_test(stmt.test, scope):
+                continue
+            inside = any(sub is target for s in stmt.body for sub in ast.walk(s))
+            exits = any(isinstance(s, ast.Return | ast.Continue | ast.Raise) for s in stmt.body)
+            if inside or (exits and (stmt.end_lineno or line) < line):
+                return stmt.test
+        return None
+
+    def saves(self, owner: ast.AST, scope: Scope) -> None:
+        """DDP105-DDP107: who writes, and what."""
+        for stmt in self.statements(owner):
+            for call in self.own_calls(stmt):
+                if last_name(call) == "state_dict" and isinstance(call.func, ast.Attribute):
+                    holder = call.func.value
+                    if isinstance(holder, ast.Name) and scope.wrapper(holder.id, call.lineno):
+                        if not self.overwritten(stmt):
+                            self.add(call, "DDP107", name=holder.id)
+                if dotted(call.func) == "torch.save" and self.distributed:
+                    self.writer(call, owner, scope)
+
+    def writer(self, call: ast.Call, owner: ast.AST, scope: Scope) -> None:
+        """A save in a helper is judged where the helper is called (every call guarded?)."""
+        test = self.guard(call, owner, scope)
+        sites: list[tuple[ast.Call, ast.AST, Scope]] = []
+        if test is None and isinstance(owner, ast.FunctionDef | ast.AsyncFunctionDef):
+            for site_owner, site_scope in self.scopes():
+                for stmt in self.statements(site_owner):
+                    sites += [
+                        (c, site_owner, site_scope)
+                        for c in self.own_calls(stmt)
+                        if last_name(c) == owner.name
+                    ]
+            if not sites:
+                return  # a helper this file never calls: its callers guard it, or not
+        checks = [(call, test)] if not sites else [(c, self.guard(c, o, s)) for c, o, s in sites]
+        for where, guard in checks:
+            if guard is None:
+                self.add(where, "DDP105")
+            elif (local := only_local(guard, scope)) is not None:
+                self.add(where, "DDP106", name=local)
+
+    def order(self, owner: ast.AST) -> None:
+        """DDP110, DDP112: what must come before CUDA starts."""
+        touched: int | None = None  # the line CUDA was first used on (the driver started)
+        context: int | None = None  # the line a CUDA context was first made on
+        for stmt in self.statements(owner):
+            for call in self.own_calls(stmt):
+                name = dotted(call.func)
+                if name.endswith("cuda.set_device") and context is not None:
+                    self.add(call, "DDP110", line=context)
+                makes = (
+                    last_name(call) == "cuda"
+                    or (last_name(call) == "to" and any(self.is_cuda(a) for a in call.args))
+                    or self.is_cuda(keyword(call, "device"))
+                )
+                starts = (
+                    makes
+                    or (".cuda." in f".{name}" and not name.endswith("set_device"))
+                    or (last_name(call) == "init_process_group" and self.nccl(call))
+                )
+                context = call.lineno if makes and context is None else context
+                touched = call.lineno if starts and touched is None else touched
+            if touched is not None and isinstance(stmt, ast.Assign) and touched < stmt.lineno:
+                if any(env_key(t) == VISIBLE_DEVICES_ENV for t in stmt.targets):
+                    self.add(stmt, "DDP112", line=touched)
+
+    def uneven(self, owner: ast.AST, scope: Scope) -> None:
+        """DDP121: a DDP model trained on a number of batches computed from the rank."""
+        joined = {
+            id(sub)
+            for w in ast.walk(owner)
+            if isinstance(w, ast.With)
+            and any(dotted(i.context_expr).endswith("Join") for i in w.items)
+            for sub in ast.walk(w)
+        }
+        counted = {
+            name
+            for stmt in self.statements(owner)
+            for name, value in pairs(stmt)
+            if isinstance(value, ast.Call)
+            and any(
+                isinstance(b, ast.BinOp) and scope.depends_on_rank(b)
+                for a in value.args
+                for b in ast.walk(a)
+            )
+        }
+        for stmt in self.statements(owner):
+            if (
+                isinstance(stmt, ast.For)
+                and dotted(stmt.iter) in counted
+                and id(stmt) not in joined
+            ):
+                if any(last_name(c) == "backward" for c in calls_in(stmt)):
+                    self.add(stmt, "DDP121")
+            for call in self.own_calls(stmt):
+                if id(call) in joined:
+                    continue
+                trains = self.training_params(last_name(call))
+                for i, arg in enumerate(call.args):
+                    if isinstance(arg, ast.Name) and arg.id in counted and i in trains:
+                        self.add(call, "DDP121")
+
+    def training_params(self, function: str) -> set[int]:
+        """Positions of the parameters a function of this file trains on (a ``for`` over
+        the parameter with a backward inside)."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.FunctionDef) and node.name == function:
+                params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+                return {
+                    params.index(loop.iter.id)
+                    for loop in ast.walk(node)
+                    if isinstance(loop, ast.For)
+                    and isinstance(loop.iter, ast.Name)
+                    and loop.iter.id in params
+                    and any(last_name(c) == "backward" for c in calls_in(loop))
+                }
+        return set()
