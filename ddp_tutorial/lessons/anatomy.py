@@ -43,6 +43,31 @@ def bn_model(seed: int, hidden: int = 16) -> nn.Module:
     )
 
 
+TOKEN_FEATURES, TOKEN_CLASSES, MAX_TOKENS = 4, 3, 12
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index: padding, no label
+
+
+def token_batches(rank: int, k: int, seed: int = 0, rows: int = 2) -> list[Any]:
+    """Rank ``rank``'s ``k`` micro-batches of padded sequences, ``(x [rows, MAX_TOKENS, F],
+    labels [rows, MAX_TOKENS])``: labels are IGNORE_INDEX past each sequence's length, and the
+    lengths differ from one micro-batch and one rank to the next, as they do in text."""
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    out = []
+    for _ in range(k):
+        lengths = torch.randint(1, MAX_TOKENS + 1, (rows,), generator=gen)
+        x = torch.randn(rows, MAX_TOKENS, TOKEN_FEATURES, generator=gen)
+        y = torch.randint(0, TOKEN_CLASSES, (rows, MAX_TOKENS), generator=gen)
+        y[torch.arange(MAX_TOKENS) >= lengths[:, None]] = IGNORE_INDEX
+        out.append((x, y))
+    return out
+
+
+def token_model(seed: int) -> nn.Module:
+    """A per-token classifier (logits for every position), initialised from ``seed`` only."""
+    torch.manual_seed(seed)
+    return nn.Linear(TOKEN_FEATURES, TOKEN_CLASSES)
+
+
 def global_batch(step: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``step``-th global batch: the same on every process, learnable labels."""
     gen = torch.Generator().manual_seed(seed * 100_003 + step)

@@ -24,6 +24,7 @@ assert that the lines it shows are the ones that ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import statistics
@@ -58,11 +59,13 @@ from ddp_tutorial.lessons.anatomy import (
     time_steps,
     timed_allreduce_hook,
     tiny_model,
+    token_batches,
+    token_model,
 )
 from ddp_tutorial.models import SmallCNN
 
 EXPERIMENTS = ("taught", "wrap", "no_sync", "unused", "batchnorm", "bn_cpu", "buffers",
-               "device_ids", "pitfalls")  # fmt: skip
+               "device_ids", "pitfalls", "loss_norm")  # fmt: skip
 
 
 # -- The lines lesson 04 teaches. Its cells show these three functions as they stand here --
@@ -97,7 +100,14 @@ def average_buffers(model: nn.Module) -> None:
             buffer /= world
 
 
-TAUGHT = (wrap_model, accumulate, average_buffers)
+def global_token_loss(logits: torch.Tensor, labels: torch.Tensor, n_global: torch.Tensor,
+                      world: int) -> torch.Tensor:  # fmt: skip
+    """A sum over this micro-batch's tokens / the step's count over every rank, x world."""
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")  # -100 out
+    return total * world / n_global
+
+
+TAUGHT = (wrap_model, accumulate, average_buffers, global_token_loss)
 
 
 def parse_args() -> argparse.Namespace:
@@ -596,6 +606,30 @@ def exp_pitfalls(args: argparse.Namespace, info: DistInfo) -> dict:
     }
 
 
+def exp_loss_norm(args: argparse.Namespace, info: DistInfo, k: int = 3) -> dict:
+    """k micro-batches of variable-length sequences per rank under no_sync: a mean per
+    micro-batch against the global token count (``global_token_loss``)."""
+    batches = [
+        (x.to(info.device), y.to(info.device)) for x, y in token_batches(info.rank, k, args.seed)
+    ]
+    n_global = sum((y != -100).sum() for _, y in batches).float()  # this rank's tokens ...
+    local = int(n_global)
+    dist.all_reduce(n_global)  # ... every rank's: the step's count, known before its forwards
+    out: dict[str, Any] = {"local_tokens": local, "global_tokens": int(n_global)}
+    for name in ("mean per micro-batch", "global token count"):
+        ddp = wrap_model(token_model(args.seed), info.device, info.local_rank)
+        for i, (x, y) in enumerate(batches):
+            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+                logits = ddp(x)
+                if name == "mean per micro-batch":  # the usual line: a mean over this batch
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / k
+                else:
+                    loss = global_token_loss(logits, y, n_global, info.world_size)
+                loss.backward()
+        out[name] = flat_grads(ddp).tolist()
+    return out
+
+
 @record
 def main() -> None:
     args = parse_args()
@@ -609,6 +643,7 @@ def main() -> None:
         "buffers": exp_buffers,
         "device_ids": exp_device_ids,
         "pitfalls": exp_pitfalls,
+        "loss_norm": exp_loss_norm,
     }
     run_sections(experiments, args, args.out)
 
