@@ -230,8 +230,10 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         dist.barrier()
         """,
         """
-        download(url)  # every rank, before the group (or into its own folder)
-        dist.barrier()
+        patient = dist.new_group(timeout=timedelta(hours=2))
+        if rank == 0:
+            download(url)
+        dist.barrier(group=patient)  # a group made for the long wait
         """,
     ),
     "DDP123": (

@@ -117,9 +117,9 @@ RULES: dict[str, tuple[str, str]] = {
     ),
     "DDP122": (
         "rank 0 works alone ({what}) and the others wait for it in the next collective: "
-        "longer than the timeout and they fail; do it before init_process_group, on every "
-        "rank, or with a longer timeout",
-        "09",
+        "longer than the timeout and they fail; prepare before init_process_group, wait on "
+        "the store, or on a group made with a long timeout (dist.new_group(timeout=...))",
+        "02",
     ),
     "DDP123": (
         "the only save in the epoch loop is conditional and nothing saves after the loop: "

@@ -160,8 +160,8 @@ class ScopeChecks:
             slow = [
                 c for s in stmt.body for c in calls_in(s) if SLOW_WORK.search(last_name(c).lower())
             ]
-            waits = any(
-                is_collective(c) or self.forward(c, scope)
+            waits = any(  # a collective of its own group (group=...): its own timeout
+                (is_collective(c) and keyword(c, "group") is None) or self.forward(c, scope)
                 for s in self.after(stmt)
                 for c in calls_in(s)
             )
