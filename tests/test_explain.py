@@ -160,3 +160,22 @@ def test_the_command_reads_files_and_stdin_and_says_when_it_knows_nothing(
     err = io.StringIO()
     assert main([str(tmp_path / "missing.log")], out=io.StringIO(), err=err) == 2
     assert "cannot read" in err.getvalue()
+
+
+def test_a_torchrun_summary_gives_the_rank_that_failed_first():
+    summary = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_14:00:47
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 24069)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+    report = explain_log(summary)
+    assert "child-failed" in keys(summary)
+    assert "torchrun's first failure: rank 1 exited with code 1" in report

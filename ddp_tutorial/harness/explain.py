@@ -366,6 +366,18 @@ def lagging_ranks(lines: list[str]) -> str | None:
     return text + "; every rank that logged reached it: the slow one logged nothing (look for it)"
 
 
+def root_cause(text: str) -> str | None:
+    """torchrun's "Root Cause" in words: the rank that failed first and its last error line."""
+    from ddp_tutorial.harness.failures import parse_failures
+
+    failures = parse_failures(text, Path("/nonexistent"))  # a log alone: no run folder
+    if not failures:
+        return None
+    first = failures[0]
+    last = next((ln for ln in reversed(first.traceback.splitlines()) if ln.strip()), "")
+    return f"{first.describe()}: {last.strip()[:160]}" if last else first.describe()
+
+
 def explain_log(text: str) -> str:
     """The report for one log: each known message with cause, fix and lesson; then where
     the ranks were. An empty string when nothing in the log is known."""
@@ -392,6 +404,8 @@ def explain_log(text: str) -> str:
             f"  fix:   {k.fix}",
             f"  see:   lesson {k.lesson} ({k.key})",
         ]
+    if "child-failed" in [h.known.key for h in hits] and (first := root_cause(text)):
+        out.append(f"torchrun's first failure: {first}")
     if lag := lagging_ranks(lines):
         out.append(f"the watchdog: {lag}")
     frames = where_ranks_failed(lines)
