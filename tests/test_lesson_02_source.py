@@ -19,6 +19,7 @@ NOTEBOOK = REPO / "notebooks" / "02_data_sampling.ipynb"
 SOURCES = (
     REPO / "scripts" / "demos" / "sampling.py",
     REPO / "ddp_tutorial" / "lessons" / "sampling.py",
+    REPO / "scripts" / "demos" / "rank0_first.py",  # the rank-0-first section's two fixes
 )
 TAUGHT = {"validation_shard", "evaluate_sums", "gather_predictions", "macro_f1"}
 

@@ -72,7 +72,7 @@ def test_lesson_04_shows_the_lines_its_script_runs_as_they_stand_in_the_file():
 
     shown = fenced_python("04_ddp_wrapping.ipynb")
     taught = [fn.__name__ for fn in load_script("demos/ddp_anatomy.py").TAUGHT]
-    assert taught == ["wrap_model", "accumulate", "average_buffers"]
+    assert taught == ["wrap_model", "accumulate", "average_buffers", "global_token_loss"]
     for name in taught:
         assert source_of(DEMOS / "ddp_anatomy.py", name) in shown, (
             f"lesson 04's markdown no longer shows ddp_anatomy.py's {name} as it stands: "
