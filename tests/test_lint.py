@@ -400,3 +400,26 @@ def test_the_command_exits_1_on_a_finding_and_2_on_a_file_it_cannot_read(tmp_pat
     assert capsys.readouterr().out == ""
     assert cli(["lint", str(broken)]) == 2
     assert "not Python the linter can parse" in capsys.readouterr().err
+
+
+def test_a_test_of_whether_torchrun_started_the_script_is_no_rank_branch():
+    """nanoGPT's ``ddp = int(os.environ.get("RANK", -1)) != -1``: the same on every rank."""
+    for test in ('int(os.environ.get("RANK", -1)) != -1', '"RANK" in os.environ'):
+        assert codes(f"ddp = {test}\nif ddp:\n    dist.all_reduce(t)\n") == []
+    assert codes('rank = int(os.environ.get("RANK", 0))\nif rank:\n    dist.all_reduce(t)\n') == [
+        "DDP101"
+    ]
+
+
+def test_the_unwrap_idiom_after_a_conditional_wrap_is_the_plain_model():
+    """nanoGPT: ``if ddp: model = DDP(model)``, then ``raw_model = model.module if ddp else
+    model``: raw_model.state_dict() has no prefix. (Lesson 09's ``net = model.module if fix
+    else model`` after an unconditional wrap stays a wrapper: see the lab's test.)"""
+    source = """
+    if ddp:
+        model = DDP(model)
+    raw_model = model.module if ddp else model
+    state = raw_model.state_dict()
+    """
+    assert "DDP107" not in codes(source)
+    assert "DDP107" in codes(source.replace("raw_model.state_dict", "model.state_dict"))

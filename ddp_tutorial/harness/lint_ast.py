@@ -130,6 +130,16 @@ class Scope:
             if isinstance(sub, ast.Call) and last_name(sub) == "Join" and sub.args:
                 if isinstance(sub.args[0], ast.List | ast.Tuple):
                     self.always_wrapped.update(dotted(e) for e in sub.args[0].elts)
+        self.wrapped_if: set[str] = {  # `if ddp: model = DDP(model)`: wrapped on a condition
+            name
+            for branch in nodes
+            if isinstance(branch, ast.If)
+            for stmt in own_nodes(branch.body)
+            if isinstance(stmt, ast.stmt)
+            for name, value in pairs(stmt)
+            if isinstance(value, ast.Call)
+            and last_name(value) in ("DistributedDataParallel", "DDP")
+        }
         assigns = sorted(
             (s for s in nodes if isinstance(s, ast.stmt) and pairs(s)), key=lambda s: s.lineno
         )
@@ -147,6 +157,8 @@ class Scope:
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
         status = [self.holds_wrapper(v, line) for v in options]
         wrapped = True if True in status else False if all(x is False for x in status) else None
+        if isinstance(value, ast.IfExp) and unwraps(value) in self.wrapped_if:
+            wrapped = False  # nanoGPT's `raw_model = model.module if ddp else model`
         self.bound.setdefault(name, []).append((line, wrapped))
 
     def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
@@ -178,6 +190,8 @@ class Scope:
         return env_key(node) == "RANK"
 
     def depends_on_rank(self, node: ast.AST) -> bool:
+        if launched_test(node):
+            return False  # "was I started by torchrun?": the same answer on every rank
         for sub in ast.walk(node):
             if self.is_global_rank(sub) or env_key(sub) in ("RANK", "LOCAL_RANK"):
                 return True
@@ -185,6 +199,31 @@ class Scope:
             if name in self.rank or "rank" in name.rsplit(".", 1)[-1].lower():
                 return True
         return False
+
+
+def unwraps(value: ast.IfExp) -> str | None:
+    """``x`` for ``x.module if C else x``: the plain model whichever way C goes, when ``x``
+    was wrapped under that same kind of condition."""
+    body, other = value.body, value.orelse
+    if isinstance(body, ast.Attribute) and body.attr == "module" and isinstance(other, ast.Name):
+        return other.id if dotted(body.value) == other.id else None
+    return None
+
+
+def launched_test(node: ast.AST) -> bool:
+    """``int(os.environ.get("RANK", -1)) != -1`` or ``"RANK" in os.environ`` (nanoGPT's
+    ``ddp = ...``): whether a launcher set the variable, not which rank this is."""
+    if not isinstance(node, ast.Compare) or len(node.ops) != 1:
+        return False
+    left, right = node.left, node.comparators[0]
+    if isinstance(node.ops[0], ast.In | ast.NotIn):
+        return isinstance(left, ast.Constant) and dotted(right).endswith("environ")
+    if isinstance(left, ast.Call) and last_name(left) == "int" and left.args:
+        left = left.args[0]
+    default = left.args[1] if isinstance(left, ast.Call) and len(left.args) > 1 else None
+    return (  # the default it compares with: ast.dump, since -1 is an operator on 1
+        env_key(left) is not None and default is not None and ast.dump(default) == ast.dump(right)
+    )
 
 
 def is_rank_test(test: ast.expr, scope: Scope) -> bool:
