@@ -68,14 +68,21 @@ def test_a_rank_that_logged_nothing_while_the_others_waited_is_named_when_it_log
 
 def test_where_each_rank_failed_is_its_last_line_of_its_own_code():
     log = """[rank0]:   File "/job/train.py", line 52, in evaluate
+[rank0]:     accuracy = model(x).argmax(1)
+[rank0]:                ^^^^^^^^
 [rank0]:   File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 9, in f
+[rank0]:     inputs = self._pre_forward(x)
 [rank0]: RuntimeError: [gloo] Timed out waiting 3000ms for send operation to complete
 [rank1]:   File "/job/train.py", line 60, in train
+[rank1]:     dist.barrier()
 [rank1]: RuntimeError: [gloo] Timed out waiting 3000ms for recv operation to complete"""
     lines = log.splitlines()
     teed = [f"[default{line[5]}]:{line}" for line in lines]  # torchrun --tee adds the role
     assert where_ranks_failed(teed) == where_ranks_failed(lines)
-    assert where_ranks_failed(lines) == {0: "train.py:52 in evaluate", 1: "train.py:60 in train"}
+    assert where_ranks_failed(lines) == {
+        0: "train.py:52 in evaluate: accuracy = model(x).argmax(1)",
+        1: "train.py:60 in train: dist.barrier()",
+    }
     assert "different lines: the ranks took different paths" in explain_log(log)
 
 

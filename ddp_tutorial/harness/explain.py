@@ -322,13 +322,25 @@ def find_known(lines: list[str]) -> list[Hit]:
 
 
 def where_ranks_failed(lines: list[str]) -> dict[int, str]:
-    """Each rank's last frame of its own code before its error ('train.py:52 in step')."""
+    """Each rank's last frame of its own code before its error, with the line of code the
+    traceback prints under it ('train.py:52 in step: loss = model(x)')."""
     frames: dict[int, str] = {}
+    pending: dict[int, bool] = {}  # the rank's next line is the code of its last own frame
     for line in lines:
         rank = rank_of(line)
-        if rank is None or not (m := FRAME.search(line)) or LIBRARY.search(m["file"]):
+        if rank is None:
+            continue
+        m = FRAME.search(line)
+        if m is None and pending.pop(rank, False):
+            code = RANK_PREFIX.sub("", line).strip()
+            if code and not set(code) <= set("^~ "):
+                frames[rank] += f": {code}"
+            continue
+        if m is None or LIBRARY.search(m["file"]):
+            pending.pop(rank, None)
             continue
         frames[rank] = f"{Path(m['file']).name}:{m['line']} in {m['func']}"
+        pending[rank] = True
     return frames
 
 
