@@ -1,10 +1,8 @@
 """``ddp-tutorial explain LOG``: what the DDP, torchrun, gloo and NCCL messages in a log mean.
 
-Users ask about the same messages in every tracker. This reads a log (a file, or stdin),
-finds each known message, and prints its cause, the fix and the lesson that shows it
-running. It also reads what the ranks' own lines say together: where each rank was when
-it failed (its last line of your code in the traceback), and, from the NCCL watchdog's
-lines, which rank fell behind (it never reached the collective the others waited in).
+For each known message in a log (a file, or stdin): its cause, the fix and the lesson that
+shows it. Read together, the ranks' lines also say where each rank failed (its last line of
+your code) and, from the NCCL watchdog's, which rank never reached the collective.
 """
 
 from __future__ import annotations
@@ -322,8 +320,7 @@ def find_known(lines: list[str]) -> list[Hit]:
 
 
 def where_ranks_failed(lines: list[str]) -> dict[int, str]:
-    """Each rank's last frame of its own code before its error, with the line of code the
-    traceback prints under it ('train.py:52 in step: loss = model(x)')."""
+    """Each rank's last frame of its own code, with its line ('train.py:52 in f: y = m(x)')."""
     frames: dict[int, str] = {}
     pending: dict[int, bool] = {}  # the rank's next line is the code of its last own frame
     for line in lines:
@@ -400,16 +397,9 @@ def explain_log(text: str) -> str:
     out = []
     for hit in hits:
         k = hit.known
-        more = (
-            f" (and {hit.count - 1} more line{'s' * (hit.count > 2)} like it)"
-            if hit.count > 1
-            else ""
-        )
-        ranks = (
-            f", from rank{'s' * (len(hit.ranks) > 1)} {', '.join(map(str, sorted(hit.ranks)))}"
-            if hit.ranks
-            else ""
-        )
+        more = f" (and {hit.count - 1} more like it)" if hit.count > 1 else ""
+        who = ", ".join(map(str, sorted(hit.ranks)))
+        ranks = f", from rank{'s' * (len(hit.ranks) > 1)} {who}" if hit.ranks else ""
         out += [
             f"line {hit.line_no}{ranks}{more}: {hit.line[:200]}",
             f"  cause: {k.cause}",

@@ -50,7 +50,8 @@ def before_init(args: argparse.Namespace, rank: int) -> None:
     if rank == 0:
         prepare(args.out, args.work, "before_init")
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.join_timeout))
-    dist.set_timeout(timedelta(seconds=args.timeout))  # torch 2.8+: from here on, short
+    # torch 2.8+: from here on, a collective may wait --timeout only
+    dist.set_timeout(timedelta(seconds=args.timeout))
 
 
 def on_the_store(args: argparse.Namespace, local_rank: int) -> None:
