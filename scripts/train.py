@@ -210,6 +210,7 @@ def data_loader(
         # Not persistent: workers then take each epoch's seed (loop below), so a
         # resume at an epoch's start is exact; mid-epoch their draws are not saved.
         persistent_workers=False,
+        multiprocessing_context=kit.worker_context(args.num_workers),
         worker_init_fn=kit.seed_worker,
         generator=kit.loader_generator(args.seed, rank),
     )

@@ -165,11 +165,22 @@ def _processes_of(test_id: str, before: set[int]) -> list[psutil.Process]:
             proc = psutil.Process(pid)
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if proc.environ().get(TEST_ID_ENV) == test_id:
+            if proc.environ().get(TEST_ID_ENV) == test_id and not _own_service(proc):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+MP_SERVICES = ("from multiprocessing.forkserver import", "from multiprocessing.resource_tracker")
+
+
+def _own_service(proc: psutil.Process) -> bool:
+    """This process's own multiprocessing fork server or resource tracker (the template's
+    DataLoader workers start from one): one per process, ended by its owner's exit, not a
+    test's leftover."""
+    command = " ".join(proc.cmdline())
+    return proc.ppid() == os.getpid() and any(m in command for m in MP_SERVICES)
 
 
 def _torch_switches() -> dict[str, object]:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script
-from ddp_tutorial.data import distributed_evaluate
+from ddp_tutorial.data import SyntheticImages, distributed_evaluate
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.models import build_model
 from ddp_tutorial.real_data import build_datasets, write_example_folder
@@ -782,16 +782,18 @@ def test_help_says_what_a_resume_loses_with_powersgd(template, capsys):
     assert "powersgd: a resume restarts its error feedback" in help_text
 
 
+class NoisyImages(SyntheticImages):
+    """Augmentation drawn in the worker, like a random crop."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x + torch.rand(()), y
+
+
 def test_workers_take_each_epochs_seed_so_an_epoch_boundary_resume_is_exact(template):
-    """Persistent workers draw their seeds once: the loader's generator is reseeded per epoch."""
-    from ddp_tutorial.data import SyntheticImages
-
-    class Noisy(SyntheticImages):  # augmentation drawn in the worker, like a random crop
-        def __getitem__(self, index):
-            x, y = super().__getitem__(index)
-            return x + torch.rand(()), y
-
-    data = Noisy(64, 8, 4)
+    """Persistent workers draw their seeds once: the loader's generator is reseeded per epoch.
+    (The dataset is a module-level class: the template's workers receive it pickled.)"""
+    data = NoisyImages(64, 8, 4)
     args = template.parse_args(["--batch-size", "4", "--num-workers", "2"])
 
     def epoch_batches(sampler, loader, epoch):
