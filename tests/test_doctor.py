@@ -112,8 +112,8 @@ def test_shm(monkeypatch, tmp_path):
 
 
 NAMES = ["python", "torch", "CUDA_VISIBLE_DEVICES", "gpus", "cuda build", "topology", "backends",
-         "port", "network", "interfaces", "threads", "shm", "plan", "compiler", "gloo all_reduce",
-         "nccl all_reduce"]  # fmt: skip
+         "port", "network", "interfaces", "threads", "shm", "host memory", "host name", "plan",
+         "compiler", "gloo all_reduce", "nccl all_reduce"]  # fmt: skip
 
 
 def test_missing_compilers_and_headers_warn_what_torch_compile_needs(monkeypatch, tmp_path):
@@ -298,3 +298,32 @@ def test_backends_name_the_nccl_version(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     assert "NCCL 2.21.5" in checks.check_backends(8).detail
+
+
+def test_host_memory_projects_python_objects_into_every_worker():
+    """Lesson 12's rule: objects cost ranks x (1 + workers) copies, arrays one per rank."""
+    from ddp_tutorial.harness.host_checks import check_host_memory, project_host_memory
+
+    assert project_host_memory(4, 8, 100, python_objects=True) == 3600
+    assert project_host_memory(4, 8, 100, python_objects=False) == 400
+    gib = 2**30
+    fits = check_host_memory(4, 8, dataset_gib=1.0, available=64 * gib)  # 36 and 4 GiB
+    assert fits.status == "ok" and "36.0 GiB as Python objects, 4.0 GiB as arrays" in fits.detail
+    objects = check_host_memory(4, 8, dataset_gib=2.0, available=64 * gib)  # 72 GiB
+    assert objects.status == "warn" and "numpy arrays or tensors" in objects.fix
+    assert check_host_memory(4, 8, dataset_gib=20.0, available=64 * gib).status == "fail"
+    budget = check_host_memory(2, 3, available=8 * gib)  # no size: the largest that fits
+    assert budget.status == "ok" and "fits up to 1.00 GiB" in budget.detail
+
+
+def test_host_name_warns_when_other_nodes_could_not_reach_it(monkeypatch):
+    """What this node would hand the others as MASTER_ADDR: unresolvable or loopback warns."""
+    from ddp_tutorial.harness import host_checks
+
+    assert host_checks.check_host_name("node-0.invalid").status == "warn"
+    loop = host_checks.check_host_name("127.0.0.1")
+    assert loop.status == "warn" and "loopback" in loop.detail and "--local-addr" in loop.fix
+    routed = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.5", 0))]
+    monkeypatch.setattr(host_checks.socket, "getaddrinfo", lambda *a, **k: routed)
+    reachable = host_checks.check_host_name("node-0.cluster")
+    assert reachable.status == "ok" and "10.0.0.5" in reachable.detail

@@ -68,7 +68,12 @@ def _doctor(args: argparse.Namespace) -> int:
         if not args.json:
             print(format_finding(finding), flush=True)
 
-    findings = run_checks(launch=not args.no_launch, timeout=args.timeout, progress=show)
+    findings = run_checks(
+        launch=not args.no_launch,
+        timeout=args.timeout,
+        progress=show,
+        plan={"workers": args.num_workers, "dataset_gib": args.dataset_gib},
+    )
     print(to_json(findings) if args.json else format_findings(findings).splitlines()[-1])
     return exit_code(findings)
 
@@ -111,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-launch", action="store_true", help="skip the gloo/nccl all_reduce launches"
     )
     doctor.add_argument("--timeout", type=float, default=90.0, help="seconds per probe launch")
+    doctor.add_argument(
+        "--num-workers", type=int, default=4, help="DataLoader workers per rank you plan"
+    )
+    doctor.add_argument(
+        "--dataset-gib", type=float, help="GiB of dataset (or index) each rank holds in memory"
+    )
     doctor.set_defaults(func=_doctor)
     check = sub.add_parser("check", help="check your answers to a lesson's exercises")
     check.add_argument("lesson", help="the lesson (01) or one exercise by name (01_ring_average)")

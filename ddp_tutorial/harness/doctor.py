@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from ddp_tutorial import settings
 from ddp_tutorial.harness.checks import (
@@ -42,6 +43,7 @@ from ddp_tutorial.harness.checks import (
     check_torch,
     check_visible_devices,
 )
+from ddp_tutorial.harness.host_checks import check_host_memory, check_host_name
 from ddp_tutorial.harness.interfaces import check_node_interfaces
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
@@ -145,11 +147,14 @@ def run_checks(
     launch: bool = True,
     timeout: float = PROBE_TIMEOUT_S,
     progress: Callable[[Finding], None] | None = None,
+    plan: Mapping[str, Any] | None = None,
 ) -> list[Finding]:
     """Every check, in order; ``launch=False`` skips the two torchrun probes.
 
     ``env`` replaces ``os.environ`` for the checks and the probes (a test can
-    pass a broken setting without touching its own environment).
+    pass a broken setting without touching its own environment). ``plan``: the
+    DataLoader ``workers`` per rank and the ``dataset_gib`` each rank holds, for the
+    host-memory projection.
     """
     env = dict(os.environ if env is None else env)
     findings: list[Finding] = []
@@ -175,6 +180,9 @@ def run_checks(
     add(check_node_interfaces(env, gpus))
     add(check_threads(env, gpus or 2))
     add(check_shm())
+    plan = {"workers": 4, "dataset_gib": None, **(plan or {})}
+    add(check_host_memory(gpus or 2, plan["workers"], plan["dataset_gib"]))
+    add(check_host_name())
     add(check_plan(env))
     add(check_compiler(env))
     if launch:

@@ -1,0 +1,96 @@
+"""Two doctor checks about the node itself: its memory for ranks x DataLoader workers, and
+whether its name is one the other nodes can reach.
+
+Host memory (lesson 12): a dataset held in each rank's memory as Python objects is copied,
+page by page, into every DataLoader worker that reads it (reading a Python object writes its
+reference count: copy-on-access), so a node holds up to ranks x (1 + workers) copies of it;
+held in arrays it stays shared, one copy per rank. The doctor projects both against the
+machine's memory.
+
+Host name (lesson 10): torchrun gives every process of a multi-node job the rank-0 agent's
+fully qualified host name as ``MASTER_ADDR`` (``socket.getfqdn()``, or ``--local-addr``); a
+name the other nodes cannot resolve, or one that resolves to loopback, fails their
+``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import psutil
+
+from ddp_tutorial.harness.checks import Finding
+
+GIB = 2**30
+
+
+def project_host_memory(ranks: int, workers: int, dataset_bytes: int, python_objects: bool) -> int:
+    """Bytes the node holds of a dataset each rank keeps in memory (``dataset_bytes`` each):
+    Python objects end up in every process that reads them, arrays stay one copy per rank."""
+    copies = ranks * (1 + workers) if python_objects else ranks
+    return copies * dataset_bytes
+
+
+def check_host_memory(
+    ranks: int,
+    workers: int,
+    dataset_gib: float | None = None,
+    available: int | None = None,
+) -> Finding:
+    """The projection against the memory available now (``available``: psutil's, by default)."""
+    available = psutil.virtual_memory().available if available is None else available
+    processes = ranks * (1 + workers)
+    detail = (
+        f"{available / GIB:.1f} GiB available; {ranks} ranks x (1 + {workers} DataLoader "
+        f"workers) = {processes} processes"
+    )
+    fix = (
+        "keep the dataset (or its index: paths, labels, offsets) in numpy arrays or tensors, "
+        "not lists or dicts of Python objects; or fewer --num-workers (lesson 12)"
+    )
+    if dataset_gib is None:
+        fits = available / processes / GIB
+        return Finding(
+            "host memory",
+            "ok",
+            detail + f": a dataset of Python objects in each rank's memory fits up to "
+            f"{fits:.2f} GiB (--dataset-gib X projects yours)",
+        )
+    size = int(dataset_gib * GIB)
+    as_objects = project_host_memory(ranks, workers, size, python_objects=True)
+    as_arrays = project_host_memory(ranks, workers, size, python_objects=False)
+    detail += (
+        f": a {dataset_gib:.2f} GiB dataset per rank takes up to {as_objects / GIB:.1f} GiB "
+        f"as Python objects, {as_arrays / GIB:.1f} GiB as arrays"
+    )
+    if as_arrays > available:
+        return Finding("host memory", "fail", detail + ": it does not fit either way", fix)
+    if as_objects > available:
+        return Finding("host memory", "warn", detail + ": as Python objects it does not fit", fix)
+    return Finding("host memory", "ok", detail)
+
+
+def check_host_name(local_addr: str | None = None) -> Finding:
+    """What torchrun would give the other nodes as ``MASTER_ADDR`` from this node, and whether
+    it resolves to an address they can reach (one node: loopback is fine)."""
+    name = local_addr or socket.getfqdn()
+    where = f"MASTER_ADDR from this node: {name!r}"
+    fix = (
+        "multi-node: torchrun --local-addr <this node's address on the network the nodes "
+        "share>, or give the name a DNS or /etc/hosts entry on every node (lesson 10)"
+    )
+    try:
+        found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        return Finding("host name", "warn", f"{where} does not resolve here ({exc})", fix)
+    addresses = sorted({str(entry[4][0]) for entry in found})
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return Finding(
+            "host name",
+            "warn",
+            f"{where} resolves to {', '.join(addresses)}: loopback, which other nodes "
+            "cannot reach (fine for one node)",
+            fix,
+        )
+    return Finding("host name", "ok", f"{where} resolves to {', '.join(addresses)}")
