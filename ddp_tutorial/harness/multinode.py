@@ -66,14 +66,19 @@ def rendezvous_node(
     nproc: int = 1,
     port: int | None = None,
     run_id: str | None = None,
+    local_addr: str | None = None,
 ) -> LaunchSpec:
     """One node's torchrun of a multi-node job whose c10d rendezvous is hosted here.
 
     Started alone (with :func:`run_together`), it shows what a node sees when
-    the others do not come.
+    the others do not come. ``local_addr``: torchrun's ``--local-addr``, the address
+    this node advertises (as ``MASTER_ADDR``, when it is the rank-0 node) instead of its
+    fully qualified host name.
     """
     port = port or free_port()
     rdzv = rendezvous_args(nnodes, f"127.0.0.1:{port}", run_id or f"job-{port}", conf=rdzv_conf)
+    if local_addr:
+        rdzv += ["--local-addr", local_addr]
     return LaunchSpec(script, args, nproc=nproc, standalone=False, torchrun_args=rdzv)
 
 

@@ -56,6 +56,7 @@ def main() -> None:
                 "backend_reason": info.reason,
                 "device": str(info.device),
                 "host": socket.gethostname(),
+                "master_addr": os.environ.get("MASTER_ADDR"),
                 "pid": os.getpid(),
                 "all_reduce_sum": value.item(),
             },
