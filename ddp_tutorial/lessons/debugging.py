@@ -244,7 +244,7 @@ def start_lab(
         "skip": launch(lab, "--case", "skip", "--monitored", *hang),
         "hung": launch(lab, "--case", "skip", "--timeout", launch_timeout_s),
         "shape": launch(lab, "--case", "shape", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
-        "rank0-eval": launch(lab, "--case", "rank0-eval", *hang),
+        "rank0-eval": launch(lab, "--case", "rank0-eval", "--flight-recorder", *hang),
         "uneven": launch(lab, "--case", "uneven", *hang),
         "teardown": launch(teardown, "--init", "plain", "--import-first-rank", 1),
         "all-fixed": launch(lab, "--case", "all", "--fix", "--breakpoint", stdin=PDB_BREAKPOINT),

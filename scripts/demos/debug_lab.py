@@ -6,6 +6,8 @@
     torchrun ... debug_lab.py --case skip --monitored --timeout 3               # names rank 1
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... debug_lab.py --case shape
     torchrun ... debug_lab.py --case rank0-eval --timeout 3
+    torchrun ... debug_lab.py --case rank0-eval --timeout 3 --flight-recorder --out runs/fr
+    python -m torch.distributed.flight_recorder.fr_trace runs/fr/flight_recorder  # who differs
     torchrun ... debug_lab.py --case uneven --timeout 3
     torchrun ... debug_lab.py --case slow --timeout 3 --backend nccl            # NCCL's watchdog
     torchrun ... debug_lab.py --case all --fix            # every repaired case, one launch
@@ -31,6 +33,7 @@ import argparse
 import importlib
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,11 +229,40 @@ def parse_args() -> argparse.Namespace:
         default="gloo",
         help="gloo (default: the lesson reads gloo's messages) or nccl (lesson 09's GPU branch)",
     )
+    parser.add_argument(
+        "--flight-recorder",
+        action="store_true",
+        help="on a failure each rank dumps its Flight Recorder to OUT/flight_recorder/rank_R",
+    )
     parser.add_argument("--out", default=None, help="run directory for per-rank JSON records")
     args = parser.parse_args()
     if args.case == "all" and not args.fix:
         parser.error("--case all runs the fixed versions only: add --fix")
     return args
+
+
+def flight_recorder_names_groups(info: DistInfo) -> None:
+    """torch 2.14.1: a gloo group records its ranks in the Flight Recorder before it gets its
+    name, and the analyser then cannot match the entries to a group (``KeyError: ('0', 0)``).
+    Attaching the recorder's hook records them again, under the name; removed at once."""
+    if info.backend == "gloo":
+        from torch._C._distributed_c10d import FlightRecorderHook
+
+        FlightRecorderHook.attach(dist.group.WORLD).remove()
+
+
+def dump_flight_recorder(out: str | None, rank: int) -> Path:
+    """This rank's Flight Recorder (its last collectives, each with its Python stack), where
+    torch's analyser reads it: one file per rank, a prefix and the rank. nccl's watchdog
+    writes the same file by itself on a timeout (TORCH_FR_DUMP_TEMP_FILE); gloo only when
+    asked, as here after the collective failed."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    folder = Path(out or ".") / "flight_recorder"
+    folder.mkdir(parents=True, exist_ok=True)
+    dump = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    (folder / f"rank_{rank}").write_bytes(dump)
+    return folder
 
 
 @record
@@ -249,9 +281,17 @@ def main() -> None:
         # monitored_barrier runs on a CPU backend only: beside nccl, a gloo side group
         # (made by every rank, in the same order, like any group).
         args.cpu_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
+        if args.flight_recorder:
+            flight_recorder_names_groups(info)
         results = {}
         for name in names:
-            results[name] = CASES[name](info, args.fix, args)
+            try:
+                results[name] = CASES[name](info, args.fix, args)
+            except Exception:
+                if args.flight_recorder:
+                    folder = dump_flight_recorder(args.out, info.rank)
+                    print(f"rank {info.rank}: Flight Recorder dumped to {folder}")
+                raise
             print(f"rank {info.rank}: case {name} (fix={args.fix}) finished: {results[name]}")
         if args.breakpoint and args.case != "breakpoint":
             results["breakpoint"] = case_breakpoint(info, args.fix, args)
