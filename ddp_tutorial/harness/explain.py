@@ -136,6 +136,7 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "name-resolution",
         r"Name or service not known|nodename nor servname provided|"
+        r"Temporary failure in name resolution|"
         r"[Ff]ailed to resolve (the )?(address|hostname)|getaddrinfo failed",
         "MASTER_ADDR (or the rank-0 agent's hostname, which torchrun hands to the others) "
         "does not resolve on this node",

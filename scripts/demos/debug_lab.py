@@ -261,7 +261,9 @@ def dump_flight_recorder(out: str | None, rank: int) -> Path:
     folder = Path(out or ".") / "flight_recorder"
     folder.mkdir(parents=True, exist_ok=True)
     dump = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
-    (folder / f"rank_{rank}").write_bytes(dump)
+    partial = folder / f".rank_{rank}.tmp"  # whole or absent: torchrun may stop this rank
+    partial.write_bytes(dump)
+    partial.replace(folder / f"rank_{rank}")
     return folder
 
 

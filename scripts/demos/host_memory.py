@@ -91,6 +91,7 @@ def main() -> None:
         sampler=DistributedSampler(dataset, shuffle=True, seed=0),
         num_workers=args.num_workers,
         persistent_workers=True,  # alive after the pass: measured below
+        multiprocessing_context="fork",  # Linux's default up to Python 3.13: the rank's pages
     )
     seen = sum(int(batch.numel()) for batch in loader)  # one epoch of this rank's shard
     record = {

@@ -33,7 +33,8 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Linux: the kernel sends ``sig`` to this process when its parent ends — even by
-    SIGKILL, which leaves the parent no chance to pass anything on."""
+    SIGKILL, which leaves the parent no chance to pass anything on. (Strictly: when the
+    parent's thread that started it ends; a fork does not inherit the request.)"""
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
@@ -69,6 +70,7 @@ def main() -> None:
             SlowNumbers(),
             batch_size=4,
             num_workers=args.num_workers,
+            multiprocessing_context="fork",  # the workers are the rank's children (Linux)
             # each worker too: gone the moment its rank is (else within torch's 5 s check)
             worker_init_fn=(lambda _: die_with_parent()) if args.die_with_parent else None,
         )
