@@ -289,7 +289,7 @@ def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict
     rows = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
-        iters = max(3, min(30, 2**24 // size))  # many for small messages: they are noisy
+        iters = max(5, min(30, 2**24 // size))  # many for small messages: they are noisy
         times = []
         for i in range(iters + 2):
             dist.barrier()
@@ -355,12 +355,17 @@ def knobs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
             r = ddp_throughput(args, device, "knob", batches=loader, count=True)
             rows.append({"knob": f"num_workers={workers} per rank", **r})
     if "threads" in groups and device.type == "cpu":
-        before = torch.get_num_threads()
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            r = ddp_throughput(args, device, "knob", batches=batches, count=True)
-            rows.append({"knob": f"{threads} thread(s) per rank", **r})
+        before, best = torch.get_num_threads(), {}
+        # Interleaved, best of 3: a job beside this one (a busy CI host) slows whichever
+        # configuration it overlaps; the best round of each is the least disturbed one.
+        for _ in range(3):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                r = ddp_throughput(args, device, "knob", batches=batches, count=True)
+                if r["samples_per_sec"] > best.get(threads, {}).get("samples_per_sec", 0):
+                    best[threads] = r
         torch.set_num_threads(before)
+        rows += [{"knob": f"{t} thread(s) per rank", **r} for t, r in sorted(best.items())]
     return rows
 
 
