@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import itertools
 import os
 import random
@@ -429,6 +430,7 @@ def fake_pynvml(
     import types
 
     mod = types.ModuleType("pynvml")
+    mod.__spec__ = importlib.machinery.ModuleSpec("pynvml", None)  # find_spec sees it installed
     mod.NVMLError = FakeNVMLError
     state = {"inits": 0}
 
@@ -477,9 +479,18 @@ def fake_pynvml(
     mod.nvmlDeviceGetMigMode = call("nvmlDeviceGetMigMode", lambda h: [int(h.mig), int(h.mig)])
     mod.nvmlSystemGetCudaDriverVersion = lambda: driver_cuda
     mod.nvmlSystemGetDriverVersion = lambda: "550.54.15"
-    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [
-        types.SimpleNamespace(pid=p) for p in (pids or {}).get(h.index, [])
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [  # each process: 256 MiB per pid
+        types.SimpleNamespace(pid=p, usedGpuMemory=256 * 2**20 * (k + 1))
+        for k, p in enumerate((pids or {}).get(h.index, []))
     ]
+
+    def by_uuid(uuid):
+        found = [g for g in gpus if g.uuid == uuid]
+        if not found:
+            raise FakeNVMLError("Not Found")
+        return handle(gpus.index(found[0]))
+
+    mod.nvmlDeviceGetHandleByUUID = by_uuid
     mod.state = state
     return mod
 

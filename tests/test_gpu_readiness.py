@@ -217,6 +217,59 @@ def test_the_launch_counts_bound_what_each_gpu_lesson_starts():
         assert found <= allowed, f"{lesson}: {found} launch calls, gpu-check allows {allowed}"
 
 
+def test_gpu_check_counts_torchruns_grace_for_each_nccl_crash_and_exclusive_waits():
+    """Issue 33 point 9: a rank that dies on purpose leaves its peers in an nccl collective:
+    torchrun waits its grace (30 s) before SIGKILL; on EXCLUSIVE_PROCESS GPUs the launches a
+    lesson starts side by side run one after another. The plan makes room for both."""
+    from ddp_tutorial.harness import gpu_check
+
+    assert gpu_check.crash_grace_s() == 30.0, "torch 2.x's SIGTERM-to-SIGKILL wait"
+    plain = {s.name: s.timeout_s for s in gpu_check.plan(2, python="py")}
+    exclusive = {s.name: s.timeout_s for s in gpu_check.plan(2, python="py", exclusive=True)}
+    for lesson in gpu_check.LESSONS:
+        name = f"lesson {lesson[:2]}"
+        base = 60.0 + gpu_check.LESSONS[lesson] * gpu_check.launch_s(2)
+        grace = gpu_check.NCCL_CRASHES.get(lesson, 0) * 30.0
+        assert plain[name] >= base + grace + gpu_check.COLD_COMPILE_S.get(lesson, 0.0)
+        assert (exclusive[name] > plain[name]) == (lesson in gpu_check.SIDE_BY_SIDE), name
+
+
+def test_the_nccl_crash_counts_bound_the_failures_each_lesson_injects():
+    """Every --fail-at-step launch of a gpu-check lesson is counted for torchrun's grace."""
+    from ddp_tutorial.harness.gpu_check import LESSONS, NCCL_CRASHES
+
+    for lesson in LESSONS:
+        cells = json.loads((REPO / f"notebooks/{lesson}.ipynb").read_text())["cells"]
+        code = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        found = code.count('"--fail-at-step"')
+        assert NCCL_CRASHES.get(lesson, 0) >= found, f"{lesson}: {found} injected crashes"
+
+
+def test_gpu_check_on_mig_says_the_lessons_run_on_the_cpu_and_stops(nvml, monkeypatch, capsys):
+    """Issue 33 point 1, gpu-check's part: a MIG machine gets the reason and what still works,
+    not a traceback, and no step starts (every launch there runs on the CPU)."""
+    from ddp_tutorial.harness import gpu_check
+
+    nvml([fake_gpu(0, mig=True)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_check, "run_step", lambda step: pytest.fail(f"ran {step.name}"))
+    assert gpu_check.main() == 2
+    err = capsys.readouterr().err
+    assert "MIG mode is on" in err and "run on the CPU with gloo" in err and "gpu-smoke" in err
+
+
+def test_gpu_check_plans_for_exclusive_gpus_from_nvml(nvml, monkeypatch):
+    from ddp_tutorial.harness import gpu_check
+
+    nvml([fake_gpu(0, exclusive=True), fake_gpu(1, exclusive=True)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    planned = []
+    monkeypatch.setattr(
+        gpu_check, "plan", lambda gpus, exclusive: planned.append((gpus, exclusive)) or []
+    )
+    assert gpu_check.main() == 0 and planned == [(2, True)]
+
+
 def _notebook(path, *sources, tags=None):
     cells = [{"cell_type": "markdown", "metadata": {}, "source": "# t"}]
     for i, source in enumerate(sources):

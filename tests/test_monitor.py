@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from conftest import fake_gpu, fake_pynvml, gpu_count
+from conftest import DEMOS, fake_gpu, fake_pynvml, gpu_count
 from ddp_tutorial.harness.monitor import Monitor, read_samples_csv, summarize
 from ddp_tutorial.records import read_rank_records
 
@@ -316,6 +316,21 @@ def test_utilization_thresholds_per_device_kind():
             utilization_plan(bad)
         with pytest.raises(ValueError):
             imbalance_workload(bad)
+
+
+@pytest.mark.torchrun
+def test_the_imbalance_demo_fills_its_seconds_with_steps(tmp_path):
+    """Issue 33 point 8: lesson 06's GPU workload ran ~1 s on a fast GPU (4-6 NVML samples).
+    ``--seconds`` raises the step count from a timed forward pass, the same on every rank."""
+    from ddp_tutorial.harness.launch import torchrun
+
+    result = torchrun(DEMOS / "imbalance.py", "--eval", "none", "--steps", 3, "--seconds", 3,
+                      nproc=2, run_dir=tmp_path, echo=False, timeout=120)  # fmt: skip
+    steps = {len(r["lr"]) for r in result.records}
+    assert len(steps) == 1 and steps.pop() > 3, "more steps than --steps, one count on all ranks"
+    for r in result.records:
+        assert r["end"] - r["start"] > 1.5, "about the seconds asked for (a step ~ 3 forwards)"
+        assert min(r["lr"][:-1]) > 0 and r["lr"][-1] < 0.2 * max(r["lr"]), "one schedule, all steps"
 
 
 def test_the_busy_floor_is_min_busy_until_the_machine_is_loaded_past_its_cores():

@@ -12,13 +12,14 @@ lesson's GPU section on the CPU: its code, and the dtypes it records (bf16 appli
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import DEMOS
+from conftest import DEMOS, fake_gpu
 from ddp_tutorial.lessons import sharding
 from ddp_tutorial.lessons.anatomy import deep_mlp, flat_grads, flat_params, global_batch
 
@@ -222,3 +223,18 @@ def test_sharding_script_trains_like_one_process_on_three_ranks(tmp_path):
             assert row["weight_dtypes"] == row["output_dtypes"] == computed, (method, row)
             assert row["param_dtypes"] == row["grad_dtypes"] == fp32, (method, row)
             assert row["peak_bytes"] is row["forward_added_bytes"] is None  # no CUDA statistics
+
+
+def test_process_gpu_bytes_reads_the_process_whole_from_nvml(nvml, monkeypatch):
+    """Issue 33 point 11: lesson 12 shows what must fit beside the allocator's peak: the
+    process's memory in NVML (found by the GPU's UUID, whatever CUDA_VISIBLE_DEVICES says)."""
+    from ddp_tutorial.lessons.sharding import process_gpu_bytes
+
+    nvml([fake_gpu(0, uuid="GPU-a"), fake_gpu(1, uuid="GPU-b")], pids={1: [10, 42]})
+    assert process_gpu_bytes("GPU-b", 42) == 512 * 2**20, "GPU 1's second process"
+    assert process_gpu_bytes("GPU-a", 42) is None, "not on that GPU"
+    assert process_gpu_bytes("GPU-c", 42) is None, "no such GPU: None, not an NVML error"
+    nvml(None)  # no driver
+    assert process_gpu_bytes("GPU-b", 42) is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no bindings
+    assert process_gpu_bytes("GPU-b", 42) is None

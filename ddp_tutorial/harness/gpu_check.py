@@ -17,8 +17,11 @@ then prints one row per step and exits non-zero if any failed. A lesson whose GP
 needs more GPUs than the machine has (:data:`LESSON_RANKS`: two ranks, one GPU) runs on
 the CPU with gloo: its row says "GPU branch not run: needs N GPUs", never "ok". Every step
 has a limit that grows with the GPUs and the launches it starts
-(:func:`lesson_limit_s`: the lessons take 13-68 s each on a quiet 2-core CPU, and
-each launch's start-up is estimated, not measured: no GPU has run this yet).
+(:func:`lesson_limit_s`: the lessons take 13-68 s each on a quiet 2-core CPU, measured;
+each launch's start-up, the runs that wait for each other on EXCLUSIVE_PROCESS GPUs and
+inductor's cold compile are estimated, not measured: no GPU has run this yet; torchrun's
+grace after each nccl crash is torch's own default). A MIG machine is refused with the
+reason: its lessons run on the CPU (the course needs whole GPUs), nothing is left to check.
 :func:`plan` is what it would do on a machine, a pure function of the GPU
 count, so that this machine (no GPU) can check it for 1, 2 and 8 GPUs.
 """
@@ -51,6 +54,28 @@ LESSON_RANKS = {"04_ddp_wrapping": 2, "06_training_and_utilization": 2, "08_faul
                 "11_speed_tools": 2, "12_beyond_ddp": 2}  # fmt: skip
 GPU_TEST_LAUNCHES = 21  # torchrun launches of `pytest -m gpu`, most with every GPU
 COLD_COMPILE_S = {"11_speed_tools": 90.0}  # inductor's first compile on a fresh machine
+# A rank that dies on purpose (--fail-at-step) leaves its peers in an nccl collective, which
+# notices no dead peer: torchrun SIGTERMs them, and the template's handler only sets a flag
+# that a rank stuck in C++ never reads, so torchrun waits its grace period, then SIGKILLs.
+# Gloo sees the closed socket at once: on the CPU these cost nothing. (A test keeps the counts
+# a bound of the --fail-at-step launches in each notebook.)
+NCCL_CRASHES = {"08_fault_tolerance": 1, "10_multinode": 1}
+# Launches a lesson starts side by side that wait for one another on EXCLUSIVE_PROCESS GPUs
+# (`launch.start`); each then adds its own run, estimated at SERIAL_RUN_S past its start-up.
+SIDE_BY_SIDE = {"08_fault_tolerance": 4}
+SERIAL_RUN_S = 20.0  # estimated: the template's 2 short epochs take ~10 s on this 2-core CPU
+
+
+def crash_grace_s() -> float:
+    """torchrun's wait between SIGTERM and SIGKILL for the workers it stops (30 s in torch 2.x).
+
+    Read from torch (``PContext.close``'s default), not copied: the time plan follows it.
+    """
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    return float(inspect.signature(PContext.close).parameters["timeout"].default)
 
 
 def launch_s(gpus: int) -> float:
@@ -62,9 +87,14 @@ def launch_s(gpus: int) -> float:
     return 10.0 + 1.5 * gpus
 
 
-def lesson_limit_s(lesson: str, gpus: int) -> float:
-    """A lesson's limit: its CPU budget (60 s) plus its launches and a cold compile, if any."""
-    return 60.0 + LESSONS[lesson] * launch_s(gpus) + COLD_COMPILE_S.get(lesson, 0.0)
+def lesson_limit_s(lesson: str, gpus: int, exclusive: bool = False) -> float:
+    """A lesson's limit: its CPU budget (60 s) plus its launches, a cold compile, torchrun's
+    grace for each nccl crash and, on ``exclusive`` GPUs, the runs that wait for each other."""
+    limit = 60.0 + LESSONS[lesson] * launch_s(gpus) + COLD_COMPILE_S.get(lesson, 0.0)
+    limit += NCCL_CRASHES.get(lesson, 0) * crash_grace_s()
+    if exclusive:
+        limit += SIDE_BY_SIDE.get(lesson, 0) * (launch_s(gpus) + SERIAL_RUN_S)
+    return limit
 
 
 @dataclass(frozen=True)
@@ -79,8 +109,9 @@ class Step:
     cpu_only: str = ""  # the status of a run that passed on the CPU, not on GPUs (too few)
 
 
-def plan(gpus: int, python: str = sys.executable) -> list[Step]:
-    """The steps for a machine whose ranks would see ``gpus`` GPUs."""
+def plan(gpus: int, python: str = sys.executable, exclusive: bool = False) -> list[Step]:
+    """The steps for a machine whose ranks would see ``gpus`` GPUs (``exclusive``: in compute
+    mode EXCLUSIVE_PROCESS, one process per GPU)."""
     if gpus < 1:
         raise SystemExit(
             "gpu-check: no GPU visible to CUDA here (NVML count and CUDA_VISIBLE_DEVICES): "
@@ -104,8 +135,8 @@ def plan(gpus: int, python: str = sys.executable) -> list[Step]:
         command = [*runner, f"notebooks/{lesson}.ipynb"]
         ranks = LESSON_RANKS.get(lesson, 1)
         cpu_only = f"GPU branch not run: needs {ranks} GPUs" if gpus < ranks else ""
-        steps.append(Step(f"lesson {lesson[:2]}", command, lesson_limit_s(lesson, gpus),
-                          cpu_only=cpu_only))  # fmt: skip
+        limit = lesson_limit_s(lesson, gpus, exclusive)
+        steps.append(Step(f"lesson {lesson[:2]}", command, limit, cpu_only=cpu_only))
     return steps
 
 
@@ -130,7 +161,7 @@ def run_step(step: Step) -> dict[str, object]:
 
 
 def main() -> int:
-    from ddp_tutorial.devices import DeviceError, visible_gpu_count
+    from ddp_tutorial.devices import DeviceError, MigError, visible_gpus
     from ddp_tutorial.records import format_table
 
     missing = [pip for module, pip in NEEDS.items() if importlib.util.find_spec(module) is None]
@@ -139,12 +170,18 @@ def main() -> int:
               "(torchvision: resnet18; nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        gpus = visible_gpu_count()
-    except DeviceError as exc:  # e.g. MIG: say what to do, do not start
+        gpus = visible_gpus()
+    except MigError as exc:  # the lessons run on the CPU there: no GPU branch to check
+        print(f"gpu-check: {exc}\nOn this machine every lesson's launches run on the CPU with "
+              "gloo (`make run`, `make test`): no GPU branch can run, so there is nothing for "
+              "gpu-check to check. `make gpu-smoke` still records the inventory (MIG, compute "
+              "mode) for a report.", file=sys.stderr)  # fmt: skip
+        return 2
+    except DeviceError as exc:  # a CUDA_VISIBLE_DEVICES that names no GPU: say what to do
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     rows = []
-    for step in plan(gpus):
+    for step in plan(len(gpus), exclusive=any(gpu.exclusive for gpu in gpus)):
         print(f"gpu-check: {step.name} ...", flush=True)
         rows.append(run_step(step))
     print()

@@ -65,11 +65,12 @@ def memory(out: Path) -> dict[str, Any]:
     ``max_memory_allocated`` counts tensors only; the process's memory in NVML adds the
     CUDA context, the caching allocator's slack and NCCL's buffers.
     """
-    import pynvml
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_tutorial.lessons.sharding import cuda_uuid, process_gpu_bytes
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -83,13 +84,8 @@ def memory(out: Path) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                if p.pid == os.getpid()]  # fmt: skip
-        pynvml.nvmlShutdown()
+        seen = process_gpu_bytes(cuda_uuid(device), os.getpid())  # None: NVML hides it
         allocated = torch.cuda.max_memory_allocated()
-        seen = mine[0] if mine and mine[0] else None  # None: NVML hides per-process memory
         return {"params_m": sum(p.numel() for p in model.parameters()) / 1e6,
                 "max_allocated_mib": allocated / 2**20,
                 "reserved_mib": torch.cuda.memory_reserved() / 2**20,

@@ -166,6 +166,37 @@ COLLECTIVE_KINDS = {
 }  # fmt: skip
 
 
+def process_gpu_bytes(uuid: str, pid: int) -> int | None:
+    """What NVML says process ``pid`` holds on the GPU ``uuid`` ("GPU-..."), or None.
+
+    The allocator's counters (``max_memory_allocated``, ``memory_reserved``) see only
+    what torch's caching allocator handed out; the process also holds its CUDA context
+    (hundreds of MB), cuBLAS's workspaces and NCCL's buffers. NVML, like ``nvidia-smi``,
+    sees all of it: what must fit. None where NVML cannot tell (no driver, or a container
+    whose process ids NVML does not share: it lists the host's).
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no bindings, no driver: nothing to read
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == pid]  # fmt: skip
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+    return int(used[0]) if used and used[0] else None
+
+
+def cuda_uuid(device: torch.device) -> str:
+    """NVML's name of a CUDA device ("GPU-<uuid>"): the same GPU whatever CUDA_VISIBLE_DEVICES."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

@@ -206,20 +206,25 @@ def machine_load() -> tuple[float, int]:
     return load, cores
 
 
+GPU_SECONDS = 8.0  # each GPU run of the demo: 32 of the lesson's samples (0.25 s apart)
+
+
 def imbalance_workload(kind: str) -> list[str]:
     """``scripts/demos/imbalance.py`` sizes that keep a device of ``kind`` busy for seconds.
 
     On a CPU the defaults (a small CNN on 16-pixel images, 30 steps) already
     take every core the rank has. A GPU does that in milliseconds: resnet18 on
-    64-pixel batches of 256 generated on the GPU, for 100 steps, is sized to give
-    the monitor seconds of kernel work within ``make gpu-check``'s 75 s for the
-    lesson (an estimate: no GPU has run it yet).
+    64-pixel batches of 256 generated on the GPU, for at least 100 steps and at
+    least :data:`GPU_SECONDS` (a Hopper GPU does 100 steps in about a second: 4-6
+    NVML samples, too few to judge against ``min_busy``; the demo times a
+    forward pass and raises its step count to fill the seconds).
     """
     if kind == "cpu":
         return []
     if kind == "gpu":
         return ["--model", "resnet18", "--image-size", "64", "--batch-size", "256",
-                "--eval-batch", "1024", "--steps", "100"]  # fmt: skip
+                "--eval-batch", "1024", "--steps", "100",
+                "--seconds", str(GPU_SECONDS)]  # fmt: skip
     raise ValueError(f"kind must be 'cpu' or 'gpu', got {kind!r}")
 
 

@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", choices=["every", "rank0"], default="every")
     p.add_argument("--model", choices=MODEL_NAMES, default="cnn")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="run at least this long: more steps on a fast device (the monitor's "
+                   "samples need seconds of work)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--eval-batch", type=int, default=256, help="validation samples per step")
     p.add_argument("--image-size", type=int, default=16)
@@ -79,6 +82,25 @@ def count_correct(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     return int(correct)
 
 
+def steps_for(seconds: float, model: torch.nn.Module, x: torch.Tensor, at_least: int) -> int:
+    """The steps that fill ``seconds``, from a timed forward pass: the same on every rank.
+
+    A fast GPU does lesson 06's 100 steps in under a second: a handful of
+    utilization samples (NVML's own window is up to a second), too few to
+    judge "busy". A step is about three forward passes (backward costs two);
+    the slowest rank's estimate decides, so every rank runs the same count.
+    """
+    with torch.no_grad():
+        model.eval()  # no running statistics updated: the training starts as without it
+        model(x)  # warm-up: kernels chosen, memory allocated
+        t0 = clock(x.device)
+        model(x)
+        forward = torch.tensor([clock(x.device) - t0], dtype=torch.float64, device=x.device)
+        model.train()
+    dist.all_reduce(forward, op=dist.ReduceOp.MAX)
+    return max(at_least, min(20_000, math.ceil(seconds / (3 * forward.item()))))
+
+
 def random_batch(n: int, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images and labels drawn on the generator's device: nothing to load, nothing to copy."""
     device = gen.device
@@ -97,19 +119,22 @@ def main() -> None:
         global_batch = args.batch_size * world
         peak = args.lr * global_batch / REFERENCE_BATCH  # the linear scaling rule
         optimizer = torch.optim.SGD(model.parameters(), lr=peak, momentum=0.9)
-        schedule = partial(lr_factor, warmup=args.warmup_steps, total=args.steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        scaler = torch.amp.GradScaler(device.type)  # fp16's loss scaling; runs on a CPU too
         gen = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data
         batches = [random_batch(args.batch_size, args.image_size, gen) for _ in range(4)]
+        steps = args.steps
+        if args.seconds > 0:
+            steps = steps_for(args.seconds, model.module, batches[0][0], args.steps)
+        schedule = partial(lr_factor, warmup=args.warmup_steps, total=steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scaler = torch.amp.GradScaler(device.type)  # fp16's loss scaling; runs on a CPU too
         val_x, val_y = random_batch(args.eval_batch, args.image_size, gen.manual_seed(1))
         shard = slice(rank, None, world)  # each rank's slice of the validation batch (the fix)
         times: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "eval": []}
         lrs, norms = [], []
         log(f"{world} ranks, global batch {global_batch}, peak lr {peak:.4g}, eval={args.eval}, "
-            f"schedule={args.schedule}", flush=True)  # fmt: skip
+            f"schedule={args.schedule}, {steps} steps", flush=True)  # fmt: skip
         start = time.time()
-        for step in range(args.steps):
+        for step in range(steps):
             x, y = batches[step % len(batches)]
             t0 = clock(device)  # on a GPU: after the queued work, or the times mean nothing
             if args.eval == "rank0" and rank == 0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 from pathlib import Path
 
@@ -46,7 +47,13 @@ from ddp_tutorial.checkpoint import atomic_save
 from ddp_tutorial.distributed import DistInfo, wrap
 from ddp_tutorial.lessons.anatomy import deep_mlp, global_batch, run_sections, shard
 from ddp_tutorial.lessons.perf import clock
-from ddp_tutorial.lessons.sharding import METHODS, comm_log, state_bytes
+from ddp_tutorial.lessons.sharding import (
+    METHODS,
+    comm_log,
+    cuda_uuid,
+    process_gpu_bytes,
+    state_bytes,
+)
 
 SECTIONS = ("train", "save", "load", "gpu_memory")
 
@@ -328,6 +335,12 @@ def section_gpu_memory(args: argparse.Namespace, info: DistInfo) -> dict:
             row["forward_added_bytes"] = forward_added  # gathered weights, activations
         out[method] = row
         del model, opt, loss
+    if cuda:  # what the allocator counted against what the process holds (what must fit)
+        out["process"] = {
+            "max_allocated_bytes": torch.cuda.max_memory_allocated(info.device),
+            "max_reserved_bytes": torch.cuda.max_memory_reserved(info.device),
+            "nvml_bytes": process_gpu_bytes(cuda_uuid(info.device), os.getpid()),
+        }
     return out
 
 
