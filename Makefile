@@ -65,9 +65,10 @@ gpu-check:
 # The 8-minute version for a first GPU (one is enough): versions, MIG and compute mode, the
 # one-GPU gpu tests, lesson 11's script, lesson 06's utilization, lesson 12's memory, two
 # deterministic template runs compared bitwise. Everything it measures lands in $(OUT) if set,
-# else build/gpu-smoke/ (smoke.json, smoke.txt, a log per step).
+# else build/gpu-smoke/ (smoke.json, smoke.txt, a log per step). Without a GPU the GPU steps are
+# rows "not run: no GPU"; SMOKE_ARGS=--cpu also runs there the steps a CPU can.
 gpu-smoke:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_smoke
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_smoke $(SMOKE_ARGS)
 
 clean:
 	rm -rf build runs notebooks/runs .pytest_cache

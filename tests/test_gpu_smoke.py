@@ -58,11 +58,34 @@ def test_a_failing_and_a_hanging_step_are_rows_and_the_rest_still_runs(
     assert "works" in (tmp_path / "smoke.txt").read_text()
 
 
-def test_without_a_gpu_it_says_so(tmp_path, monkeypatch, capsys):
+@pytest.mark.torchrun  # it starts small Python processes (no torchrun)
+def test_without_a_gpu_every_step_is_a_row_and_cpu_runs_what_can(tmp_path, monkeypatch, capsys):
+    """Issue 33: on a CPU machine the smoke runs to the end: the GPU steps are rows "not run:
+    no GPU", the inventory runs; with --cpu the steps that can run on a CPU run there."""
+    py = sys.executable
+    fake = [
+        Step("inventory", [py, "-c", "print('versions')"], 20, runs_on_cpu=True),
+        Step("needs a gpu", [py, "-c", "raise SystemExit(9)"], 20),
+        Step("cpu too", [py, "-c", "print('rehearsed')"], 20, runs_on_cpu=True),
+    ]
     monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(gpu_smoke, "smoke_plan", lambda out: fake)
     monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 0)
-    assert gpu_smoke.main([]) == 2
+    assert gpu_smoke.main([]) == 2, "nothing checked on a GPU: not a pass"
     assert "no GPU visible" in capsys.readouterr().err
+    rows = json.loads((tmp_path / "smoke.json").read_text())
+    assert [r["status"] for r in rows] == ["ok (on the CPU)", "not run: no GPU", "not run: no GPU"]
+    assert gpu_smoke.main(["--cpu"]) == 0
+    rows = json.loads((tmp_path / "smoke.json").read_text())
+    assert [r["status"] for r in rows] == ["ok (on the CPU)", "not run: no GPU", "ok (on the CPU)"]
+    assert (tmp_path / "step2.log").read_text().strip() == "rehearsed"
+    assert "not run: no GPU" in (tmp_path / "smoke.txt").read_text()
+
+
+def test_the_real_plan_rehearses_on_a_cpu_all_but_the_cuda_only_steps(tmp_path):
+    steps = {s.name: s.runs_on_cpu for s in gpu_smoke.smoke_plan(tmp_path)}
+    assert [name for name, cpu in steps.items() if not cpu] == [
+        "gpu tests (one GPU)", "lesson 12: memory"]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -107,6 +107,7 @@ class Step:
     note: str = ""
     measures: str = ""  # gpu-smoke: the probe's JSON (OUT/<measures>.json) read into the row
     cpu_only: str = ""  # the status of a run that passed on the CPU, not on GPUs (too few)
+    runs_on_cpu: bool = False  # gpu-smoke --cpu: the step also runs without a GPU (rehearsal)
 
 
 def plan(gpus: int, python: str = sys.executable, exclusive: bool = False) -> list[Step]:

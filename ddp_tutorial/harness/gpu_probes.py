@@ -25,9 +25,12 @@ def _write(out: Path, name: str, data: dict[str, Any]) -> None:
 
 def _nvml_facts() -> dict[str, Any]:
     """Driver, GPUs, MIG mode and compute mode, from NVML (no CUDA context)."""
-    import pynvml
+    try:
+        import pynvml
 
-    pynvml.nvmlInit()
+        pynvml.nvmlInit()
+    except Exception as exc:  # no bindings or no driver: the inventory says so
+        return {"driver": None, "gpus": [], "nvml_error": f"{type(exc).__name__}: {exc}"}
     try:
         facts: dict[str, Any] = {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": []}
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -97,10 +100,13 @@ def memory(out: Path) -> dict[str, Any]:
 
 def utilization(out: Path) -> dict[str, Any]:
     """Lesson 06's picture on one GPU: the template trains while NVML is sampled."""
+    from ddp_tutorial.harness.gpu_plan import launch_gpu_count
     from ddp_tutorial.harness.launch import torchrun
     from ddp_tutorial.harness.monitor import summarize
 
-    args = ["--model", "resnet18", "--batch-size", "64", "--max-steps", "60", "--no-progress"]
+    # resnet18 keeps a GPU busy; on a CPU (gpu-smoke --cpu) the small CNN fits the limit
+    model = "resnet18" if launch_gpu_count() else "cnn"
+    args = ["--model", model, "--batch-size", "64", "--max-steps", "60", "--no-progress"]
     run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=50,
                    run_dir=out / "utilization-run", echo=False)  # fmt: skip
     rows = run.utilization or []
