@@ -64,6 +64,33 @@ def test_a_rank_that_logged_nothing_while_the_others_waited_is_named_when_it_log
     assert lagging_ranks(log.splitlines()).endswith("fell behind: 2 (never called it)")
     silent = watchdog_log([0, 1], {})
     assert "the slow one logged nothing" in lagging_ranks(silent.splitlines())
+    rank_0_silent = watchdog_log([1, 2, 3], {})  # ranks 0-3 exist; 0 wrote no line at all
+    assert lagging_ranks(rank_0_silent.splitlines()).endswith(
+        "silent: rank 0 (behind, or logs elsewhere)"
+    )
+
+
+def test_the_watchdog_is_read_in_the_formats_of_older_and_newer_torch():
+    """The same reading from the lines of torch 1.x (no rank prefix, no Numel), 2.4 ("[PG 1
+    Rank 1]") and 2.6+ ("[PG ID 0 PG GUID 0(default_pg) Rank 1]", a launcher's pid first)."""
+    old = "[E ProcessGroupNCCL.cpp:737] [Rank {r}] Watchdog caught collective operation " \
+        "timeout: WorkNCCL(SeqNum=120, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for " \
+        "1800412 milliseconds before timing out."  # fmt: skip
+    log = [old.format(r=r) for r in (1, 2, 3)]
+    assert lagging_ranks(log).endswith("ALLREDUCE #120; silent: rank 0 (behind, or logs elsewhere)")
+    for pg in ("PG 1 Rank {r}", "PG ID 0 PG GUID 0(default_pg) Rank {r}"):
+        enqueued = (f"[9{{r}}] [rank{{r}}]:[E1103 10:00:01.1 ProcessGroupNCCL.cpp:1785] [{pg}] "
+                    "Exception (either an error or timeout) detected by watchdog at work: 42, "
+                    "last enqueued NCCL work: {e}, last completed NCCL work: 41.")  # fmt: skip
+        waited = ("[9{r}] [rank{r}]:[E1103 10:00:01.1 ProcessGroupNCCL.cpp:616] [Rank {r}] "
+                  "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
+                  "OpType=ALLREDUCE, NumelIn=9, NumelOut=9, Timeout(ms)=600000) ran for 600020 "
+                  "milliseconds before timing out.")  # fmt: skip
+        log = [t.format(r=r, e=43) for r in (0, 2) for t in (waited, enqueued)]
+        log.append(enqueued.format(r=1, e=41))  # rank 1 never enqueued #42
+        assert lagging_ranks(log) == (
+            "ranks 0, 2 waited in ALLREDUCE #42; the rank that fell behind: 1 (never called it)"
+        ), pg
 
 
 def test_where_each_rank_failed_is_its_last_line_of_its_own_code():

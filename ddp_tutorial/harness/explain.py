@@ -347,8 +347,8 @@ def lagging_ranks(lines: list[str]) -> str | None:
 
     Every rank that reached collective number S and waited logs a timeout for SeqNum S.
     A rank whose last enqueued work is below S never called it; a rank that logged
-    nothing at all while the others timed out was busy elsewhere: either is the one to
-    look at."""
+    nothing at all while the others timed out was busy elsewhere (ranks 0 to the highest
+    that logged exist): either is the one to look at."""
     waited: dict[int, tuple[int, str]] = {}
     enqueued: dict[int, int] = {}
     seen: set[int] = set()
@@ -373,6 +373,8 @@ def lagging_ranks(lines: list[str]) -> str | None:
     text = f"ranks {', '.join(map(str, in_it))} waited in {op} #{seq}"
     if behind:
         return f"{text}; the rank that fell behind: {', '.join(map(str, behind))} (never called it)"
+    if silent := sorted(set(range(max(seen) + 1)) - seen):  # ranks 0..max exist: they did not log
+        return f"{text}; silent: rank {', '.join(map(str, silent))} (behind, or logs elsewhere)"
     return text + "; every rank that logged reached it: the slow one logged nothing (look for it)"
 
 
