@@ -3,6 +3,7 @@ reference solution, must fail with the mistake named in the lesson's words."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,17 @@ def test_only_a_gross_slowdown_fails_and_it_is_named(tmp_path):
     finally:
         dist.destroy_process_group()
     assert ex.judge([record]) is None
-    slow = {**record, "mine_s": record["ddp_s"] * lesson12.GROSS_SLOWDOWN * 0.9}
+    quiet = {**record, "busy_host": False}  # what a quiet host measured
+    slow = {**quiet, "mine_s": record["ddp_s"] * lesson12.GROSS_SLOWDOWN * 0.9}
     assert ex.judge([slow]) is None, "slower, but not grossly: information only"
     slow["mine_s"] = record["ddp_s"] * lesson12.GROSS_SLOWDOWN * 1.1
     assert "DistributedDataParallel's" in (ex.judge([slow]) or "")
+    busy = {**slow, "busy_host": True}  # a saturated host: the times measure its run queue
+    assert ex.judge([busy]) is None, "a busy host's step times are information, not a verdict"
+
+
+def test_a_busy_host_is_a_load_per_core_above_the_limit(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for per_minute, busy in ((1.5, False), (4.0, False), (4.1, True)):
+        monkeypatch.setattr(os, "getloadavg", lambda x=per_minute: (x, 0.0, 0.0))
+        assert lesson12.busy_host() is busy, per_minute

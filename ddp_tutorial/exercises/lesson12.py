@@ -18,6 +18,7 @@ steps, each) is information, and fails only when gross.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ BATCH = 16  # samples per rank and step
 LR = 0.1
 TOL = 1e-5  # max |w - w_DDP|: float rounding is ~1e-7 here; a wrong answer is ~1e-2 away
 GROSS_SLOWDOWN = 20.0  # a step this many times DDP's is named; anything less is information
+BUSY_LOAD_PER_CORE = 2.0  # above this 1-minute load per core, step times are not judged
 
 
 def make_model(seed: int) -> nn.Module:
@@ -186,6 +188,15 @@ def quickest_steps(
     return mine_s, ddp_s
 
 
+def busy_host() -> bool:
+    """Whether the host is so loaded that a sub-millisecond step measures its run queue: each
+    bucket's wait hands over to gloo's thread and back, each hand-over waiting for a core (a
+    reference answer measured 37x DDP's beside a test suite, 1.2x on a quiet host)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # none on Windows
+    return load > BUSY_LOAD_PER_CORE * (cores or 1)
+
+
 def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     """Build the learner's DDP on this rank's own model, train it, compare with the references."""
     model = make_model(ctx.rank)
@@ -232,6 +243,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     record["mine_s"], record["ddp_s"] = quickest_steps(
         model, finish, ref["ddp_model"], ctx.rank, (seconds, ref["ddp_seconds"])
     )
+    record["busy_host"] = busy_host()
     return record
 
 
@@ -399,7 +411,7 @@ def judge_buckets(records: list[Record]) -> str | None:
     if mistake:
         return mistake
     ratio = max(r["mine_s"] / r["ddp_s"] for r in records)
-    if ratio > GROSS_SLOWDOWN:
+    if ratio > GROSS_SLOWDOWN and not any(r.get("busy_host") for r in records):
         return (
             f"your step took {ratio:.0f}x DistributedDataParallel's (more than "
             f"{GROSS_SLOWDOWN:.0f}x): is every parameter all_reduced on its own, or "
