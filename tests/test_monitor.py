@@ -311,6 +311,7 @@ def test_utilization_thresholds_per_device_kind():
     assert imbalance_workload("cpu") == []
     gpu_args = imbalance_workload("gpu")
     assert gpu_args[gpu_args.index("--model") + 1] == "resnet18"
+    assert float(gpu_args[gpu_args.index("--seconds") + 1]) >= 8, "seconds of NVML samples"
     for bad in ("tpu", "GPU"):
         with pytest.raises(ValueError):
             utilization_plan(bad)

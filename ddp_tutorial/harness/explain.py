@@ -374,7 +374,8 @@ def lagging_ranks(lines: list[str]) -> str | None:
     if behind:
         return f"{text}; the rank that fell behind: {', '.join(map(str, behind))} (never called it)"
     if silent := sorted(set(range(max(seen) + 1)) - seen):  # ranks 0..max exist: they did not log
-        return f"{text}; silent: rank {', '.join(map(str, silent))} (behind, or logs elsewhere)"
+        named = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
+        return f"{text}; silent: {named} (behind, or logs elsewhere)"
     return text + "; every rank that logged reached it: the slow one logged nothing (look for it)"
 
 

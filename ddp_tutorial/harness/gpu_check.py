@@ -66,16 +66,26 @@ SIDE_BY_SIDE = {"08_fault_tolerance": 4}
 SERIAL_RUN_S = 20.0  # estimated: the template's 2 short epochs take ~10 s on this 2-core CPU
 
 
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown-timeout default
+# The lessons' runs on a GPU that last seconds by design: lesson 06's demo, twice
+# (lessons.utilization.GPU_SECONDS each; its step count is fixed from its own first steps).
+GPU_RUN_S = {"06_training_and_utilization": 2 * 8.0}
+
+
 def crash_grace_s() -> float:
     """torchrun's wait between SIGTERM and SIGKILL for the workers it stops (30 s in torch 2.x).
 
-    Read from torch (``PContext.close``'s default), not copied: the time plan follows it.
+    ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` where set (torchrun's ``--shutdown-timeout`` default,
+    ``LaunchConfig``), else the default of the agent's ``_shutdown``, read from torch: the
+    time plan follows torch, not a copy of its number.
     """
     import inspect
 
-    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    return float(inspect.signature(PContext.close).parameters["timeout"].default)
+    if value := os.environ.get(SHUTDOWN_TIMEOUT_ENV):
+        return float(value)
+    return float(inspect.signature(SimpleElasticAgent._shutdown).parameters["timeout"].default)
 
 
 def launch_s(gpus: int) -> float:
@@ -91,6 +101,7 @@ def lesson_limit_s(lesson: str, gpus: int, exclusive: bool = False) -> float:
     """A lesson's limit: its CPU budget (60 s) plus its launches, a cold compile, torchrun's
     grace for each nccl crash and, on ``exclusive`` GPUs, the runs that wait for each other."""
     limit = 60.0 + LESSONS[lesson] * launch_s(gpus) + COLD_COMPILE_S.get(lesson, 0.0)
+    limit += GPU_RUN_S.get(lesson, 0.0)
     limit += NCCL_CRASHES.get(lesson, 0) * crash_grace_s()
     if exclusive:
         limit += SIDE_BY_SIDE.get(lesson, 0) * (launch_s(gpus) + SERIAL_RUN_S)

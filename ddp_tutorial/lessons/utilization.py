@@ -216,8 +216,8 @@ def imbalance_workload(kind: str) -> list[str]:
     take every core the rank has. A GPU does that in milliseconds: resnet18 on
     64-pixel batches of 256 generated on the GPU, for at least 100 steps and at
     least :data:`GPU_SECONDS` (a Hopper GPU does 100 steps in about a second: 4-6
-    NVML samples, too few to judge against ``min_busy``; the demo times a
-    forward pass and raises its step count to fill the seconds).
+    NVML samples, too few to judge against ``min_busy``; the demo times its
+    first steps and raises its step count to fill the seconds).
     """
     if kind == "cpu":
         return []

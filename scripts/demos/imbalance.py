@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from ddp_tutorial.recorder import state_digest
 from ddp_tutorial.records import write_rank_record
 
 REFERENCE_BATCH = 256  # --lr is the peak learning rate of a global batch of this size
+CALIBRATE = 3  # --seconds: the step count is set after this many steps (within the warm-up)
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,7 +64,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.seconds and args.warmup_steps < CALIBRATE:
+        p.error(f"--seconds sets the step count after {CALIBRATE} steps, inside the warm-up "
+                f"(its rates do not use it): need --warmup-steps >= {CALIBRATE}")  # fmt: skip
+    if args.seconds:
+        args.steps = max(args.steps, CALIBRATE)  # at least the steps that time the rest
+    return args
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -82,23 +88,18 @@ def count_correct(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     return int(correct)
 
 
-def steps_for(seconds: float, model: torch.nn.Module, x: torch.Tensor, at_least: int) -> int:
-    """The steps that fill ``seconds``, from a timed forward pass: the same on every rank.
+def steps_for(seconds: float, step_times: list[float], device: torch.device, at_least: int) -> int:
+    """The steps that fill ``seconds``, from the steps run so far: the same on every rank.
 
     A fast GPU does lesson 06's 100 steps in under a second: a handful of
     utilization samples (NVML's own window is up to a second), too few to
-    judge "busy". A step is about three forward passes (backward costs two);
-    the slowest rank's estimate decides, so every rank runs the same count.
+    judge "busy". Real steps are timed (evaluation and waiting included), the
+    first left out (a warm-up); the slowest rank's mean decides.
     """
-    with torch.no_grad():
-        model.eval()  # no running statistics updated: the training starts as without it
-        model(x)  # warm-up: kernels chosen, memory allocated
-        t0 = clock(x.device)
-        model(x)
-        forward = torch.tensor([clock(x.device) - t0], dtype=torch.float64, device=x.device)
-        model.train()
-    dist.all_reduce(forward, op=dist.ReduceOp.MAX)
-    return max(at_least, min(20_000, math.ceil(seconds / (3 * forward.item()))))
+    mean = torch.tensor([sum(step_times[1:]) / len(step_times[1:])], dtype=torch.float64,
+                        device=device)  # fmt: skip
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    return max(at_least, min(20_000, math.ceil(seconds / mean.item())))
 
 
 def random_batch(n: int, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,20 +122,19 @@ def main() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=peak, momentum=0.9)
         gen = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data
         batches = [random_batch(args.batch_size, args.image_size, gen) for _ in range(4)]
-        steps = args.steps
-        if args.seconds > 0:
-            steps = steps_for(args.seconds, model.module, batches[0][0], args.steps)
-        schedule = partial(lr_factor, warmup=args.warmup_steps, total=steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        plan = {"steps": args.steps}  # --seconds: fixed after CALIBRATE steps, in the warm-up
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, args.warmup_steps, plan["steps"])
+        )
         scaler = torch.amp.GradScaler(device.type)  # fp16's loss scaling; runs on a CPU too
         val_x, val_y = random_batch(args.eval_batch, args.image_size, gen.manual_seed(1))
         shard = slice(rank, None, world)  # each rank's slice of the validation batch (the fix)
         times: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "eval": []}
         lrs, norms = [], []
         log(f"{world} ranks, global batch {global_batch}, peak lr {peak:.4g}, eval={args.eval}, "
-            f"schedule={args.schedule}, {steps} steps", flush=True)  # fmt: skip
-        start = time.time()
-        for step in range(steps):
+            f"schedule={args.schedule}", flush=True)  # fmt: skip
+        start, step = time.time(), 0
+        while step < plan["steps"]:
             x, y = batches[step % len(batches)]
             t0 = clock(device)  # on a GPU: after the queued work, or the times mean nothing
             if args.eval == "rank0" and rank == 0:
@@ -162,9 +162,13 @@ def main() -> None:
             times["backward"].append(t3 - t2)
             times["step"].append(t3 - t0)
             norms.append(norm.item())
+            if args.seconds and step == CALIBRATE - 1:  # the warm-up's rates do not use the total
+                plan["steps"] = steps_for(args.seconds, times["step"], device, args.steps)
+                log(f"{plan['steps']} steps fill {args.seconds:g} s", flush=True)
             if (step + 1) % args.log_every == 0:
                 log(f"step {step + 1}: loss {loss.item():.4f}, grad norm {norms[-1]:.3f} "
                     f"(max {args.clip:g}), lr {lrs[-1]:.4g}", flush=True)  # fmt: skip
+            step += 1
         end = time.time()
         weights = state_digest(dict(model.module.named_parameters()))
         sizes = {"batch_size": args.batch_size, "world_size": world, "device": str(device)}

@@ -314,6 +314,7 @@ def section_gpu_memory(args: argparse.Namespace, info: DistInfo) -> dict:
         if cuda:
             torch.cuda.synchronize(info.device)
             peak = peak_since_reset(info.device)
+            reserved_peak = torch.cuda.max_memory_reserved(info.device)  # reset below too
             before_forward = allocated(info.device)
             torch.cuda.reset_peak_memory_stats(info.device)
         loss = F.cross_entropy(model(x), y)
@@ -333,14 +334,17 @@ def section_gpu_memory(args: argparse.Namespace, info: DistInfo) -> dict:
             row["rest_bytes"] = allocated(info.device) - start  # weights, grads, Adam
             row["peak_bytes"] = max(peak, peak_since_reset(info.device)) - start
             row["forward_added_bytes"] = forward_added  # gathered weights, activations
+            # What the allocator counted against what the process holds (what must fit),
+            # while this method's model, optimizer and cache are still there.
+            row["process"] = {
+                "max_allocated_bytes": max(peak, peak_since_reset(info.device)),
+                "max_reserved_bytes": max(
+                    reserved_peak, torch.cuda.max_memory_reserved(info.device)
+                ),
+                "nvml_bytes": process_gpu_bytes(cuda_uuid(info.device), os.getpid()),
+            }
         out[method] = row
         del model, opt, loss
-    if cuda:  # what the allocator counted against what the process holds (what must fit)
-        out["process"] = {
-            "max_allocated_bytes": torch.cuda.max_memory_allocated(info.device),
-            "max_reserved_bytes": torch.cuda.max_memory_reserved(info.device),
-            "nvml_bytes": process_gpu_bytes(cuda_uuid(info.device), os.getpid()),
-        }
     return out
 
 
