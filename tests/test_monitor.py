@@ -322,16 +322,21 @@ def test_utilization_thresholds_per_device_kind():
 @pytest.mark.torchrun
 def test_the_imbalance_demo_fills_its_seconds_with_steps(tmp_path):
     """Issue 33 point 8: lesson 06's GPU workload ran ~1 s on a fast GPU (4-6 NVML samples).
-    ``--seconds`` raises the step count from a timed forward pass, the same on every rank."""
+    ``--seconds`` sets the step count from the first steps' times (the slowest rank's mean of
+    steps 1-2), the same on every rank; the schedule spans the steps it runs. Read back from
+    the records, not from a clock here: a busy host changes the count, not the rule."""
     from ddp_tutorial.harness.launch import torchrun
 
     result = torchrun(DEMOS / "imbalance.py", "--eval", "none", "--steps", 3, "--seconds", 3,
                       nproc=2, run_dir=tmp_path, echo=False, timeout=120)  # fmt: skip
-    steps = {len(r["lr"]) for r in result.records}
-    assert len(steps) == 1 and steps.pop() > 3, "more steps than --steps, one count on all ranks"
-    for r in result.records:
-        assert r["end"] - r["start"] > 1.5, "about the seconds asked for (a step ~ 3 forwards)"
-        assert min(r["lr"][:-1]) > 0 and r["lr"][-1] < 0.2 * max(r["lr"]), "one schedule, all steps"
+    slowest = max(sum(r["step"][1:3]) / 2 for r in result.records)
+    expected = max(3, min(20_000, math.ceil(3 / slowest)))
+    assert [len(r["lr"]) for r in result.records] == [expected] * 2, "one count, on every rank"
+    assert expected > 6, "more steps than --steps asked for"
+    for lr in (r["lr"] for r in result.records):
+        after = lr[5:]  # past the 5 warm-up steps: the cosine, down to ~0 at the last step
+        assert all(a >= b for a, b in zip(after, after[1:], strict=False))
+        assert after[-1] < 0.5 * after[0]
 
 
 def test_the_busy_floor_is_min_busy_until_the_machine_is_loaded_past_its_cores():
