@@ -93,3 +93,16 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
         return os.cpu_count() or 1
+
+
+def machine_load() -> tuple[float, int]:
+    """The 1-minute load average and the cores this process may use: how crowded the host is.
+
+    Lesson 06's busy floor and exercise 12's timing verdict read it. Where the system keeps
+    no load average (Windows), the load is 0, as on a quiet machine.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    return load, usable_cores()

@@ -3,7 +3,6 @@ reference solution, must fail with the mistake named in the lesson's words."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -116,7 +115,6 @@ def test_only_a_gross_slowdown_fails_and_it_is_named(tmp_path):
 
 
 def test_a_busy_host_is_a_load_per_core_above_the_limit(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     for per_minute, busy in ((1.5, False), (4.0, False), (4.1, True)):
-        monkeypatch.setattr(os, "getloadavg", lambda x=per_minute: (x, 0.0, 0.0))
+        monkeypatch.setattr(lesson12, "machine_load", lambda x=per_minute: (x, 2))  # 2 cores
         assert lesson12.busy_host() is busy, per_minute

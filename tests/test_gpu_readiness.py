@@ -224,16 +224,18 @@ def test_gpu_check_counts_torchruns_grace_for_each_nccl_crash_and_exclusive_wait
     from ddp_tutorial.harness import gpu_check
 
     assert gpu_check.crash_grace_s() == 30.0, "torch 2.x's SIGTERM-to-SIGKILL wait"
-    from ddp_tutorial.lessons.utilization import GPU_SECONDS
+    from ddp_tutorial.lessons.utilization import GPU_SECONDS, imbalance_workload
 
-    assert gpu_check.GPU_RUN_S["06_training_and_utilization"] == 2 * GPU_SECONDS
+    lesson_06 = gpu_check.GPU_RUNS["06_training_and_utilization"] * gpu_check.GPU_SECONDS
+    assert lesson_06 == 2 * float(imbalance_workload("gpu")[-1]) == 2 * GPU_SECONDS, "both runs"
     plain = {s.name: s.timeout_s for s in gpu_check.plan(2, python="py")}
     exclusive = {s.name: s.timeout_s for s in gpu_check.plan(2, python="py", exclusive=True)}
     for lesson in gpu_check.LESSONS:
         name = f"lesson {lesson[:2]}"
         base = 60.0 + gpu_check.LESSONS[lesson] * gpu_check.launch_s(2)
         grace = gpu_check.NCCL_CRASHES.get(lesson, 0) * 30.0
-        extra = gpu_check.COLD_COMPILE_S.get(lesson, 0.0) + gpu_check.GPU_RUN_S.get(lesson, 0.0)
+        extra = gpu_check.COLD_COMPILE_S.get(lesson, 0.0)
+        extra += gpu_check.GPU_RUNS.get(lesson, 0) * gpu_check.GPU_SECONDS
         assert plain[name] >= base + grace + extra
         assert (exclusive[name] > plain[name]) == (lesson in gpu_check.SIDE_BY_SIDE), name
 

@@ -18,7 +18,6 @@ steps, each) is information, and fails only when gross.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.settings import machine_load
 
 SIZES = (8, 32, 32, 32, 4)  # the MLP's widths: 4 Linear layers, 8 parameter tensors
 BUCKET_CAP_BYTES = 4096  # 1024 fp32 numbers: 3 buckets for this MLP, not 1, not 8
@@ -192,9 +192,8 @@ def busy_host() -> bool:
     """Whether the host is so loaded that a sub-millisecond step measures its run queue: each
     bucket's wait hands over to gloo's thread and back, each hand-over waiting for a core (a
     reference answer measured 37x DDP's beside a test suite, 1.2x on a quiet host)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # none on Windows
-    return load > BUSY_LOAD_PER_CORE * (cores or 1)
+    load, cores = machine_load()
+    return load > BUSY_LOAD_PER_CORE * cores
 
 
 def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:

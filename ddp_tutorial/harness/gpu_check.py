@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ddp_tutorial import settings
 from ddp_tutorial.harness.processes import run_command
+from ddp_tutorial.lessons.utilization import GPU_SECONDS
 
 REPO = Path(__file__).resolve().parents[2]
 # Each GPU lesson with the launches (torchrun / mp.spawn / python subprocesses) its code
@@ -69,7 +70,7 @@ SERIAL_RUN_S = 20.0  # estimated: the template's 2 short epochs take ~10 s on th
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown-timeout default
 # The lessons' runs on a GPU that last seconds by design: lesson 06's demo, twice
 # (lessons.utilization.GPU_SECONDS each; its step count is fixed from its own first steps).
-GPU_RUN_S = {"06_training_and_utilization": 2 * 8.0}
+GPU_RUNS = {"06_training_and_utilization": 2}
 
 
 def crash_grace_s() -> float:
@@ -101,7 +102,7 @@ def lesson_limit_s(lesson: str, gpus: int, exclusive: bool = False) -> float:
     """A lesson's limit: its CPU budget (60 s) plus its launches, a cold compile, torchrun's
     grace for each nccl crash and, on ``exclusive`` GPUs, the runs that wait for each other."""
     limit = 60.0 + LESSONS[lesson] * launch_s(gpus) + COLD_COMPILE_S.get(lesson, 0.0)
-    limit += GPU_RUN_S.get(lesson, 0.0)
+    limit += GPU_RUNS.get(lesson, 0) * GPU_SECONDS
     limit += NCCL_CRASHES.get(lesson, 0) * crash_grace_s()
     if exclusive:
         limit += SIDE_BY_SIDE.get(lesson, 0) * (launch_s(gpus) + SERIAL_RUN_S)

@@ -175,20 +175,17 @@ def process_gpu_bytes(uuid: str, pid: int) -> int | None:
     sees all of it: what must fit. None where NVML cannot tell (no driver, or a container
     whose process ids NVML does not share: it lists the host's).
     """
-    try:
-        import pynvml
+    from ddp_tutorial.devices import _nvml  # the package's one NVML session (None: no driver)
 
-        pynvml.nvmlInit()
-    except Exception:  # no bindings, no driver: nothing to read
-        return None
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                if p.pid == pid]  # fmt: skip
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            used = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                    if p.pid == pid]  # fmt: skip
+        except nvml.NVMLError:
+            return None
     return int(used[0]) if used and used[0] else None
 
 

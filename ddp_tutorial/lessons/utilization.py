@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any
+
+from ddp_tutorial.settings import machine_load  # noqa: F401  (lesson 06 imports it from here)
 
 MARKER = re.compile(r"^\s*# (\d+)\. ")
 """A section starts at a comment line ``# N. …``, as the template numbers its steps."""
@@ -189,21 +190,6 @@ def cpu_busy_floor(min_busy: float, cores: int, load: float) -> float:
         raise ValueError(f"need cores >= 1 and load >= 0, got {cores}, {load}")
     share = 100.0 * cores / max(load, cores)
     return min(min_busy, 0.6 * share)
-
-
-def machine_load() -> tuple[float, int]:
-    """The 1-minute load average and the cores this process may use, for :func:`cpu_busy_floor`.
-
-    Where the system keeps no load average (Windows), the load is 0: the
-    floor is then ``min_busy`` itself, as on a quiet machine.
-    """
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux: the cores we may run on
-    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = 0.0
-    return load, cores
 
 
 GPU_SECONDS = 8.0  # each GPU run of the demo: 32 of the lesson's samples (0.25 s apart)
