@@ -16,6 +16,8 @@ CASES = register([
     Case(EX, "no-sampler", "the DataLoader has no DistributedSampler",
          edits=(("    sampler = DistributedSampler(train_set, seed=args.seed)\n", ""),
                 ("        sampler.set_epoch(epoch)\n", ""))),
+    Case(EX, "sampler-default-seed", "seed=args.seed",  # passes at seed 0: the check uses 1
+         edits=(("(train_set, seed=args.seed)", "(train_set)"),)),
     Case(EX, "not-wrapped", "wrap the model in DDP",
          edits=(("    model = DDP(model)\n", ""),
                 ("model.module.state_dict()", "model.state_dict()"))),

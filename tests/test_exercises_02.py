@@ -26,6 +26,8 @@ CASES = register(
              edits=((SPLIT, PADDED.replace("shuffle=False", "shuffle=False, drop_last=True")),)),
         Case(ACC, "no-all-reduce-each-rank-its-own-shard", "each rank counted only its own shard",
              edits=(("dist.all_reduce(sums)", "pass  # dist.all_reduce(sums)"),)),
+        Case(ACC, "averaged-integer-counts", "with the default SUM",
+             edits=(("dist.all_reduce(sums)", "dist.all_reduce(sums, op=dist.ReduceOp.AVG)"),)),
         Case(F1, "mean-of-the-ranks-f1", "the mean of the ranks' own F1s",
              edits=((REDUCE_COUNTS, "pass"),
                     (SCORE, "mine = per_class.mean().reshape(1)\n    dist.all_reduce(mine)\n"

@@ -16,7 +16,17 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
-SAMPLES, BATCH, EPOCHS, LR, SEED = 256, 16, 2, 0.05, 0  # the stub's defaults
+SAMPLES, BATCH, EPOCHS, LR = 256, 16, 2, 0.05  # the stub's defaults
+# The check launches with --seed 1, not the stub's 0: DistributedSampler's own default seed is 0,
+# so a sampler built without seed=args.seed would pass at the default and shuffle differently
+# from the script at any other seed.
+SEED = 1
+
+
+def order(epoch: int) -> list[int]:
+    """The samples in the order one process draws them in ``epoch`` (RandomSampler's randperm,
+    seeded as the stub seeds it): DistributedSampler(seed=args.seed) deals out the same order."""
+    return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
 
 
 def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
@@ -82,6 +92,13 @@ def judge_convert(records: list[Record]) -> str | None:
         if r["seen"][0] == r["seen"][1]:
             return (f"rank {r['rank']} saw its samples in the same order in every epoch: call "
                     "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
+    for epoch in range(EPOCHS):
+        if any(r["seen"][epoch] != order(epoch)[r["rank"] :: n] for r in reports):
+            return (
+                f"in epoch {epoch} the processes did not get the samples one process "
+                f"draws (the script ran with --seed {SEED}): build the DistributedSampler "
+                "with seed=args.seed, the same on every rank; call sampler.set_epoch(epoch)"
+            )
     writers = [r["rank"] for r in reports if r["wrote"]]
     if len(writers) != 1:
         return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
@@ -111,6 +128,7 @@ EXERCISES = [
     Exercise(
         name="00_convert_loop", lesson="00", kind="script", run=run_convert,
         judge=judge_convert, title="a single-process training loop, turned into DDP",
+        args=("--seed", str(SEED)),
         teaches='lesson 00, "Every changed line, once"', collective_timeout_s=20.0, errors=ERRORS,
     ),
 ]  # fmt: skip

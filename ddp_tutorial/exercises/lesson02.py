@@ -207,11 +207,17 @@ def judge_f1(records: list[Record]) -> str | None:
     return None
 
 
+_COUNTS_ERRORS = (
+    ("can't be cast to the desired output type Long", "the counts are integers, and their "
+     "mean is not one: ReduceOp.AVG (gloo computes it as a sum, then a division in place) "
+     "cannot write it back - all_reduce them with the default SUM, then divide the totals"),
+)  # fmt: skip
+
 EXERCISES = [
     Exercise(
         name="02_exact_accuracy", lesson="02", run=run_accuracy, judge=judge_accuracy,
         title="exact validation on a set that does not divide by the ranks",
-        teaches='lesson 02, "Validation: count every sample once"',
+        teaches='lesson 02, "Validation: count every sample once"', errors=_COUNTS_ERRORS,
     ),
     Exercise(
         name="02_macro_f1", lesson="02", run=run_f1, judge=judge_f1,

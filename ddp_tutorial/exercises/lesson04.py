@@ -112,6 +112,13 @@ def judge_accumulate(records: list[Record]) -> str | None:
             f"the first update is {K} times one process's on the global batch: the {K} "
             f"micro-batches' gradients add up, so divide each micro-batch's loss by k = {K}"
         )
+    world = len(records)
+    if world > 1 and torch.allclose(step1 * world, ref1, rtol=1e-3, atol=1e-6):
+        return (
+            f"the first update is 1/{world} of one process's on the global batch: each loss was "
+            f"divided by the {world} ranks as well, but DDP already averages the gradients over "
+            f"the ranks - divide each micro-batch's loss by k = {K} only"
+        )
     gap = (T(first["params"][-1]) - ref[-1]).abs().max().item()
     if not torch.allclose(T(first["params"][-1]), ref[-1], rtol=1e-4, atol=1e-5):
         return (

@@ -19,19 +19,18 @@ steps, each) is information, and fails only when gross.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.tracing import Trace, traced_all_reduce
 from ddp_tutorial.settings import machine_load
 
 SIZES = (8, 32, 32, 32, 4)  # the MLP's widths: 4 Linear layers, 8 parameter tensors
@@ -77,56 +76,6 @@ def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[lis
             buckets.append(bucket)
             bucket, size = [], 0
     return buckets + ([bucket] if bucket else [])
-
-
-class Trace:
-    """What the learner's code did, in order, step by step: all_reduce calls, waits, gradients."""
-
-    def __init__(self) -> None:
-        self.step = -1  # -1: construction; then 0 ... STEPS - 1
-        self.grads = 0  # gradients accumulated so far in this step's backward
-        self.events: list[dict[str, Any]] = []
-        self.unwaited: set[int] = set()
-
-    def add(self, kind: str, **info: Any) -> None:
-        self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
-
-
-class TracedWork:
-    """What ``dist.all_reduce(..., async_op=True)`` returned, with its ``wait()`` recorded."""
-
-    def __init__(self, work: Any, trace: Trace, ident: int) -> None:
-        self._work, self._trace, self._id = work, trace, ident
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._trace.add("wait", id=self._id)
-        self._trace.unwaited.discard(self._id)
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-@contextmanager
-def traced_all_reduce(trace: Trace) -> Iterator[None]:
-    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs."""
-    real: Callable[..., Any] = dist.all_reduce
-
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
-        ident = len(trace.events)
-        trace.add("all_reduce", numel=tensor.numel(), async_op=async_op)
-        work = real(tensor, *args, **kwargs)
-        if work is None:
-            return None
-        trace.unwaited.add(ident)
-        return TracedWork(work, trace, ident)
-
-    dist.all_reduce = spy
-    try:
-        yield
-    finally:
-        dist.all_reduce = real
 
 
 def train(
@@ -200,7 +149,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     """Build the learner's DDP on this rank's own model, train it, compare with the references."""
     model = make_model(ctx.rank)
     params = list(model.parameters())
-    trace = Trace()
+    trace = Trace(params)
     with traced_all_reduce(trace):
         if bucketed:
             mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
@@ -300,6 +249,19 @@ def judge_hooks(records: list[Record]) -> str | None:
                 f"rank {rank} called no dist.all_reduce in backward: register the hook on "
                 "every parameter (p.register_post_accumulate_grad_hook(hook)); in it, "
                 "dist.all_reduce(p.grad) (called as dist.all_reduce, so the check sees it)"
+            )
+        targets = [e["target"] for e in during if e["step"] == 0]
+        if any(t.startswith("param") for t in targets):
+            return (
+                f"rank {rank} all_reduced a parameter itself, not its gradient: in the hook, "
+                "dist.all_reduce(p.grad), then divide p.grad by the world size"
+            )
+        if len(targets) > 1 and len(set(targets)) == 1 and targets[0] != "other":  # one grad
+            return (
+                f"every hook on rank {rank} reduced the same tensor ({targets[0]}, "
+                f"{len(targets)} times): the hook reads the loop's variable `p`, which holds "
+                "the last parameter by the time backward runs - use the tensor the hook is "
+                "given (def hook(param): ... param.grad)"
             )
     return judge_weights(records)
 

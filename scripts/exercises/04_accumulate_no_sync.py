@@ -29,8 +29,9 @@ def accumulation_step(
     k = len(micro_batches)
     optimizer.zero_grad(set_to_none=True)
     # YOUR CODE: forward and backward for every (x, y); all but the last inside model.no_sync().
-    # The loss of one micro-batch: loss_fn(model(x), y). The global batch's loss is the MEAN
-    # over all its samples: what must each micro-batch's loss be divided by?
+    # The loss of one micro-batch: loss_fn(model(x), y). The step must equal one on all of
+    # THIS rank's micro-batches at once (DDP already averages over the ranks): the mean over
+    # their samples. What must each micro-batch's loss be divided by?
     # Careful: DDP decides in the *forward* whether the backward after it will send.
     # END YOUR CODE
     optimizer.step()

@@ -23,7 +23,7 @@ from torch import nn
 def broadcast_parameters(model: nn.Module) -> None:
     """Rank 0's parameters on every rank, in place (what ``DDP(model)`` does at construction)."""
     # YOUR CODE: for every parameter, dist.broadcast its tensor from rank 0 (src=0), in place.
-    # A parameter requires grad: write into it under torch.no_grad() (or broadcast p.data).
+    # (DDP broadcasts outside autograd: p.data, or the loop under torch.no_grad(), does too.)
     # END YOUR CODE
 
 

@@ -1,0 +1,80 @@
+"""Lesson 12's instruments: every ``dist.all_reduce`` the learner's DDP calls, and what on.
+
+The check replaces ``dist.all_reduce`` while the learner's code runs: each call is recorded
+(the step, how many gradients backward had accumulated, blocking or not, how many numbers,
+and which tensor: a parameter's gradient, the parameter itself, or a buffer of its own), and
+each ``wait()`` on what an asynchronous call returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Trace:
+    """What the learner's code did, in order, step by step: all_reduce calls, waits, gradients."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.step = -1  # -1: construction; then 0 ... STEPS - 1
+        self.grads = 0  # gradients accumulated so far in this step's backward
+        self.events: list[dict[str, Any]] = []
+        self.unwaited: set[int] = set()
+
+    def add(self, kind: str, **info: Any) -> None:
+        self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
+
+    def target(self, tensor: torch.Tensor) -> str:
+        """What an all_reduce was given: ``grad i`` or ``param i`` (the model's i-th parameter,
+        by its memory), else ``other`` (a bucket's flat buffer, a copy)."""
+        ptr = tensor.data_ptr()
+        for i, p in enumerate(self.params):
+            if ptr == p.data_ptr():
+                return f"param {i}"
+            if p.grad is not None and ptr == p.grad.data_ptr():
+                return f"grad {i}"
+        return "other"
+
+
+class TracedWork:
+    """What ``dist.all_reduce(..., async_op=True)`` returned, with its ``wait()`` recorded."""
+
+    def __init__(self, work: Any, trace: Trace, ident: int) -> None:
+        self._work, self._trace, self._id = work, trace, ident
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._trace.add("wait", id=self._id)
+        self._trace.unwaited.discard(self._id)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def traced_all_reduce(trace: Trace) -> Iterator[None]:
+    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs."""
+    real: Callable[..., Any] = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        ident = len(trace.events)
+        trace.add(
+            "all_reduce", numel=tensor.numel(), async_op=async_op, target=trace.target(tensor)
+        )
+        work = real(tensor, *args, **kwargs)
+        if work is None:
+            return None
+        trace.unwaited.add(ident)
+        return TracedWork(work, trace, ident)
+
+    dist.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
