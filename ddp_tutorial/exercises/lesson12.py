@@ -395,8 +395,8 @@ EXERCISES = [
         run=run_hooks,
         judge=judge_hooks,
         title="your own DDP, 1: broadcast rank 0's weights, average each gradient from a hook",
-        teaches='lesson 12, "Your turn": the broadcast at construction, a hook per parameter '
-        '(lesson 04, "What DDP does with them: construction, forward, backward")',
+        teaches='lesson 12, "Your turn": the broadcast at construction, a hook per parameter; '
+        'lesson 04, "What DDP does with them: construction, forward, backward"',
     ),
     Exercise(
         name="12_my_ddp_buckets",
@@ -404,8 +404,8 @@ EXERCISES = [
         run=run_buckets,
         judge=judge_buckets,
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
-        teaches='lesson 12, "Your turn": buckets and overlap (lesson 04, "2 · Gradients are '
-        'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen")',
+        teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
+        'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
         errors=(_NO_WORK,),
     ),
 ]
