@@ -41,6 +41,31 @@ def test_every_exercise_has_a_stub_to_edit_and_a_solution(ex):
     assert f"ddp-tutorial check {ex.lesson}" in stub, "the stub says how to check it"
 
 
+def _outside_the_blocks(text: str) -> str:
+    """A file without its module docstring, each YOUR CODE block (markers included) one line."""
+    import ast
+    import re
+
+    from ddp_tutorial.exercises.core import BEGIN, END
+
+    tree = ast.parse(text)
+    if ast.get_docstring(tree) is not None:
+        text = "".join(text.splitlines(keepends=True)[tree.body[0].end_lineno :])
+    block = re.compile(rf"^[ \t]*{re.escape(BEGIN)}\b.*?^[ \t]*{re.escape(END)}\b[^\n]*\n",
+                       re.S | re.M)  # fmt: skip
+    return block.sub("<your lines>\n", text)
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_the_solution_changes_only_the_lines_the_stub_marks(ex):
+    """A learner edits only inside the blocks: a solution that also needs a line changed outside
+    them (a placeholder return, a division) would ask for an edit the stub never marks."""
+    stub, solution = ex.stub.read_text(), ex.solution.read_text()
+    assert _outside_the_blocks(stub) == _outside_the_blocks(solution), (
+        f"{ex.name}: the stub and its solution differ outside the YOUR CODE blocks"
+    )
+
+
 def test_not_started_sees_only_code_as_a_start():
     block = "x = 1\n    # YOUR CODE: do it\n    {}\n    # END YOUR CODE\n"
     assert not_started(block.format("# a comment\n    pass\n    ..."))

@@ -7,20 +7,21 @@ from exercise_cases import Case, assert_verdict, register
 
 RING, GATHER = "01_ring_average", "01_gather_uneven"
 ISEND = "        request = dist.isend(send_buf, dst=(rank + 1) % world)\n"
-TRIM = "    return [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]\n"
+TRIM = "    result = [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]\n"
 CASES = register([
     Case(RING, "blocking-sends", "waited",  # every rank sends first: nobody receives
          edits=((ISEND, "        dist.send(send_buf, dst=(rank + 1) % world)\n"),
                 ("        request.wait()\n", ""))),
     Case(RING, "the-sum", "divide by the world size",
-         edits=(("    return total / world\n", "    return total\n"),)),
+         edits=(("    total /= world  # the mean\n", ""),)),
     Case(RING, "all-reduce", "called dist.all_reduce",
          text="import torch.distributed as dist\n\n\ndef ring_average(tensor):\n"
               "    # YOUR CODE\n    dist.all_reduce(tensor)\n    # END YOUR CODE\n"
               "    return tensor / dist.get_world_size()\n"),
-    Case(GATHER, "left-padded", "still has its padding", edits=((TRIM, "    return gathered\n"),)),
+    Case(GATHER, "left-padded", "still has its padding",
+         edits=((TRIM, "    result = gathered\n"),)),
     Case(GATHER, "own-length", "trim each to the length its rank sent",
-         edits=((TRIM, "    return [g[: tensor.shape[0]] for g in gathered]\n"),)),
+         edits=((TRIM, "    result = [g[: tensor.shape[0]] for g in gathered]\n"),)),
     Case(GATHER, "unpadded", "every rank must send the same shape",  # gloo aborts a rank
          text="import torch\nimport torch.distributed as dist\n\n\ndef gather_uneven(tensor):\n"
               "    # YOUR CODE\n    out = [torch.empty_like(tensor) for _ in range(2)]\n"

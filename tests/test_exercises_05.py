@@ -9,6 +9,8 @@ SNAP, RESUME = "05_atomic_snapshot", "05_exact_resume"
 CASES = register([
     Case(SNAP, "every-rank-writes", "only global rank 0 writes",
          edits=(("    if dist.get_rank() == 0:\n", "    if True:\n"),)),
+    Case(SNAP, "local-rank-writes", "one writer per node",
+         edits=(("if dist.get_rank() == 0:", 'if int(os.environ["LOCAL_RANK"]) == 0:'),)),
     Case(SNAP, "no-barrier", "dist.barrier()",
          edits=(("    dist.barrier()\n", ""),)),
     Case(SNAP, "in-place-save", "never half",

@@ -20,6 +20,8 @@ CASES = register([
          edits=((SAVE, SAVE.replace("if rank == 0:", "if True:")),)),
     Case(EX, "stops-without-saving", "no snapshot of step",
          edits=((SAVE, SAVE.replace("if rank == 0:", "if False:")),)),
+    Case(EX, "no-barrier-after-the-save", "waits at dist.barrier() after rank 0's save",
+         edits=(("                dist.barrier()\n", ""),)),
     Case(EX, "exits-in-the-loop", "set status = PREEMPTED and break",
          edits=(("                status = PREEMPTED\n                break\n",
                  "                raise SystemExit(PREEMPTED)\n"),)),

@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 import re
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -59,6 +60,8 @@ class Exercise:
     report: Callable[[list[Record]], str] | None = None  # on a pass: what was measured
     exit_codes: tuple[int, ...] = ()  # a script's sys.exit(code) that is an answer (lesson 08: 75)
     collective_timeout_s: float = 10.0  # a rank that waits this long for a peer fails, named
+    # a script's: entered around the learner's file on each rank (lesson 08 slows rank 0's save)
+    around: Callable[[Context], AbstractContextManager[Any]] | None = None
     launch_timeout_s: float = 90.0
 
     @property

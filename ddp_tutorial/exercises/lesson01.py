@@ -75,7 +75,7 @@ def judge_ring(records: list[Record]) -> str | None:
         if used:
             return (
                 f"rank {rank} called dist.{used[0]}: build the average from dist.send/recv "
-                "(or isend/irecv) only - each rank passes a running sum to the next"
+                "(or isend/irecv) only - each rank adds what it receives and passes it on"
             )
         neighbours = ((rank + 1) % n, (rank - 1) % n)
         far = [p for _, p in rec["calls"] if p is not None and p not in neighbours]

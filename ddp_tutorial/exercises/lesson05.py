@@ -143,7 +143,11 @@ def _save_phase(
     replaced: list[tuple[str, str]] = []
     fsyncs: list[int] = []
     try:
-        with _spied_save(calls, hold if ctx.rank == 0 else None), _spied_os(replaced, fsyncs):
+        with (
+            _spied_save(calls, hold if ctx.rank == 0 else None),
+            _spied_os(replaced, fsyncs),
+            mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
+        ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:
         record["save_error"] = _error(exc)
@@ -239,7 +243,9 @@ def _judge_writes(records: list[Record]) -> str | None:
     writers = [r["rank"] for r in records if r["saves"]]
     if len(writers) > 1:
         return (f"ranks {writers} all called torch.save: only global rank 0 writes (`if "
-                "dist.get_rank() == 0`); two writers of one file can corrupt it")  # fmt: skip
+                "dist.get_rank() == 0`); two writers of one file can corrupt it (the check "
+                "saves as if each rank were on a node of its own, where every LOCAL_RANK is "
+                "0: `local_rank == 0` is one writer per node)")  # fmt: skip
     if writers and writers != [0]:
         return f"rank {writers[0]} wrote the snapshot: the writer is global rank 0"
     for r in records:
@@ -294,7 +300,8 @@ def _judge_crash_safety(first: Record) -> str | None:
     if first["fsyncs"] == 0:
         return (
             "the temporary file was not fsynced before the rename: after a power loss the "
-            "rename can be on disk before the bytes are - f.flush(); os.fsync(f.fileno())"
+            "rename can be on disk before the bytes are - f.flush(); os.fsync(f.fileno()) "
+            "before os.replace (section 2)"
         )
     if first["left_in_folder"]:
         return f"files left beside the snapshot after a save: {first['left_in_folder']}"
@@ -309,12 +316,13 @@ def _judge_loads(records: list[Record]) -> str | None:
                 return (
                     f"rank {r['rank']}: loading a snapshot saved from cuda:0 on a rank "
                     f"without that GPU failed ({r['load_error'][:90]}...): pass "
-                    "map_location=device, so the tensors land on this rank's device"
+                    "map_location=device, so the tensors land on this rank's device (section 6, "
+                    "`map_location`)"
                 )
             return f"rank {r['rank']}: load_snapshot raised {r['load_error']}"
         if any(call["weights_only"] is False for call in r["loads"]):
             return ("torch.load(..., weights_only=False) runs whatever the file names: load "
-                    "with weights_only=True (the default since torch 2.6)")  # fmt: skip
+                    "with weights_only=True, the default since torch 2.6 (section 5)")  # fmt: skip
         if not r["loaded"]["same"] or r["loaded"]["epoch"] != EPOCH:
             return (f"rank {r['rank']}: load_snapshot did not return the file's contents on "
                     "this rank's device: return torch.load(path, map_location=device, "

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from types import ModuleType
+from typing import Any
+from unittest import mock
 
 import torch
 
@@ -20,6 +25,20 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 
 PREEMPT_AT, PREEMPT_RANK, EVERY = 5, 1, 10  # the stub's defaults; EVERY: the latest stop allowed
 PREEMPTED = 75
+HOLD_S = 0.5  # rank 0's torch.save is held this long: a rank that does not wait returns first
+
+
+@contextmanager
+def slow_save_on_rank0(ctx: Context) -> Iterator[None]:
+    """Rank 0's torch.save starts HOLD_S late: the other ranks must still be waiting for it."""
+    real = torch.save
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        time.sleep(HOLD_S)
+        real(*args, **kwargs)
+
+    with mock.patch.object(torch, "save", save) if ctx.rank == 0 else nullcontext():
+        yield
 
 
 def run_preempt(_: ModuleType | None, ctx: Context) -> Record:
@@ -31,10 +50,31 @@ def run_preempt(_: ModuleType | None, ctx: Context) -> Record:
     if ctx.rank == 0 and snapshot.is_file():
         try:
             state = torch.load(snapshot, map_location="cpu", weights_only=True)
-            record["snapshot"] = {"step": state.get("step"), "keys": sorted(state)}
+            record["snapshot"] = {"step": state.get("step"), "keys": sorted(state),
+                                  "written_at": snapshot.stat().st_mtime}  # fmt: skip
         except Exception as exc:
             record["snapshot"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return record
+
+
+def _judge_snapshot(records: list[Record], stop: int) -> str | None:
+    """Rank 0's snapshot: it loads, holds the step the ranks stopped at, and nobody left early."""
+    snapshot = records[0].get("snapshot")
+    if not snapshot or "error" in snapshot:
+        return f"rank 0's snapshot.pt does not load: {(snapshot or {}).get('error', 'missing')}"
+    if snapshot.get("step") != stop:
+        return (f"the snapshot says step {snapshot.get('step')}, but the ranks stopped at step "
+                f"{stop}: save the step you stop at")  # fmt: skip
+    if not {"model", "optimizer"} <= set(snapshot["keys"]):
+        return (f"the snapshot holds {snapshot['keys']}: a resume needs the model and the "
+                "optimizer's state too")  # fmt: skip
+    early = [r["report"]["rank"] for r in records
+             if r["returned_at"] < snapshot["written_at"] - HOLD_S / 2]  # fmt: skip
+    if early:
+        return (f"rank {early[0]} left the loop (and the script) while rank 0 was still writing "
+                "the snapshot: every rank waits at dist.barrier() after rank 0's save - a rank "
+                "that exits first lets torchrun stop the job, rank 0 in mid-save")  # fmt: skip
+    return None
 
 
 def judge_preempt(records: list[Record]) -> str | None:
@@ -75,15 +115,8 @@ def judge_preempt(records: list[Record]) -> str | None:
     if writers != [0]:
         return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
                 "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
-    snapshot = records[0].get("snapshot")
-    if not snapshot or "error" in snapshot:
-        return f"rank 0's snapshot.pt does not load: {(snapshot or {}).get('error', 'missing')}"
-    if snapshot.get("step") != stop:
-        return (f"the snapshot says step {snapshot.get('step')}, but the ranks stopped at step "
-                f"{stop}: save the step you stop at")  # fmt: skip
-    if not {"model", "optimizer"} <= set(snapshot["keys"]):
-        return (f"the snapshot holds {snapshot['keys']}: a resume needs the model and the "
-                "optimizer's state too")  # fmt: skip
+    if mistake := _judge_snapshot(records, stop):
+        return mistake
     statuses = [rep["status"] for rep in reports]
     if any(s != PREEMPTED for s in statuses):
         return (
@@ -107,7 +140,7 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
-        judge=judge_preempt, errors=ERRORS, collective_timeout_s=20.0,
+        judge=judge_preempt, errors=ERRORS, collective_timeout_s=20.0, around=slow_save_on_rank0,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
     ),

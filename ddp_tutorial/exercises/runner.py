@@ -26,6 +26,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,12 +113,14 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
     dist.init_process_group = init
     exit_code: Any = 0
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        with ex.around(ctx) if ex.around else contextlib.nullcontext():
+            runpy.run_path(str(path), run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0, *ex.exit_codes):
             raise
         exit_code = stop.code or 0
     finally:
+        returned_at = time.time()  # when this rank's script was done (lesson 08: before a save?)
         sys.argv = argv
         dist.init_process_group = original
         left_open = dist.is_initialized()
@@ -125,7 +128,12 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
             dist.destroy_process_group()
         meet(ctx, "script-done")  # every rank's files are written before any rank reads them
     found = ex.run(None, ctx) if ex.run else {}  # type: ignore[arg-type]
-    return {"left_group_open": left_open, "exit_code": exit_code, **found}
+    return {
+        "left_group_open": left_open,
+        "exit_code": exit_code,
+        "returned_at": returned_at,
+        **found,
+    }
 
 
 def run_functions(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:

@@ -74,6 +74,12 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
         waits = "; ".join(f"rank {r['rank']} waited" + (f" at {r['where']}" if r.get("where")
                           else "") for r in sorted(bad, key=lambda r: r["rank"]))  # fmt: skip
         others = [r["rank"] for r in records if r.get("status") == "ok"]
+        if not others and all("send(" in r.get("where", "") for r in bad):
+            return ex.hint(
+                f"{waits}: every rank called a blocking send first, and a send waits for its "
+                "recv - use dist.isend (then recv, then wait()), or let even ranks send first "
+                "and odd ranks receive first"
+            )
         return ex.hint(
             f"{waits}, for a peer that never came"
             + (f" (rank {others[0]} had finished)" if others else "")

@@ -17,8 +17,9 @@ import torch.distributed as dist
 def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's 1-D ``tensor`` (lengths differ), in rank order, on every rank."""
     world = dist.get_world_size()
+    result = [tensor] * world  # yours to replace: every rank's tensor, in rank order
     # YOUR CODE: 1. all_gather every rank's length (one number each: the same shape everywhere)
     #            2. pad yours to the longest, all_gather the padded tensors
-    #            3. trim each one to its rank's length
+    #            3. trim each one to its rank's length: that list is `result`
     # END YOUR CODE
-    return [tensor] * world
+    return result

@@ -18,7 +18,8 @@ def ring_average(tensor: torch.Tensor) -> torch.Tensor:
     """The mean of ``tensor`` over all ranks, on every rank (the process group is initialised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     total = tensor.clone()
-    # YOUR CODE: pass a buffer around the ring world - 1 times, adding what arrives to `total`.
+    # YOUR CODE: pass a buffer around the ring world - 1 times, adding what arrives to `total`;
+    # then make `total` the mean.
     # Careful: if every rank calls a blocking send first, who is left to receive?
     # END YOUR CODE
     return total

@@ -7,6 +7,7 @@ import torch.distributed as dist
 def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's 1-D ``tensor`` (lengths differ), in rank order, on every rank."""
     world = dist.get_world_size()
+    result = [tensor] * world  # yours to replace: every rank's tensor, in rank order
     # YOUR CODE: 1. all_gather every rank's length (one number each: the same shape everywhere)
     length = torch.tensor([tensor.shape[0]])
     lengths = [torch.zeros_like(length) for _ in range(world)]
@@ -17,6 +18,7 @@ def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:
     padded[: tensor.shape[0]] = tensor
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    #            3. trim each one to its rank's length
-    return [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]
+    #            3. trim each one to its rank's length: that list is `result`
+    result = [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]
     # END YOUR CODE
+    return result

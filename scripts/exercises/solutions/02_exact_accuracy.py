@@ -7,7 +7,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 
 def exact_accuracy(model: nn.Module, dataset: Dataset, batch_size: int = 4) -> tuple[int, int]:
-    """(correct, count) over the WHOLE ``dataset``, the same on every rank (the group is up)."""
+    """(correct, count) over the WHOLE ``dataset``, the same on every rank (the group is up).
+
+    ``model`` is the plain model (``ddp_model.module`` in a training script); it predicts the
+    class with the largest output.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     sums = torch.zeros(2, dtype=torch.int64)  # [correct, count]
     # YOUR CODE: this rank's samples without padding, counted into `sums`, then every rank's sums
