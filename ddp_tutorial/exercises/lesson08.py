@@ -140,7 +140,7 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
-        judge=judge_preempt, errors=ERRORS, collective_timeout_s=20.0, around=slow_save_on_rank0,
+        judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=slow_save_on_rank0,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
     ),
