@@ -13,7 +13,9 @@ CASES = register([
          edits=(("    mine = rest[rank::world_size]\n",
                  "    mine = order[rank::world_size][consumed // world_size :]\n"),)),
     Case(EX, "no-padding", "pad the rest to a multiple of world_size",
-         edits=(("    rest += rest[: -len(rest) % world_size]\n", ""),)),
+         edits=(("    rest += (rest * padding)[:padding]\n", ""),)),
+    Case(EX, "pads-once-with-the-start", "as often as needed",  # 1 sample left, 3 ranks
+         edits=(("    rest += (rest * padding)[:padding]\n", "    rest += rest[:padding]\n"),)),
     Case(EX, "blocks-not-strided", "not strided",
          edits=(("    mine = rest[rank::world_size]\n",
                  "    share = len(rest) // world_size\n"

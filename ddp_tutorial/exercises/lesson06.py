@@ -97,9 +97,11 @@ def judge_clip(records: list[Record]) -> str | None:
                  if abs(row["lr"] - want_lr) > 1e-9 * want_lr]  # fmt: skip
         if stuck and len(stuck) < len(records):
             rank, row = stuck[0], rows[stuck[0]]
+            right = [r["rank"] for r in records if r["rank"] not in stuck]
+            whose = f"rank {right[0]}'s" if len(right) == 1 else "the other ranks'"
             return (
-                f"after step {step + 1} rank {rank}'s learning rate was {row['lr']:.4g}, the "
-                f"other ranks' {want_lr:.4g}: call scheduler.step() on every rank, once per "
+                f"after step {step + 1} rank {rank}'s learning rate was {row['lr']:.4g}, "
+                f"{whose} {want_lr:.4g}: call scheduler.step() on every rank, once per "
                 "optimizer step (stepped on rank 0 alone, the replicas drift apart, silently)"
             )
         if stuck:

@@ -21,6 +21,8 @@ SCENARIOS = (
     ("epoch 1 stopped by 2 ranks after 2 steps of batch 5", 50, 0, 1, 20),
     ("epoch 0 stopped by 4 ranks after 3 steps of batch 3", 40, 7, 0, 36),
     ("epoch 2, not started", 50, 0, 2, 0),
+    # one sample left for 3 ranks: padding it takes that sample twice more, not once
+    ("epoch 0 stopped by 4 ranks after 1 step of batch 3", 13, 5, 0, 12),
 )
 
 
@@ -28,9 +30,15 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
+def padded(rest: list[int], world: int) -> list[int]:
+    """``rest`` up to a multiple of ``world``, repeating its start as often as that takes
+    (DistributedSampler's padding: fewer samples may be left than the padding needs)."""
+    padding = -len(rest) % world
+    return rest + (rest * padding)[:padding]
+
+
 def _expected(n: int, seed: int, epoch: int, consumed: int, world: int) -> list[list[int]]:
-    rest = epoch_order(n, seed, epoch)[consumed:]
-    rest += rest[: -len(rest) % world]
+    rest = padded(epoch_order(n, seed, epoch)[consumed:], world)
     return [rest[r::world] for r in range(world)]
 
 
@@ -73,16 +81,17 @@ def judge_rest(records: list[Record]) -> str | None:
             return (
                 f"{where}: the ranks got {lengths} samples: with unequal counts they take "
                 "different numbers of steps, and the one with more waits in an all_reduce "
-                "for ever - pad the rest to a multiple of world_size, repeating its start"
+                "for ever - pad the rest to a multiple of world_size, repeating its start as "
+                "often as needed (fewer samples may be left than the padding)"
             )
         dealt = [i for mine in lists for i in mine]
         never = [i for i in rest if i not in dealt]
         if never:
             return (f"{where}: sample {never[0]} was never dealt out ({len(never)} in all): "
                     "every position after `consumed` goes to some rank")  # fmt: skip
-        padded = rest + rest[: -len(rest) % world]
-        if sorted(dealt) != sorted(padded):
-            extra = [i for i in set(dealt) if dealt.count(i) > padded.count(i)]
+        full = padded(rest, world)
+        if sorted(dealt) != sorted(full):
+            extra = [i for i in set(dealt) if dealt.count(i) > full.count(i)]
             return (f"{where}: sample {extra[0] if extra else '?'} was dealt out more often than "
                     "the padding needs: pad with the rest's start, only up to a multiple of "
                     "world_size")  # fmt: skip

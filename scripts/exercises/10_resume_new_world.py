@@ -25,7 +25,8 @@ def rest_of_epoch(num_samples: int, seed: int, epoch: int, consumed: int, rank: 
     order = order.tolist()  # the epoch's order: the same on every rank, whatever the world size
     mine: list[int] = []
     # YOUR CODE: skip the positions the job consumed (the first `consumed` of `order`), pad the
-    # rest to a multiple of world_size by repeating its start (as DistributedSampler pads),
+    # rest to a multiple of world_size by repeating its start, as often as that takes (as
+    # DistributedSampler pads: fewer samples may be left than the padding needs),
     # then deal it out: this rank takes positions rank, rank + world_size, ...
     # END YOUR CODE
     return mine
