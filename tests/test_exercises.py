@@ -125,6 +125,24 @@ def test_every_hint_points_to_a_section_that_exists(ex):
         assert any(h.startswith(section) for h in headings), f"{ex.name}: no section {section!r}"
 
 
+def test_every_verdict_that_names_its_own_section_names_one_that_exists():
+    """A verdict ending with ``(lesson NN, "section")`` replaces the exercise's pointers: each
+    such section, read from the string literals of the exercises' modules, must be a heading."""
+    import ast
+    import re
+
+    headings = _headings()
+    pointer = re.compile(r'\(lesson (\d\d), "([^"]+)"\)')
+    found = []
+    for path in (REPO / "ddp_tutorial" / "exercises").glob("lesson*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [(path.name, m.group(2)) for m in pointer.finditer(node.value)]
+    assert len(found) >= 6, found
+    for name, section in found:
+        assert any(h.startswith(section) for h in headings), f"{name}: no section {section!r}"
+
+
 def test_at_least_eighteen_exercises_and_one_in_every_lesson():
     lessons = {p.name[:2] for p in REPO.glob("notebooks/[0-9][0-9]_*.ipynb")}
     assert {ex.lesson for ex in EXERCISES} == lessons, "every lesson has an exercise"

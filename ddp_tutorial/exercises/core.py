@@ -19,6 +19,8 @@ from typing import Any
 EXERCISE_DIR = Path(__file__).resolve().parents[2] / "scripts" / "exercises"
 SOLUTION_DIR = EXERCISE_DIR / "solutions"
 BEGIN, END = "# YOUR CODE", "# END YOUR CODE"
+# a verdict that ends with this names the one section behind its mistake (not every one)
+OWN_SECTION = re.compile(r'\(lesson \d\d, "[^"]+"\)$')
 
 Record = dict[str, Any]
 # rank side: (the learner's module, this rank's context) -> what the judge reads
@@ -73,8 +75,9 @@ class Exercise:
         return SOLUTION_DIR / f"{self.name}.py"
 
     def hint(self, mistake: str) -> str:
-        """A mistake, with where the lesson teaches the point."""
-        return f"{mistake} ({self.teaches})"
+        """A mistake, with where the lesson teaches the point: the exercise's sections, unless
+        the verdict ends with its own one, ``(lesson NN, "section")``."""
+        return mistake if OWN_SECTION.search(mistake) else f"{mistake} ({self.teaches})"
 
 
 def your_code_blocks(text: str) -> list[str]:

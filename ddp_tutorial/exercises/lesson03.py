@@ -112,7 +112,8 @@ def judge_gpu(records: list[Record]) -> str | None:
                 if listed is not None and a["physical"] == global_:
                     return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
                             f"card listed at position LOCAL_RANK: {physical}")  # fmt: skip
-                return f"{where}: you said physical GPU {a['physical']}, expected {physical}"
+                return (f"{where}: you said physical GPU {a['physical']!r}, expected {physical} "
+                        '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
     return None
 
 

@@ -301,7 +301,7 @@ def _judge_crash_safety(first: Record) -> str | None:
         return (
             "the temporary file was not fsynced before the rename: after a power loss the "
             "rename can be on disk before the bytes are - f.flush(); os.fsync(f.fileno()) "
-            "before os.replace (section 2)"
+            'before os.replace (lesson 05, "2 · Killed in the middle of a save")'
         )
     if first["left_in_folder"]:
         return f"files left beside the snapshot after a save: {first['left_in_folder']}"
@@ -316,13 +316,14 @@ def _judge_loads(records: list[Record]) -> str | None:
                 return (
                     f"rank {r['rank']}: loading a snapshot saved from cuda:0 on a rank "
                     f"without that GPU failed ({r['load_error'][:90]}...): pass "
-                    "map_location=device, so the tensors land on this rank's device (section 6, "
-                    "`map_location`)"
+                    "map_location=device, so the tensors land on this rank's device (lesson "
+                    '05, "6 · `map_location`")'
                 )
             return f"rank {r['rank']}: load_snapshot raised {r['load_error']}"
         if any(call["weights_only"] is False for call in r["loads"]):
             return ("torch.load(..., weights_only=False) runs whatever the file names: load "
-                    "with weights_only=True, the default since torch 2.6 (section 5)")  # fmt: skip
+                    'with weights_only=True, the default since torch 2.6 (lesson 05, "5 · '
+                    '`weights_only=True`")')  # fmt: skip
         if not r["loaded"]["same"] or r["loaded"]["epoch"] != EPOCH:
             return (f"rank {r['rank']}: load_snapshot did not return the file's contents on "
                     "this rank's device: return torch.load(path, map_location=device, "

@@ -114,7 +114,8 @@ def judge_clip(records: list[Record]) -> str | None:
             return (
                 f"clip_grad_norm_ measured {norm:.4g}, {norm / true:.0f} times the true norm "
                 f"{true:.4g}: it saw the scaled gradients - call scaler.unscale_(optimizer) "
-                "before clipping, or the limit and the step are off by the scale"
+                "before clipping, or the limit and the step are off by the scale (lesson 06, "
+                '"Three things every real loop needs")'
             )
         norms = [row["norm"] for row in rows]
         if max(norms) - min(norms) > 1e-5 * max(norms):

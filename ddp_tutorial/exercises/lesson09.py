@@ -72,7 +72,8 @@ def judge_hang(records: list[Record]) -> str | None:
         if missed:
             return (f"sample {missed[0]} was never trained on in epoch {epoch} ({len(missed)} "
                     "missed): cutting the shards to the same length drops samples; pad the "
-                    "short one instead, as DistributedSampler does")  # fmt: skip
+                    'short one instead, as DistributedSampler does (lesson 09, "7 · Uneven '
+                    'inputs")')  # fmt: skip
     if not first["replicas_equal"]:
         return "the ranks ended with different weights: every rank must train through DDP"
     accuracy = reports[0]["accuracy"]
