@@ -104,7 +104,8 @@ def judge_timing(records: list[Record]) -> str | None:
     if wrong_ops:
         what = {"SUM": "adds up the ranks' times", "AVG": "averages the ranks' times"}
         return (f"all_reduce with {wrong_ops[0]} {what.get(wrong_ops[0], 'is not the slowest')}"
-                f" ({values[0] * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
+                f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
+                f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
                 "op=ReduceOp.MAX")  # fmt: skip
     value = values[0]
     if value < 0.4 * min(mine):

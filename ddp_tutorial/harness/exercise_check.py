@@ -84,7 +84,8 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
             f"{waits}, for a peer that never came"
             + (f" (rank {others[0]} had finished)" if others else "")
             + ": every rank must call the same collectives, and each send needs its recv, in "
-            "the same order - is one under `if rank == ...`?"
+            "the same order - is one under `if rank == ...`, or do the ranks pass tensors of "
+            "different shapes (a count per class that only the classes a rank saw have)?"
         )
     where = f" at {first['where']}" if first.get("where") else ""
     return ex.hint(f"rank {first['rank']} raised {first['error'].splitlines()[0]}{where}")

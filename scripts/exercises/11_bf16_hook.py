@@ -34,6 +34,7 @@ def bf16_compress_hook(
     # 2. dist.all_reduce(that copy, group=group, async_op=True): a Work; its .get_future()
     #    completes when the sum has arrived
     # 3. future = that future.then(fn): fn receives it, takes the sum (.value()[0]), copies it
-    #    into `buffer` (float32 again) and returns `buffer`
+    #    into `buffer` (float32 again) and returns `buffer` (DDP would also cast a bfloat16
+    #    result as it copies it into the bucket; the copy here makes the dtype explicit)
     # END YOUR CODE
     return future
