@@ -352,3 +352,21 @@ def test_the_busy_floor_is_min_busy_until_the_machine_is_loaded_past_its_cores()
         cpu_busy_floor(40, 0, 1.0)
     load, cores = machine_load()
     assert load >= 0 and cores >= 1
+
+
+def test_script_flags_reads_add_argument_and_the_templates_alias(tmp_path):
+    """Lesson 06's flag table compares what this reads: both spellings, defaults, help."""
+    from conftest import SCRIPTS
+    from ddp_tutorial.lessons.utilization import script_flags
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import argparse\np = argparse.ArgumentParser()\n"
+        'p.add_argument("--epochs", type=int, default=3)\nadd = p.add_argument\n'
+        'add("--lr", type=float, help="peak LR")\nadd("name")\nprint("--not-a-flag")\n'
+    )
+    flags = script_flags(script)
+    assert flags == {"--epochs": {"default": "3", "help": ""},
+                     "--lr": {"default": "", "help": "'peak LR'"}}  # fmt: skip
+    template = script_flags(SCRIPTS / "train.py")
+    assert "--checkpoint-dir" in template and "PER RANK" in template["--batch-size"]["help"]

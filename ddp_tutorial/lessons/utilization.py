@@ -15,12 +15,12 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-from ddp_tutorial.settings import machine_load  # noqa: F401  (lesson 06 imports it from here)
 
 MARKER = re.compile(r"^\s*# (\d+)\. ")
 """A section starts at a comment line ``# N. …``, as the template numbers its steps."""
@@ -111,6 +111,24 @@ def _section_end(statements: list[tuple[ast.stmt, list[ast.stmt]]], line: int, s
     if end == line and stmt.lineno < stop:  # the next section sits inside this very statement
         end = stop - 1  # (``# 8.`` above a loop whose body holds ``# 9.``): up to it, as text
     return end
+
+
+def script_flags(path: str | os.PathLike[str]) -> dict[str, dict[str, str]]:
+    """Each ``--flag`` a script declares, ``p.add_argument("--x", ...)`` or ``add("--x", ...)``
+    (the template's alias), with its ``default`` and ``help`` as source text: read with ``ast``,
+    so lesson 06 compares the rung's flags with the template's without running either file."""
+    found: dict[str, dict[str, str]] = {}
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if not (
+            isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+        ):
+            continue
+        called = getattr(node.func, "attr", getattr(node.func, "id", None))
+        flag = str(node.args[0].value)
+        if called in ("add_argument", "add") and flag.startswith("--"):
+            words = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            found[flag] = {"default": words.get("default", ""), "help": words.get("help", "")}
+    return found
 
 
 def template_sections(source: str) -> list[Section]:
