@@ -342,7 +342,8 @@ def test_the_imbalance_demo_fills_its_seconds_with_steps(tmp_path):
 def test_the_busy_floor_is_min_busy_until_the_machine_is_loaded_past_its_cores():
     """Lesson 06's 'busy' level: ``min_busy`` on a quiet host or with one CPU-bound job beside
     two ranks on two cores; 60 % of a rank's fair share of the cores when the load is higher."""
-    from ddp_tutorial.lessons.utilization import cpu_busy_floor, machine_load
+    from ddp_tutorial.lessons.utilization import cpu_busy_floor
+    from ddp_tutorial.settings import machine_load
 
     assert cpu_busy_floor(40, 2, 0.0) == 40  # no load average (Windows): min_busy
     assert cpu_busy_floor(40, 2, 3.0) == 40  # share 66 %: 60 % of it is 40 %
