@@ -47,6 +47,8 @@ CASES = register(
                      "    for buffer in model.buffers() if dist.get_rank() == 0 else []:"),)),
         Case(BUFFERS, "summed-not-averaged", "divide by the world size",
              edits=(("            buffer /= world\n", ""),)),
+        Case(BUFFERS, "divided-out-of-place", "makes a new tensor, which the model never sees",
+             edits=(("            buffer /= world\n", "            buffer = buffer / world\n"),)),
     ]
 )  # fmt: skip
 

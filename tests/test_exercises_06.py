@@ -20,6 +20,17 @@ CASES = register([
     Case(EX, "not-clipped", "were not clipped",
          edits=(("clip_grad_norm_(model.parameters(), max_norm)",
                  'clip_grad_norm_(model.parameters(), float("inf"))'),)),
+    Case(EX, "no-scaler-at-all", "backward() ran on the loss itself",
+         edits=(("    scaler.scale(loss).backward()\n", "    loss.backward()\n"),
+                ("    scaler.unscale_(optimizer)\n", ""),
+                ("    scaler.step(optimizer)\n", "    optimizer.step()\n"),
+                ("    scaler.update()\n", ""))),
+    Case(EX, "step-past-the-scaler", "stepped past the scaler",
+         edits=(("    scaler.step(optimizer)\n", "    optimizer.step()\n"),)),
+    Case(EX, "scheduler-before-the-step", "scheduler.step() ran before the optimizer's step",
+         edits=(("    scheduler.step()\n", ""),
+                ("    scaler.step(optimizer)\n",
+                 "    scheduler.step()\n    scaler.step(optimizer)\n"))),
 ])  # fmt: skip
 
 

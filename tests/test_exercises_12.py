@@ -72,6 +72,17 @@ CASES = register(
                      "        if sum(self.ready) == len(self.bucket_of):  # all of backward\n"
                      "            for j in range(len(self.buckets)):\n"
                      "                self._launch(j)\n"),)),
+        Case(BUCKETS, "all-reduce-imported-by-name", None,  # a right answer: the check sees it
+             edits=(("import torch.distributed as dist\n",
+                     "import torch.distributed as dist\n"
+                     "from torch.distributed import all_reduce\n"),
+                    ("        work = dist.all_reduce(flat, async_op=True)\n",
+                     "        work = all_reduce(flat, async_op=True)\n"))),
+        Case(BUCKETS, "last-bucket-never-closed", "a parameter has no bucket",
+             edits=(("        if bucket:\n            self.buckets.append(bucket)\n", ""),)),
+        Case(HOOKS, "async-never-waited", "were never waited on before optimizer.step()",
+             edits=(("        dist.all_reduce(p.grad)\n",
+                     "        dist.all_reduce(p.grad, async_op=True)\n"),)),
     ]
 )  # fmt: skip
 

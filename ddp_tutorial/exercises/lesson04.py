@@ -220,7 +220,8 @@ def judge_buffers(records: list[Record]) -> str | None:
             continue  # a broadcast from rank 0: the same on every rank too
         if torch.allclose(after, before.sum(0), rtol=1e-5, atol=1e-6):
             return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
-                    "world size for the mean")  # fmt: skip
+                    "world size for the mean, in place (buffer /= world): `buffer = buffer / "
+                    "world` makes a new tensor, which the model never sees")  # fmt: skip
         return (f"{name} is the same on every rank but neither the mean over the ranks nor "
                 "rank 0's: all_reduce (SUM) then divide by the world size")  # fmt: skip
     if not all(r["params_unchanged"] for r in records):

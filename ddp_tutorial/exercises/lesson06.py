@@ -4,17 +4,21 @@
 whose inputs are large (so the gradient norm is well above the limit) with a GradScaler and a
 warm-up schedule. Each rank also computes, alone, what the step must give: plain SGD on the
 global batch (every rank's batch, which it can rebuild from the seeds), clipped to the limit,
-at the schedule's rate. The judge compares the norm, the learning rate and the weights.
+at the schedule's rate. The judge compares the norm, the learning rate and the weights, and
+reads the order of the calls the step made (the scaler's, the optimizer's, the scheduler's):
+on a CPU in float32 the scaler changes no number, so an answer without it would pass unseen.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
 
 STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 1.0, 2.0**16, 0.1, 4
 
@@ -35,6 +39,38 @@ def _net() -> nn.Module:
 
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class _Scaler(torch.amp.GradScaler):
+    """A GradScaler that notes which of its methods ran, in order, in ``calls``."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__("cpu", init_scale=SCALE)
+        self.calls = calls
+
+    def scale(self, outputs: Any) -> Any:
+        self.calls.append("scaler.scale")
+        return super().scale(outputs)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("scaler.step")
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        self.calls.append("scaler.update")
+        super().update(new_scale)
+
+
+class _Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """The warm-up schedule, noting each ``step()`` in ``calls`` once that is set (not the
+    step the constructor takes)."""
+
+    calls: list[str] | None = None
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.calls is not None:
+            self.calls.append("scheduler.step")
+        super().step(*args, **kwargs)
 
 
 def reference(world_size: int, clip: bool) -> list[dict[str, object]]:
@@ -67,12 +103,16 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     model = nn.parallel.DistributedDataParallel(_net())
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    calls: list[str] = []  # this step's calls, in order
+    optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
+    scheduler = _Schedule(optimizer, warmup)
+    scheduler.calls = calls
+    scaler = _Scaler(calls)
     want, unclipped = reference(ctx.world_size, True), reference(ctx.world_size, False)
     steps = []
     for step in range(STEPS):
         x, y = batch(ctx.rank, step)
+        calls.clear()
         norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
         w = _flat(model.module)
         steps.append({
@@ -81,7 +121,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "moved": not torch.equal(w, start),
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
-            "weights": w.tolist(),
+            "weights": w.tolist(), "calls": list(calls),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
 
@@ -109,6 +149,8 @@ def judge_clip(records: list[Record]) -> str | None:
                 f"after step {step + 1} the learning rate was {rows[0]['lr']:.4g}, not "
                 f"{want_lr:.4g}: call scheduler.step() once after each optimizer step"
             )
+        if mistake := _call_order(rows[0]["calls"], step):
+            return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
         if norm > 100 * true:
             return (
@@ -140,11 +182,35 @@ def judge_clip(records: list[Record]) -> str | None:
     return None
 
 
+def _call_order(calls: list[str], step: int) -> str | None:
+    """The mistakes no number shows on a CPU in float32: the step past the scaler, the
+    schedule advanced before the step it sets the rate for."""
+    if "scaler.scale" not in calls:
+        return (f"in step {step + 1} backward() ran on the loss itself: "
+                "scaler.scale(loss).backward() - with float16, small gradients round to 0 "
+                "without the scale (on this CPU in float32 no number shows it)")  # fmt: skip
+    if "scaler.step" not in calls:
+        return (f"in step {step + 1} the optimizer stepped past the scaler: "
+                "scaler.step(optimizer), not optimizer.step() - it skips a step whose "
+                "gradients hold an inf or nan (an fp16 overflow)")  # fmt: skip
+    if "scaler.update" not in calls:
+        return (
+            f"step {step + 1} never called scaler.update(): after scaler.step(optimizer), "
+            "every step - it halves the scale after an overflow and grows it back"
+        )
+    ran = [c for c in calls if c in ("optimizer.step", "scheduler.step")]
+    if ran and ran[0] == "scheduler.step":
+        return (f"in step {step + 1} scheduler.step() ran before the optimizer's step, so the "
+                "step used the schedule's next rate: call scheduler.step() after "
+                "scaler.step(optimizer)")  # fmt: skip
+    return None
+
+
 EXERCISES = [
     Exercise(
         name="06_clip_and_schedule", lesson="06", run=run_clip, judge=judge_clip,
         title="a clipped, scheduled step under a GradScaler, the same on every rank",
         teaches='lesson 06, "Three things every real loop needs" and "Rank 0 alone: fine, slow, '
-        'or wrong"',
+        'or wrong"', errors=AMP_ERRORS,
     ),
 ]  # fmt: skip

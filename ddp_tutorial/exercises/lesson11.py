@@ -137,33 +137,46 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return parameters_to_vector(model.parameters()).detach()
 
 
+class _Watch:
+    """What DDP did in one step: after how many forwards (micro-batches) each all_reduce ran,
+    and the dtypes the first layer computed in."""
+
+    def __init__(self, model: DDP) -> None:
+        self.forwards, self.after, self.dtypes = 0, [], set()
+        model.register_comm_hook(None, self._sent)
+        model.module.register_forward_pre_hook(self._forward)
+        model.module[0].register_forward_hook(lambda m, i, out: self.dtypes.add(str(out.dtype)))
+
+    def _sent(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        self.after.append(self.forwards)  # which micro-batch's backward sent it
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def _forward(self, module: nn.Module, inputs: Any) -> None:
+        self.forwards += 1
+
+    def reset(self) -> None:
+        self.forwards, self.after, self.dtypes = 0, [], set()
+
+
 def run_amp(module: ModuleType, ctx: Context) -> Record:
     """Step 0: the learner's float16 step against float32 on the global batch; step 1: an inf
     in rank 1's first micro-batch gradient (inside no_sync). DDP's all_reduces are counted."""
     ready_for_ddp(ctx)
     model = DDP(amp_model())
-    counts = [0]
-
-    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
-        counts[0] += 1
-        return default_hooks.allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, counted)
-    dtypes: set[str] = set()
-    model.module[0].register_forward_hook(lambda m, i, out: dtypes.add(str(out.dtype)))
+    watch = _Watch(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE)
-    record: Record = {"allreduces": [], "dtypes": []}
+    record: Record = {"allreduces": [], "allreduce_after": [], "dtypes": []}
 
     def step(n: int) -> None:
         x, y = amp_batch(n, ctx.world_size)
         mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))
         micro = list(zip(x[mine].chunk(2), y[mine].chunk(2), strict=True))
-        counts[0] = 0
-        dtypes.clear()
+        watch.reset()
         module.amp_step(model, micro, optimizer, scaler, torch.float16)
-        record["allreduces"].append(counts[0])
-        record["dtypes"].append(sorted(dtypes))
+        record["allreduces"].append(len(watch.after))
+        record["allreduce_after"].append(list(watch.after))
+        record["dtypes"].append(sorted(watch.dtypes))
 
     before = _flat(model)
     step(0)
@@ -210,6 +223,11 @@ def judge_amp(records: list[Record]) -> str | None:
             return (f"DDP all-reduced {rec['allreduces'][0]} times in one step of 2 micro-batches: "
                     "all but the last run under model.no_sync(), so that one all_reduce carries "
                     "their sum")  # fmt: skip
+        if rec["allreduce_after"][0] != [2]:
+            return (f"DDP's all_reduce ran in the backward of micro-batch "
+                    f"{rec['allreduce_after'][0][0]} of 2, not the last: model.no_sync() on "
+                    "every micro-batch but the last, so that the last one's all_reduce carries "
+                    "the sum of them all")  # fmt: skip
         if rec["dtypes"][0] != ["torch.float16"]:
             return (f"the forward ran in {', '.join(rec['dtypes'][0]) or 'nothing'}, not in the "
                     "float16 asked for: forward and loss under torch.autocast(x.device.type, "
@@ -229,14 +247,18 @@ def judge_amp(records: list[Record]) -> str | None:
     return None
 
 
-AMP_ERRORS = (
-    ("Attempted step but _scale is None", "backward() ran on the loss itself: with a GradScaler "
-     "it must run on scaler.scale(loss) (fp16: small gradients stay above 0)"),
-    ("No inf checks were recorded prior to update", "scaler.update() came after a step that "
-     "went past the scaler: step with scaler.step(optimizer), not optimizer.step() - it "
-     "unscales the gradients and skips a step with inf or nan"),
+AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
+    ("but _scale is None", "backward() did not run on scaler.scale(loss): the scaler scales "
+     "the loss itself, so that it knows what to unscale (fp16: small gradients stay above 0)"),
+    ("No inf checks were recorded prior to update", "scaler.update() found no "
+     "scaler.step(optimizer) before it in this step: first scaler.step(optimizer) - not "
+     "optimizer.step(): it unscales the gradients and skips a step with inf or nan - then "
+     "scaler.update()"),
     ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
      "without scaler.update() between: call scaler.update() after every scaler.step"),
+    ("unscale_() has already been called on this optimizer since the last update()",
+     "scaler.unscale_(optimizer) twice in one step, or a step without scaler.update(): call "
+     "unscale_ once, before clipping, and scaler.update() after every scaler.step"),
 )  # fmt: skip
 
 ERRORS = (

@@ -150,7 +150,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     model = make_model(ctx.rank)
     params = list(model.parameters())
     trace = Trace(params)
-    with traced_all_reduce(trace):
+    with traced_all_reduce(trace, module):
         if bucketed:
             mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
             finish = mine.finish_gradient_sync
@@ -248,7 +248,7 @@ def judge_hooks(records: list[Record]) -> str | None:
             return (
                 f"rank {rank} called no dist.all_reduce in backward: register the hook on "
                 "every parameter (p.register_post_accumulate_grad_hook(hook)); in it, "
-                "dist.all_reduce(p.grad) (called as dist.all_reduce, so the check sees it)"
+                "dist.all_reduce(p.grad)"
             )
         targets = [e["target"] for e in during if e["step"] == 0]
         if any(t.startswith("param") for t in targets):
@@ -262,6 +262,15 @@ def judge_hooks(records: list[Record]) -> str | None:
                 f"{len(targets)} times): the hook reads the loop's variable `p`, which holds "
                 "the last parameter by the time backward runs - use the tensor the hook is "
                 "given (def hook(param): ... param.grad)"
+            )
+        first = next((e for e in rec["events"] if e["kind"] == "step" and e["unwaited"]), None)
+        if first:
+            return (
+                f"on rank {rank}, {first['unwaited']} all_reduce(s) with async_op=True in step "
+                f"{first['step']} were never waited on before optimizer.step(): an async "
+                "all_reduce may still be writing into the "
+                "gradient - in this first version, call dist.all_reduce(p.grad) without "
+                "async_op (it returns once the sum is there); waiting comes with the buckets"
             )
     return judge_weights(records)
 
@@ -388,6 +397,11 @@ _NO_WORK = (
     "async_op=True) and wait on what it returns in finish_gradient_sync",
 )
 
+_NO_BUCKET = (
+    "a parameter has no bucket: is every parameter in one - the last bucket closed after the "
+    "walk, even below the cap - and self.bucket_of filled for each?"
+)
+
 EXERCISES = [
     Exercise(
         name="12_my_ddp_hooks",
@@ -406,6 +420,6 @@ EXERCISES = [
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_NO_WORK,),
+        errors=(_NO_WORK, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
     ),
 ]

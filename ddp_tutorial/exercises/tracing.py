@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -57,9 +58,12 @@ class TracedWork:
 
 
 @contextmanager
-def traced_all_reduce(trace: Trace) -> Iterator[None]:
-    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs."""
+def traced_all_reduce(trace: Trace, module: ModuleType | None = None) -> Iterator[None]:
+    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs;
+    also under the names ``module`` bound it to (``from torch.distributed import all_reduce``
+    copies the function into the learner's file before the check can replace it)."""
     real: Callable[..., Any] = dist.all_reduce
+    bound = [n for n, v in vars(module).items() if v is real] if module is not None else []
 
     def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
@@ -74,7 +78,11 @@ def traced_all_reduce(trace: Trace) -> Iterator[None]:
         return TracedWork(work, trace, ident)
 
     dist.all_reduce = spy
+    for name in bound:
+        setattr(module, name, spy)
     try:
         yield
     finally:
         dist.all_reduce = real
+        for name in bound:
+            setattr(module, name, real)

@@ -41,7 +41,7 @@ def amp_step(
                 loss = nn.functional.cross_entropy(model(x), y) / accum
             to_backward = loss
             # YOUR CODE: what backward() must run on, with a GradScaler
-            # (the loss, multiplied by the scaler's scale)
+            # (the scaler scales it itself: lesson 11's snippet)
             # END YOUR CODE
             to_backward.backward()
         total += loss.item()
