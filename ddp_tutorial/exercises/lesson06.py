@@ -131,25 +131,9 @@ def judge_clip(records: list[Record]) -> str | None:
         rows = [r["steps"][step] for r in records]
         if not rows[0]["moved"]:
             return ("the weights did not change: backward through the scaler, then "
-                    "scaler.step(optimizer) and scaler.update()")  # fmt: skip
-        want_lr = rows[0]["want_lr"]
-        stuck = [r["rank"] for r, row in zip(records, rows, strict=True)
-                 if abs(row["lr"] - want_lr) > 1e-9 * want_lr]  # fmt: skip
-        if stuck and len(stuck) < len(records):
-            rank, row = stuck[0], rows[stuck[0]]
-            right = [r["rank"] for r in records if r["rank"] not in stuck]
-            whose = f"rank {right[0]}'s" if len(right) == 1 else "the other ranks'"
-            return (
-                f"after step {step + 1} rank {rank}'s learning rate was {row['lr']:.4g}, "
-                f"{whose} {want_lr:.4g}: call scheduler.step() on every rank, once per "
-                "optimizer step (stepped on rank 0 alone, the replicas drift apart, silently)"
-            )
-        if stuck:
-            return (
-                f"after step {step + 1} the learning rate was {rows[0]['lr']:.4g}, not "
-                f"{want_lr:.4g}: call scheduler.step() once after each optimizer step"
-            )
-        if mistake := _call_order(rows[0]["calls"], step):
+                    "scaler.step(optimizer) and scaler.update() "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+        if mistake := _rates(records, rows, step) or _call_order(rows[0]["calls"], step):
             return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
         if norm > 100 * true:
@@ -164,21 +148,49 @@ def judge_clip(records: list[Record]) -> str | None:
             return (
                 f"the ranks measured different gradient norms at step {step + 1} ({norms}): "
                 "clip after backward(), on every rank - the averaged gradients are the same "
-                "everywhere, so every rank clips alike, with no communication"
+                "everywhere, so every rank clips alike, with no communication "
+                '(lesson 06, "Three things every real loop needs")'
             )
         if len({tuple(row["weights"]) for row in rows}) > 1:
             return (f"the ranks' weights differ after step {step + 1}: every rank must take the "
-                    "same step (clip, step and schedule on every rank)")  # fmt: skip
+                    "same step (clip, step and schedule on every rank) "
+                    '(lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
         if abs(norm - true) > 1e-4 * true:
             return (f"train_step returned {norm:.4g}; the gradient norm before clipping was "
-                    f"{true:.4g}: return what clip_grad_norm_ returns")  # fmt: skip
+                    f"{true:.4g}: return what clip_grad_norm_ returns "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
         if rows[0]["gap"] > 1e-5:
             if rows[0]["gap_unclipped"] < 1e-5:
                 return (f"the gradients (norm {true:.3g}) were not clipped to {MAX_NORM}: "
                         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
-                        "the step")  # fmt: skip
+                        "the step "
+                        '(lesson 06, "Three things every real loop needs")')  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
                     f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+    return None
+
+
+def _rates(records: list[Record], rows: list[Record], step: int) -> str | None:
+    """The learning rate after the step, on each rank, against the schedule's."""
+    want_lr = rows[0]["want_lr"]
+    stuck = [r["rank"] for r, row in zip(records, rows, strict=True)
+             if abs(row["lr"] - want_lr) > 1e-9 * want_lr]  # fmt: skip
+    if stuck and len(stuck) < len(records):
+        rank, row = stuck[0], rows[stuck[0]]
+        right = [r["rank"] for r in records if r["rank"] not in stuck]
+        whose = f"rank {right[0]}'s" if len(right) == 1 else "the other ranks'"
+        return (
+            f"after step {step + 1} rank {rank}'s learning rate was {row['lr']:.4g}, "
+            f"{whose} {want_lr:.4g}: call scheduler.step() on every rank, once per "
+            "optimizer step (stepped on rank 0 alone, the replicas drift apart, silently) "
+            '(lesson 06, "Rank 0 alone: fine, slow, or wrong")'
+        )
+    if stuck:
+        return (
+            f"after step {step + 1} the learning rate was {rows[0]['lr']:.4g}, not "
+            f"{want_lr:.4g}: call scheduler.step() once after each optimizer step "
+            '(lesson 06, "Three things every real loop needs")'
+        )
     return None
 
 
@@ -188,21 +200,25 @@ def _call_order(calls: list[str], step: int) -> str | None:
     if "scaler.scale" not in calls:
         return (f"in step {step + 1} backward() ran on the loss itself: "
                 "scaler.scale(loss).backward() - with float16, small gradients round to 0 "
-                "without the scale (on this CPU in float32 no number shows it)")  # fmt: skip
+                "without the scale (on this CPU in float32 no number shows it) "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     if "scaler.step" not in calls:
         return (f"in step {step + 1} the optimizer stepped past the scaler: "
                 "scaler.step(optimizer), not optimizer.step() - it skips a step whose "
-                "gradients hold an inf or nan (an fp16 overflow)")  # fmt: skip
+                "gradients hold an inf or nan (an fp16 overflow) "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     if "scaler.update" not in calls:
         return (
             f"step {step + 1} never called scaler.update(): after scaler.step(optimizer), "
-            "every step - it halves the scale after an overflow and grows it back"
+            "every step - it halves the scale after an overflow and grows it back "
+            '(lesson 06, "Three things every real loop needs")'
         )
     ran = [c for c in calls if c in ("optimizer.step", "scheduler.step")]
     if ran and ran[0] == "scheduler.step":
         return (f"in step {step + 1} scheduler.step() ran before the optimizer's step, so the "
                 "step used the schedule's next rate: call scheduler.step() after "
-                "scaler.step(optimizer)")  # fmt: skip
+                "scaler.step(optimizer) "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     return None
 
 

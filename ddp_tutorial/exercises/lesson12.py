@@ -209,7 +209,8 @@ def judge_start(records: list[Record]) -> str | None:
             return (
                 f"rank {rank} started from its own random weights, not rank 0's: broadcast "
                 "every parameter from rank 0 before training (what DDP(model) does at "
-                "construction), or the replicas train apart from step 0"
+                "construction), or the replicas train apart from step 0 "
+                '(lesson 04, "1 · The broadcast at construction")'
             )
     return None
 
@@ -222,13 +223,15 @@ def judge_weights(records: list[Record]) -> str | None:
         if rec["from_summed"] <= TOL:
             return (
                 f"rank {rank}'s weights are those of gradients SUMMED over the ranks, not "
-                "averaged: divide the all_reduced gradient by the world size"
+                "averaged: divide the all_reduced gradient by the world size "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if rec["from_alone"] <= TOL:
             return (
                 f"rank {rank} trained on its own gradients alone: nothing was averaged "
                 "over the ranks (is the hook registered on every parameter? does it "
-                "write the result back into p.grad?)"
+                "write the result back into p.grad?) "
+                '(lesson 12, "Your turn")'
             )
         return (
             f"after {STEPS} SGD steps rank {rank}'s weights are {rec['from_ddp']:.2g} away "
@@ -248,20 +251,23 @@ def judge_hooks(records: list[Record]) -> str | None:
             return (
                 f"rank {rank} called no dist.all_reduce in backward: register the hook on "
                 "every parameter (p.register_post_accumulate_grad_hook(hook)); in it, "
-                "dist.all_reduce(p.grad)"
+                "dist.all_reduce(p.grad) "
+                '(lesson 12, "Your turn")'
             )
         targets = [e["target"] for e in during if e["step"] == 0]
         if any(t.startswith("param") for t in targets):
             return (
                 f"rank {rank} all_reduced a parameter itself, not its gradient: in the hook, "
-                "dist.all_reduce(p.grad), then divide p.grad by the world size"
+                "dist.all_reduce(p.grad), then divide p.grad by the world size "
+                '(lesson 12, "Your turn")'
             )
         if len(targets) > 1 and len(set(targets)) == 1 and targets[0] != "other":  # one grad
             return (
                 f"every hook on rank {rank} reduced the same tensor ({targets[0]}, "
                 f"{len(targets)} times): the hook reads the loop's variable `p`, which holds "
                 "the last parameter by the time backward runs - use the tensor the hook is "
-                "given (def hook(param): ... param.grad)"
+                "given (def hook(param): ... param.grad) "
+                '(lesson 12, "Your turn")'
             )
         first = next((e for e in rec["events"] if e["kind"] == "step" and e["unwaited"]), None)
         if first:
@@ -270,7 +276,8 @@ def judge_hooks(records: list[Record]) -> str | None:
                 f"{first['step']} were never waited on before optimizer.step(): an async "
                 "all_reduce may still be writing into the "
                 "gradient - in this first version, call dist.all_reduce(p.grad) without "
-                "async_op (it returns once the sum is there); waiting comes with the buckets"
+                "async_op (it returns once the sum is there); waiting comes with the buckets "
+                '(lesson 12, "Your turn")'
             )
     return judge_weights(records)
 
@@ -286,29 +293,34 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
     if not isinstance(got, list) or not got:
         return (
             f"self.buckets is {got!r}: it must hold the parameters in {len(want)} lists, "
-            "the buckets"
+            "the buckets "
+            '(lesson 12, "Your turn")'
         )
     if sorted(i for b in got for i in b) != list(range(n)):
         return (
             f"your buckets hold the parameters {got} (by index, -1: not the model's): "
-            f"every one of the model's {n} parameters must be in exactly one bucket"
+            f"every one of the model's {n} parameters must be in exactly one bucket "
+            '(lesson 12, "Your turn")'
         )
     if got != want:
         if len(got) == n:
             return (
                 f"{n} buckets of one parameter each: one all_reduce per parameter - close "
-                f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B)"
+                f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if got and got[0] and got[0][0] == 0:
             return (
                 f"your buckets {got} start from the first layer: walk the parameters in "
                 "REVERSE order of registration, the order backward produces their "
-                f"gradients, so the first bucket fills first (expected {want})"
+                f"gradients, so the first bucket fills first (expected {want}) "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         return (
             f"your buckets are {got} (parameter indexes), expected {want}: walk the "
             "parameters in reverse, add each to the current bucket, and close it once it "
-            f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B)"
+            f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
+            '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
         )
     return None
 
@@ -321,27 +333,31 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
             return (
                 f"rank {rank} called all_reduce {n} times in step {s}, once per "
                 f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
-                "into one tensor (torch.cat) and all_reduce that, once per bucket"
+                "into one tensor (torch.cat) and all_reduce that, once per bucket "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if len(calls[s]) != len(want):
             return (
                 f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
                 f"for {len(want)} buckets: exactly one per bucket per step (are the "
-                "ready counts reset after each step?)"
+                "ready counts reset after each step?) "
+                '(lesson 12, "Your turn")'
             )
         blocking = [c for c in calls[s] if not c["async_op"]]
         if blocking:
             return (
                 f"rank {rank}'s all_reduce in step {s} blocked backward until it "
                 "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
-                "it returns, and wait on it in finish_gradient_sync"
+                "it returns, and wait on it in finish_gradient_sync "
+                '(lesson 11, "4 · Overlap, seen")'
             )
         if steps[s] and steps[s][0]["unwaited"]:
             return (
                 f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
                 "were never waited on before optimizer.step(): an async all_reduce "
                 "may still be writing into its tensor - call work.wait() on each in "
-                "finish_gradient_sync, before reading the result"
+                "finish_gradient_sync, before reading the result "
+                '(lesson 12, "Your turn")'
             )
         early = [w for w in waits[s] if w["grads"] < n]
         if early:
@@ -349,7 +365,8 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
                 f"rank {rank} waited on an all_reduce while backward was still "
                 "computing the earlier layers' gradients: that blocks backward until "
                 "the bucket is sent - no overlap; wait in "
-                "finish_gradient_sync, after backward"
+                "finish_gradient_sync, after backward "
+                '(lesson 11, "4 · Overlap, seen")'
             )
         # the check's hooks run after the learner's: n - 1 counted = inside the last hook
         if calls[s][0]["grads"] >= n - 1:
@@ -357,7 +374,8 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
                 f"rank {rank} sent its first bucket in step {s} only once backward had "
                 "produced every gradient: launch each bucket's "
                 "all_reduce from the hook of its last gradient, while backward still "
-                "computes the earlier layers' - that is the overlap"
+                "computes the earlier layers' - that is the overlap "
+                '(lesson 11, "4 · Overlap, seen")'
             )
     return None
 
@@ -385,7 +403,8 @@ def judge_buckets(records: list[Record]) -> str | None:
         return (
             f"your step took {ratio:.0f}x DistributedDataParallel's (more than "
             f"{GROSS_SLOWDOWN:.0f}x): is every parameter all_reduced on its own, or "
-            "something waited on in a loop?"
+            "something waited on in a loop? "
+            '(lesson 11, "4 · Overlap, seen")'
         )
     return None
 
