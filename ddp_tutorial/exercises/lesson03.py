@@ -88,13 +88,15 @@ def judge_gpu(records: list[Record]) -> str | None:
                         f"{where}: you picked cuda:{global_}, the global RANK; GPUs are numbered "
                         f"per node, and this rank is LOCAL_RANK {local} there: use "
                         f"cuda:LOCAL_RANK (on the second node cuda:RANK names a GPU that does "
-                        "not exist)"
+                        "not exist) "
+                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
                     )
                 if listed is not None and a["index"] == physical:
                     return (
                         f"{where}: you picked cuda:{physical}, the physical id; inside the "
                         f"process CUDA renumbers the listed cards from 0 in the order written, so "
-                        f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK"
+                        f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK "
+                        '(lesson 03, "Physical ids and logical ids")'
                     )
                 if a["index"] == rank:  # torchrun's LOCAL_RANK here: one node, rank = local
                     return (
@@ -107,11 +109,13 @@ def judge_gpu(records: list[Record]) -> str | None:
                     return (
                         f"{where}: you said physical GPU {local}, the LOCAL_RANK; with "
                         f"CUDA_VISIBLE_DEVICES={listed.strip()!r} cuda:{local} is the card listed "
-                        f"at position {local}: physical GPU {physical}"
+                        f"at position {local}: physical GPU {physical} "
+                        '(lesson 03, "Physical ids and logical ids")'
                     )
                 if listed is not None and a["physical"] == global_:
                     return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
-                            f"card listed at position LOCAL_RANK: {physical}")  # fmt: skip
+                            f"card listed at position LOCAL_RANK: {physical} "
+                            '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
                 return (f"{where}: you said physical GPU {a['physical']!r}, expected {physical} "
                         '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
     return None

@@ -245,9 +245,11 @@ def _judge_writes(records: list[Record]) -> str | None:
         return (f"ranks {writers} all called torch.save: only global rank 0 writes (`if "
                 "dist.get_rank() == 0`); two writers of one file can corrupt it (the check "
                 "saves as if each rank were on a node of its own, where every LOCAL_RANK is "
-                "0: `local_rank == 0` is one writer per node)")  # fmt: skip
+                "0: `local_rank == 0` is one writer per node) "
+                '(lesson 05, "1 · The hazard, measured: several writers, one file")')  # fmt: skip
     if writers and writers != [0]:
-        return f"rank {writers[0]} wrote the snapshot: the writer is global rank 0"
+        return (f"rank {writers[0]} wrote the snapshot: the writer is global rank 0 "
+                '(lesson 05, "1 · The hazard, measured: several writers, one file")')  # fmt: skip
     for r in records:
         if "save_error" in r:
             return f"rank {r['rank']}: save_snapshot raised {r['save_error']}"
@@ -258,19 +260,22 @@ def _judge_writes(records: list[Record]) -> str | None:
         return (
             f"rank {late[0]} returned from save_snapshot before rank 0's file was in place "
             f"(rank 0 was still writing it): every rank must wait at "
-            "dist.barrier() after the write, so that no rank reads a file that is not there"
+            "dist.barrier() after the write, so that no rank reads a file that is not there "
+            '(lesson 05, "The lines you write")'
         )
     saved = first["saved"]
     if "error" in saved:
         return f"the snapshot does not load with weights_only=True: {saved['error']}"
     missing = {"model", "optimizer", "epoch", "step"} - set(saved["keys"])
     if missing:
-        return f"the snapshot has no {sorted(missing)}: save model, optimizer, epoch and step"
+        return (f"the snapshot has no {sorted(missing)}: save model, optimizer, epoch and "
+                f'step (lesson 05, "The lines you write")')  # fmt: skip
     if saved["model_keys"] is None:
         return "snapshot['model'] is not a state_dict: save model.module.state_dict()"
     if any(k.startswith("module.") for k in saved["model_keys"]):
         return ("the model's keys start with 'module.' (DDP's wrapper): save "
-                "model.module.state_dict(), the plain model inside")  # fmt: skip
+                "model.module.state_dict(), the plain model inside "
+                '(lesson 05, "4 · `module.` and `_orig_mod.`")')  # fmt: skip
     if (saved["epoch"], saved["step"]) != (EPOCH, STEP):
         return (f"the snapshot says epoch {saved['epoch']}, step {saved['step']}; it was asked "
                 f"to save epoch {EPOCH}, step {STEP}")  # fmt: skip
@@ -286,16 +291,19 @@ def _judge_crash_safety(first: Record) -> str | None:
         return (
             f"rank 0 died in the middle of torch.save, and the snapshot it had written "
             f"before was lost ({kill}): write to a temporary file, then os.replace it over "
-            "the snapshot - a crash then leaves the old file or the new one, never half"
+            "the snapshot - a crash then leaves the old file or the new one, never half "
+            '(lesson 05, "2 · Killed in the middle of a save")'
         )
     moves = first["replaced"]
     if not moves:
-        return "no rename: write to a temporary file, then os.replace(tmp, path)"
+        return ("no rename: write to a temporary file, then os.replace(tmp, path) "
+                '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
     src, dst = moves[-1]
     if Path(src).parent != Path(dst).parent:
         return (
             f"the temporary file was in {Path(src).parent}, not beside the snapshot: "
-            "os.replace is atomic only within one folder's file system - put it there"
+            "os.replace is atomic only within one folder's file system - put it there "
+            '(lesson 05, "2 · Killed in the middle of a save")'
         )
     if first["fsyncs"] == 0:
         return (
