@@ -26,6 +26,13 @@ CASES = register([
          text="import torch\nimport torch.distributed as dist\n\n\ndef gather_uneven(tensor):\n"
               "    # YOUR CODE\n    out = [torch.empty_like(tensor) for _ in range(2)]\n"
               "    dist.all_gather(out, tensor)\n    # END YOUR CODE\n    return out\n"),
+    Case(RING, "divided-at-every-step", "divide once, after the last step",
+         edits=(("    total /= world  # the mean\n", ""),
+                ("        total += recv_buf\n",
+                 "        total += recv_buf\n        total /= world\n"))),
+    Case(GATHER, "float-padding", "came back as float32",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+                 "padded = torch.zeros(longest)"),)),
 ])  # fmt: skip
 
 

@@ -36,6 +36,14 @@ CASES = register(
              edits=((REDUCE_COUNTS, "pass"),)),
         Case(F1, "micro-instead-of-macro", "the micro F1",
              edits=((SCORE, MICRO),)),
+        Case(ACC, "counted-the-batch-size", "count len(y) per batch",
+             edits=(("torch.tensor(len(y))", "torch.tensor(batch_size)"),)),
+        Case(F1, "int64-counts", None,  # right: float32 F1s from integer counts
+             edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
+                     "counts = torch.zeros(3, num_classes, dtype=torch.int64)"),)),
+        Case(F1, "classes-nobody-has-left-out", "the mean over the classes that occur",
+             edits=(("score = per_class.mean().item()",
+                     "score = per_class[(2 * tp + fp + fn) > 0].mean().item()"),)),
     ]
 )  # fmt: skip
 

@@ -95,7 +95,9 @@ def judge_ring(records: list[Record]) -> str | None:
         if not torch.allclose(got_t, mean):
             return (
                 f"rank {rank} returned {got}, expected the mean {mean.tolist()}: after "
-                "world_size - 1 steps every rank must hold every rank's contribution once"
+                "world_size - 1 steps every rank must hold every rank's contribution once - "
+                "pass on what you received (not your own tensor again), and divide once, "
+                "after the last step"
             )
     return None
 
@@ -104,14 +106,17 @@ LENGTHS = (3, 1, 4, 2)
 
 
 def uneven_input(rank: int) -> torch.Tensor:
-    return torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.float32) + 100 * rank
+    """Class predictions, say: int64, so that a float padding buffer shows."""
+    return torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.int64) + 100 * rank
 
 
 def run_gather(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     with watched(calls):
         got = module.gather_uneven(uneven_input(ctx.rank))
-    return {"got": _values(got), "calls": [name for name, _ in calls]}
+    dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
+              for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip
+    return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes}
 
 
 def judge_gather(records: list[Record]) -> str | None:
@@ -125,6 +130,11 @@ def judge_gather(records: list[Record]) -> str | None:
         if not isinstance(got, list) or len(got) != n:
             return f"rank {rank} returned {got!r}: expected a list of {n} tensors, one per rank"
         for src, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g == w and rec["dtypes"][src] not in ("int64", None):
+                return (f"on rank {rank}, rank {src}'s tensor came back as "
+                        f"{rec['dtypes'][src]}; it was sent as int64: make the padding buffer "
+                        "with the input's dtype (torch.zeros(longest, dtype=tensor.dtype)) - "
+                        "else predictions and labels come back as floats")  # fmt: skip
             if g == w:
                 continue
             if isinstance(g, list) and len(g) > len(w) and g[: len(w)] == w:

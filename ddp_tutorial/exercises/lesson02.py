@@ -121,19 +121,27 @@ def judge_accuracy(records: list[Record]) -> str | None:
             "repeats twice - split without padding"
         )
     if count != VAL_LENGTH:
-        return f"counted {count} samples, expected {VAL_LENGTH}: every sample exactly once"
+        if not any(rec["read"] for rec in records):
+            return f"counted {count} samples, expected {VAL_LENGTH}: every sample exactly once"
+        return (
+            f"counted {count} samples, expected {VAL_LENGTH}, though every sample was read once: "
+            "count len(y) per batch (the last one is short, not batch_size), and all_reduce "
+            "the totals once, after the loop (not the running sums in it)"
+        )
     if got_correct != correct:
         return f"counted {got_correct} correct predictions, expected {correct}"
     return None
 
 
-# 02_macro_f1: each rank's shard of predictions and labels (3 classes). The shards differ in
-# size and class mix: class 2 is never predicted or labelled on rank 1, so its F1 there is 0/0.
+# 02_macro_f1: each rank's shard of predictions and labels (4 classes). The shards differ in
+# size and class mix: class 2 is never predicted or labelled on rank 1, so its F1 there is 0/0,
+# and class 3 is on no rank at all: it scores 0 and still counts in the mean.
 SHARDS = (
     ([0, 0, 1, 2, 2, 1, 0, 2], [0, 1, 1, 2, 2, 2, 0, 0]),
     ([1, 0, 1, 1, 0], [1, 0, 0, 1, 1]),
 )
-CLASSES = 3
+CLASSES = 4
+F1_TOL = 1e-6  # float32 arithmetic (int64 counts divided) is right too
 
 
 def f1_counts(pred: list[int], target: list[int]) -> torch.Tensor:
@@ -153,10 +161,11 @@ def f1_counts(pred: list[int], target: list[int]) -> torch.Tensor:
     ).T.double()
 
 
-def f1_of(counts: torch.Tensor, macro: bool = True) -> float:
+def f1_of(counts: torch.Tensor, macro: bool = True, present_only: bool = False) -> float:
     tp, fp, fn = counts if macro else counts.sum(dim=1, keepdim=True)
     denominator = 2 * tp + fp + fn
-    return (2 * tp / denominator.clamp(min=1)).mean().item()
+    f1 = 2 * tp / denominator.clamp(min=1)
+    return (f1[denominator > 0] if present_only else f1).mean().item()
 
 
 def _shard(rank: int) -> tuple[list[int], list[int]]:
@@ -180,30 +189,37 @@ def judge_f1(records: list[Record]) -> str | None:
     wrong = {
         "mean": sum(own) / n,
         "micro": f1_of(every, macro=False),
+        "present": f1_of(every, present_only=True),
     }
     for rank, rec in enumerate(records):
         got = rec["got"]
         if not isinstance(got, int | float):
             return f"rank {rank}'s macro_f1 returned {got}, not a number"
-        if abs(got - truth) < 1e-9:
+        if abs(got - truth) < F1_TOL:
             continue
-        if abs(got - wrong["mean"]) < 1e-9:
+        if abs(got - wrong["mean"]) < F1_TOL:
             return (
                 f"rank {rank} returned {got:.4f}, the mean of the ranks' own F1s; the F1 of the "
                 f"whole set is {truth:.4f}: F1 is not a sum - all_reduce the per-class TP, FP, FN "
                 "counts, then compute F1 once from the totals"
             )
-        if abs(got - own[rank]) < 1e-9:
+        if abs(got - own[rank]) < F1_TOL:
             return (
                 f"rank {rank} returned {got:.4f}, the F1 of its own shard only: add the ranks' "
                 "per-class TP, FP, FN counts (dist.all_reduce) before computing F1"
             )
-        if abs(got - wrong["micro"]) < 1e-9:
+        if abs(got - wrong["present"]) < F1_TOL:
+            return (
+                f"rank {rank} returned {got:.4f}, the mean over the classes that occur; a class "
+                "nobody predicted or labelled (2·TP + FP + FN = 0) scores 0 and still counts: "
+                f"the mean over all num_classes, {truth:.4f}"
+            )
+        if abs(got - wrong["micro"]) < F1_TOL:
             return (
                 f"rank {rank} returned {got:.4f}, the micro F1 (counts summed over classes "
                 f"first); macro F1 is the mean of the per-class F1s: {truth:.4f}"
             )
-        return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth:.4f}"
+        return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth!r}"
     return None
 
 
