@@ -27,6 +27,8 @@ CASES = register(
              edits=(("        synchronize()  # start with nothing queued\n", ""),
                     ("        synchronize()  # the step's work has run, not only been queued\n",
                      "        if i >= warmup:\n            synchronize()\n"))),
+        Case(TIMING, "one-timed-step-short", "an off-by-one",
+             edits=(("        if i >= warmup:", "        if i > warmup:"),)),
     ]
 )  # fmt: skip
 

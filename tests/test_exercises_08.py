@@ -25,6 +25,11 @@ CASES = register([
     Case(EX, "exits-in-the-loop", "set status = PREEMPTED and break",
          edits=(("                status = PREEMPTED\n                break\n",
                  "                raise SystemExit(PREEMPTED)\n"),)),
+    Case(EX, "no-break-after-the-save", "the loop trained on after the preemption",
+         edits=(("                status = PREEMPTED\n                break\n",
+                 "                status = PREEMPTED\n"),)),
+    Case(EX, "rank-0-decides-alone", "which reached rank 1 only",
+         edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)", "dist.broadcast(flag, src=0)"),)),
 ])  # fmt: skip
 
 

@@ -28,6 +28,10 @@ CASES = register([
     Case(EX, "evaluated-in-train-mode", "in eval mode", edits=(("            net.eval()\n", ""),)),
     Case(EX, "split-without-filter", "without a label",
          edits=((SHARD_FIX, "    shard = list(DistributedSampler(train_set, shuffle=False))\n"),)),
+    Case(EX, "padded-to-the-longest-shard", "repeats - pad as DistributedSampler does",
+         edits=((SHARD_FIX, "    longest = torch.tensor(len(shard))\n"
+                            "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"
+                            "    shard = (shard * 2)[: int(longest)]\n"),)),
 ])  # fmt: skip
 
 

@@ -20,6 +20,10 @@ CASES = register([
          edits=(("    mine = rest[rank::world_size]\n",
                  "    share = len(rest) // world_size\n"
                  "    mine = rest[rank * share : (rank + 1) * share]\n"),)),
+    Case(EX, "padded-from-the-epochs-order", "repeated the start of the epoch's order",
+         edits=(("rest += (rest * padding)[:padding]", "rest += (order * padding)[:padding]"),)),
+    Case(EX, "consumed-counted-per-rank", "it counts every rank's samples already",
+         edits=(("rest = order[consumed:]", "rest = order[consumed * world_size :]"),)),
 ])  # fmt: skip
 
 

@@ -102,7 +102,10 @@ def judge_timing(records: list[Record]) -> str | None:
                 "every rank - all_reduce it with op=ReduceOp.MAX")  # fmt: skip
     wrong_ops = sorted({op for rec in records for op in rec["ops"]} - {"MAX"})
     if wrong_ops:
-        what = {"SUM": "adds up the ranks' times", "AVG": "averages the ranks' times"}
+        what = {
+            "SUM": "adds up the ranks' times (or averages them, once divided)",
+            "AVG": "averages the ranks' times",
+        }
         return (f"all_reduce with {wrong_ops[0]} {what.get(wrong_ops[0], 'is not the slowest')}"
                 f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
                 f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
@@ -120,11 +123,18 @@ def judge_timing(records: list[Record]) -> str | None:
             f"the warm-up was timed - run the first {WARMUP} calls untimed, and synchronize() "
             "before starting the clock, so that no warm-up work is still queued"
         )
-    if value < 0.75 * slowest:
+    if value < 0.5 * slowest:
         return (
             f"{value * 1e3:.0f} ms, but the slowest rank's {STEPS} steps take at least "
             f"{slowest * 1e3:.0f} ms: report the max over the ranks (all_reduce with "
             "op=ReduceOp.MAX), not one rank's time"
+        )
+    if value < 0.95 * slowest:  # the device's work only adds time: a right answer is >= it
+        timed = value / (slowest / STEPS)
+        return (
+            f"{value * 1e3:.0f} ms: about {timed:.0f} steps' work, not {STEPS} - the clock "
+            f"must cover every one of the {STEPS} calls after the {WARMUP} warm-up ones "
+            "(an off-by-one: i >= warmup, not i > warmup)"
         )
     return None
 

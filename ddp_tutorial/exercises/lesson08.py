@@ -104,7 +104,10 @@ def judge_preempt(records: list[Record]) -> str | None:
     stop = stops[0]
     if stop >= total:
         return (f"every rank trained to the end (step {total}) after the SIGTERM at step "
-                f"{PREEMPT_AT}: check the flag at a step boundary and stop the loop")  # fmt: skip
+                f"{PREEMPT_AT}, which reached rank {PREEMPT_RANK} only: at each step boundary "
+                "every rank must learn whether ANY rank was signalled - all_reduce the flag "
+                f"with op=MAX (a broadcast from rank 0, or MIN, misses rank {PREEMPT_RANK}'s) - "
+                "then stop the loop")  # fmt: skip
     if stop - PREEMPT_AT >= EVERY:
         return (
             f"the ranks stopped at step {stop}, {stop - PREEMPT_AT} steps after the signal: "
@@ -117,6 +120,11 @@ def judge_preempt(records: list[Record]) -> str | None:
     if writers != [0]:
         return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
                 "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
+    saved = [s["step"] for s in reports[0]["saves"]]
+    if len(saved) > 1:
+        return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
+                "loop trained on after the preemption - break out of it right after the "
+                "save, with status PREEMPTED")  # fmt: skip
     if mistake := _judge_snapshot(records, stop):
         return mistake
     statuses = [rep["status"] for rep in reports]

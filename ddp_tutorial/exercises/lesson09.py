@@ -74,6 +74,12 @@ def judge_hang(records: list[Record]) -> str | None:
                     "missed): cutting the shards to the same length drops samples; pad the "
                     'short one instead, as DistributedSampler does (lesson 09, "7 · Uneven '
                     'inputs")')  # fmt: skip
+        extra = len(seen) - len(LABELLED)
+        if extra >= n:  # DistributedSampler repeats at most world_size - 1 samples
+            return (f"epoch {epoch} trained {len(seen)} samples for {len(LABELLED)} labelled "
+                    f"ones: {extra} repeats - pad as DistributedSampler does, the list of "
+                    "labelled samples to a multiple of world_size (at most world_size - 1 "
+                    'repeats), then deal it out (lesson 09, "7 · Uneven inputs")')  # fmt: skip
     if not first["replicas_equal"]:
         return "the ranks ended with different weights: every rank must train through DDP"
     accuracy = reports[0]["accuracy"]

@@ -64,11 +64,19 @@ def judge_rest(records: list[Record]) -> str | None:
             continue
         where = f"{what}, resumed on {world} ranks"
         if not any(lists):
-            return f"{where}: every rank got no samples - return this rank's share of the rest"
+            return (f"{where}: every rank got no samples, though {len(rest)} are left - return "
+                    "this rank's share of the rest (skip exactly `consumed` positions: it counts "
+                    "every rank's samples already, not one rank's)")  # fmt: skip
         again = sorted({i for mine in lists for i in mine} & done)
         if again:
             skipped = [order[r::world][consumed // world :] for r in range(world)]
-            if consumed and lists[0] == skipped[0]:
+            padding = -len(rest) % world
+            from_order = rest + (order * (padding + 1))[:padding]
+            if padding and lists == [from_order[r::world] for r in range(world)]:
+                return (f"{where}: the padding repeated the start of the epoch's order, samples "
+                        "trained before the stop: pad with the start of the rest "
+                        "(rest + rest[:padding], repeated as often as needed)")  # fmt: skip
+            if consumed and lists == skipped:
                 return (f"{where}: each rank skipped consumed // world_size of its own shard; "
                         "the stopped job's shards were those of its own world size, not this "
                         "one's: skip the first `consumed` positions of the whole order, then deal "
