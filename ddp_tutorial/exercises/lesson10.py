@@ -53,6 +53,27 @@ def run_rest(module: ModuleType, ctx: Context) -> Record:
     return {"rank": ctx.rank, "got": got, "torch": list(sampler)}
 
 
+def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed: int,
+                 again: list[int]) -> str:  # fmt: skip
+    """Trained samples came back: which of the usual ways of skipping went wrong."""
+    world, rest = len(lists), order[consumed:]
+    skipped = [order[r::world][consumed // world :] for r in range(world)]
+    padding = -len(rest) % world
+    from_order = rest + (order * (padding + 1))[:padding]
+    if padding and lists == [from_order[r::world] for r in range(world)]:
+        return (f"{where}: the padding repeated the start of the epoch's order, samples "
+                "trained before the stop: pad with the start of the rest "
+                "(rest + rest[:padding], repeated as often as needed)")  # fmt: skip
+    if consumed and lists == skipped:
+        return (f"{where}: each rank skipped consumed // world_size of its own shard; "
+                "the stopped job's shards were those of its own world size, not this "
+                "one's: skip the first `consumed` positions of the whole order, then deal "
+                f"out the rest ({len(again)} trained samples came back)")  # fmt: skip
+    return (f"{where}: {len(again)} samples the job had trained before it stopped were "
+            f"dealt out again (e.g. sample {again[0]}): skip the first `consumed` "
+            "positions of the epoch's order")  # fmt: skip
+
+
 def judge_rest(records: list[Record]) -> str | None:
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
@@ -69,21 +90,7 @@ def judge_rest(records: list[Record]) -> str | None:
                     "every rank's samples already, not one rank's)")  # fmt: skip
         again = sorted({i for mine in lists for i in mine} & done)
         if again:
-            skipped = [order[r::world][consumed // world :] for r in range(world)]
-            padding = -len(rest) % world
-            from_order = rest + (order * (padding + 1))[:padding]
-            if padding and lists == [from_order[r::world] for r in range(world)]:
-                return (f"{where}: the padding repeated the start of the epoch's order, samples "
-                        "trained before the stop: pad with the start of the rest "
-                        "(rest + rest[:padding], repeated as often as needed)")  # fmt: skip
-            if consumed and lists == skipped:
-                return (f"{where}: each rank skipped consumed // world_size of its own shard; "
-                        "the stopped job's shards were those of its own world size, not this "
-                        "one's: skip the first `consumed` positions of the whole order, then deal "
-                        f"out the rest ({len(again)} trained samples came back)")  # fmt: skip
-            return (f"{where}: {len(again)} samples the job had trained before it stopped were "
-                    f"dealt out again (e.g. sample {again[0]}): skip the first `consumed` "
-                    "positions of the epoch's order")  # fmt: skip
+            return _dealt_again(where, lists, order, consumed, again)
         lengths = [len(mine) for mine in lists]
         if len(set(lengths)) > 1:
             return (
