@@ -49,6 +49,10 @@ CASES = register(
              edits=(("            buffer /= world\n", ""),)),
         Case(BUFFERS, "divided-out-of-place", "makes a new tensor, which the model never sees",
              edits=(("            buffer /= world\n", "            buffer = buffer / world\n"),)),
+        Case(ACCUM, "a-step-per-micro-batch", "optimizer.step() ran",
+             edits=(("            (loss_fn(model(x), y) / k).backward()\n",
+                     "            (loss_fn(model(x), y) / k).backward()\n"
+                     "            optimizer.step()\n"),)),
     ]
 )  # fmt: skip
 

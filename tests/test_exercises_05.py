@@ -46,6 +46,11 @@ CASES = register([
     Case(RESUME, "set-epoch-counts-this-launch", "with the epoch's own number",
          edits=(("        sampler.set_epoch(epoch)\n",
                  "        sampler.set_epoch(epoch - start_epoch)\n"),)),
+    Case(SNAP, "fsync-after-the-rename", "renamed before all its bytes were fsynced",
+         edits=(("            os.fsync(f.fileno())\n", ""),
+                ("        os.replace(tmp, path)\n",
+                 "        os.replace(tmp, path)\n        fd = os.open(path, os.O_RDONLY)\n"
+                 "        os.fsync(fd)\n        os.close(fd)\n"))),
 ])  # fmt: skip
 
 

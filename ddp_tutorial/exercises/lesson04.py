@@ -72,6 +72,9 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     reference = _mlp()  # one process, the whole global batch, a plain SGD step
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     params, ref_params, calls_per_step = [_flat(model.module)], [_flat(reference)], []
+    stepped: list[int] = []  # optimizer.step() calls in this accumulation_step
+    optimizer.register_step_pre_hook(lambda *_: stepped.append(1))
+    steps_per_call = []
     for step in range(STEPS):
         x, y = _global_batch(step, ctx.world_size)
         rows = slice(ctx.rank * K * MICRO, (ctx.rank + 1) * K * MICRO)  # this rank's shard
@@ -80,12 +83,15 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
         with counted("all_reduce", calls):
             module.accumulation_step(model, optimizer, micro, F.cross_entropy)
         calls_per_step.append(len(calls))
+        steps_per_call.append(len(stepped))
+        stepped.clear()
         params.append(_flat(model.module))
         ref_opt.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         ref_opt.step()
         ref_params.append(_flat(reference))
-    return {"params": params, "reference": ref_params, "calls_per_step": calls_per_step}
+    return {"params": params, "reference": ref_params, "calls_per_step": calls_per_step,
+            "steps_per_call": steps_per_call}  # fmt: skip
 
 
 def judge_accumulate(records: list[Record]) -> str | None:
@@ -95,6 +101,13 @@ def judge_accumulate(records: list[Record]) -> str | None:
     if all(torch.equal(T(r["params"][-1]), start) for r in records):
         return ("the weights did not change: no backward ran, so optimizer.step() had no "
                 "gradient - run forward and backward on every micro-batch")  # fmt: skip
+    stepped = max(max(r["steps_per_call"]) for r in records)
+    if stepped > 1:
+        return (
+            f"optimizer.step() ran {stepped} times in one accumulation_step of {K} "
+            "micro-batches: step once, after the last micro-batch's backward - until then the "
+            "gradients only add up (and inside no_sync() each rank's are its own)"
+        )
     for rank, rec in enumerate(records):
         if 0 in rec["calls_per_step"]:
             return (

@@ -74,18 +74,25 @@ def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
 
 
 @contextmanager
-def _spied_os(replaced: list[tuple[str, str]], fsyncs: list[int]) -> Iterator[None]:
+def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]]
+              ) -> Iterator[None]:  # fmt: skip
+    """Renames (source, target, whether the source's bytes were all fsynced before), and
+    fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes)."""
     real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
 
     def spy(real: Callable[..., Any]) -> Callable[..., Any]:
         def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            replaced.append((str(src), str(dst)))
+            st = os.stat(src)
+            synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
+            replaced.append((str(src), str(dst), synced))
             return real(src, dst, *args, **kwargs)
 
         return move
 
     def fsync(fd: Any) -> Any:
-        fsyncs.append(1)
+        number = fd if isinstance(fd, int) else fd.fileno()
+        st = os.fstat(number)
+        fsyncs.append((st.st_ino, st.st_size))
         return real_fsync(fd)
 
     with mock.patch.object(os, "replace", spy(real_replace)), \
@@ -140,8 +147,8 @@ def _save_phase(
             pass
 
     calls: list[str] = []
-    replaced: list[tuple[str, str]] = []
-    fsyncs: list[int] = []
+    replaced: list[tuple[str, str, bool]] = []
+    fsyncs: list[tuple[int, int]] = []
     try:
         with (
             _spied_save(calls, hold if ctx.rank == 0 else None),
@@ -298,7 +305,7 @@ def _judge_crash_safety(first: Record) -> str | None:
     if not moves:
         return ("no rename: write to a temporary file, then os.replace(tmp, path) "
                 '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
-    src, dst = moves[-1]
+    src, dst, synced = moves[-1]
     if Path(src).parent != Path(dst).parent:
         return (
             f"the temporary file was in {Path(src).parent}, not beside the snapshot: "
@@ -310,6 +317,13 @@ def _judge_crash_safety(first: Record) -> str | None:
             "the temporary file was not fsynced before the rename: after a power loss the "
             "rename can be on disk before the bytes are - f.flush(); os.fsync(f.fileno()) "
             'before os.replace (lesson 05, "2 · Killed in the middle of a save")'
+        )
+    if not synced:
+        return (
+            "the temporary file was renamed before all its bytes were fsynced: f.flush() "
+            "(Python's buffer to the OS), then os.fsync(f.fileno()) (the OS's to the disk), "
+            "then os.replace - an fsync before the flush, or after the rename, syncs too little "
+            'or too late (lesson 05, "2 · Killed in the middle of a save")'
         )
     if first["left_in_folder"]:
         return f"files left beside the snapshot after a save: {first['left_in_folder']}"

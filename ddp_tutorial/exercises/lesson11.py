@@ -262,6 +262,8 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
 )  # fmt: skip
 
 ERRORS = (
+    ("isPyObject()", "the hook returned all_reduce's own Future, whose value is a list [tensor], "
+     "not the bucket's tensor: chain .then(fn) and return the bucket from fn"),
     ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
      "time: no `from __future__ import annotations` in this file): keep "
      "`(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]`"),
