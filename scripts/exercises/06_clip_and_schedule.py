@@ -9,7 +9,8 @@ alone, the ranks' learning rates part, and their replicas drift apart without an
 Return the norm clipping measured (a rising norm is the first sign of divergence: log it).
 
 Check it (2 gloo ranks, three steps of a small DDP model with large gradients, compared with
-one clipped SGD step on the global batch):
+one clipped SGD step on the global batch; the calls your step made are noted too, in order:
+on this CPU in float32 a step past the scaler changes no number):
 
     ddp-tutorial check 06
 """
