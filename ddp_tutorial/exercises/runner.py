@@ -11,8 +11,8 @@ Each candidate gets a process group of its own, under its own key prefix in torc
 every rank has met in the store, and a short collective timeout: a rank left waiting by a peer
 fails in seconds, named. After each candidate the ranks meet in the store before the next
 begins, so a wrong answer — even one that hangs — costs only itself; only a rank that dies
-(gloo aborts the process on some mistakes) ends the batch, and the checker launches the rest
-again.
+(gloo aborts the process on some mistakes), or a group that formed on some ranks only (their
+group counts then differ), ends the batch, and the checker launches the rest again.
 """
 
 from __future__ import annotations
@@ -82,6 +82,18 @@ def init_kwargs(ctx: Context, ex: Exercise) -> dict[str, Any]:
             "timeout": datetime.timedelta(seconds=timeout)}  # fmt: skip
 
 
+def joined(ctx: Context, ex: Exercise) -> None:
+    """After a rank's init returned: wait until every rank's has. A candidate that makes no
+    collective would otherwise tear its group down while a slower peer is still connecting to
+    it (gloo's "connectFullMesh failed ... Connection closed by peer", seen on a loaded host),
+    and that peer's failed init leaves the ranks' group counts apart for every later
+    candidate. A rank that never calls init is waited for as long as init waits."""
+    store = agent_store()
+    store.set(f"{ctx.out.name}/joined/{ctx.rank}", "")
+    keys = [f"{ctx.out.name}/joined/{r}" for r in range(ctx.world_size)]
+    store.wait(keys, datetime.timedelta(seconds=max(ex.collective_timeout_s, CONNECT_TIMEOUT_S)))
+
+
 def cap_collective_timeout(ex: Exercise) -> None:
     """Once joined, a collective a peer never calls fails in seconds, not after gloo's 30 min."""
     dist.set_timeout(datetime.timedelta(seconds=ex.collective_timeout_s))
@@ -106,6 +118,7 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
         if init_method in (None, "env://") and "store" not in kwargs:
             kwargs = {**kwargs, **init_kwargs(ctx, ex)}
         original(backend, **kwargs)
+        joined(ctx, ex)
         cap_collective_timeout(ex)
 
     argv = sys.argv
@@ -152,6 +165,7 @@ def one(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:
                 record["result"] = run_script(ex, path, ctx)
             else:
                 dist.init_process_group("gloo", **init_kwargs(ctx, ex))
+                joined(ctx, ex)
                 cap_collective_timeout(ex)
                 record["result"] = run_functions(ex, path, ctx, tag)
     except BaseException as exc:  # the learner's code may raise anything, SystemExit included
@@ -195,6 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         record = one(ex, Path(file), ctx, tag=f"{i}")
         write_json(ctx.out / f"status-rank{rank}.json", {"rank": rank, **record})
         agree(ctx, record["status"])
+        # A group that failed to form on some ranks only still counted there: the next
+        # candidate's group would wait for keys its peers never write. Stop; the checker
+        # launches the candidates left again, in fresh processes.
+        if len(set(meet(ctx, "groups", str(dist.get_pg_count())))) > 1:
+            return
 
 
 if __name__ == "__main__":
