@@ -44,6 +44,11 @@ CASES = register(
         Case(F1, "classes-nobody-has-left-out", "the mean over the classes that occur",
              edits=(("score = per_class.mean().item()",
                      "score = per_class[(2 * tp + fp + fn) > 0].mean().item()"),)),
+        Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw have",
+             edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
+                     "seen = int(max(pred.max(), target.max())) + 1  # the classes this rank saw\n"
+                     "    counts = torch.zeros(3, seen, dtype=torch.float64)"),
+                    ("    for c in range(num_classes):", "    for c in range(seen):"))),
     ]
 )  # fmt: skip
 

@@ -65,6 +65,9 @@ class Exercise:
     # a script's: entered around the learner's file on each rank (lesson 08 slows rank 0's save)
     around: Callable[[Context], AbstractContextManager[Any]] | None = None
     launch_timeout_s: float = 90.0
+    # where tensors of different shapes are this exercise's likely hang: what differs (02: a
+    # count per class that only the classes a rank saw have), added to the hang's verdict
+    shapes_hint: str = ""
 
     @property
     def stub(self) -> Path:

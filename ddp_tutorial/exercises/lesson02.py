@@ -239,5 +239,6 @@ EXERCISES = [
         name="02_macro_f1", lesson="02", run=run_f1, judge=judge_f1,
         title="macro F1 over ranks: add the counts, then compute",
         teaches='lesson 02, "A metric that is not a sum: gather, drop the padding, compute once"',
+        shapes_hint="a count per class that only the classes a rank saw have",
     ),
 ]  # fmt: skip

@@ -51,9 +51,6 @@ def _hung(record: Record) -> bool:
     return any(w in record.get("error", "") for w in HANG_WORDS)
 
 
-COUNTING_LESSONS = ("01", "02")  # whose exercises gather counts: the hang's likely shape
-
-
 def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
     """The first failing rank's error, named: a known mistake, a hang, or the line it came from.
 
@@ -88,13 +85,7 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
             + (f" (rank {others[0]} had finished)" if others else "")
             + ": every rank must call the same collectives, and each send needs its recv, in "
             "the same order - is one under `if rank == ...`, or do the ranks pass tensors of "
-            "different shapes"
-            + (
-                " (a count per class that only the classes a rank saw have)"
-                if ex.lesson in COUNTING_LESSONS
-                else ""
-            )
-            + "?"
+            "different shapes" + (f" ({ex.shapes_hint})" if ex.shapes_hint else "") + "?"
         )
     where = f" at {first['where']}" if first.get("where") else ""
     return ex.hint(f"rank {first['rank']} raised {first['error'].splitlines()[0]}{where}")
