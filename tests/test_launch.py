@@ -39,8 +39,10 @@ FAILING = """
 import json, os, sys, time
 out, rank = sys.argv[-1], os.environ["RANK"]
 record = {"rank": int(rank), "pid": os.getpid(), "marker": os.environ.get("DDP_TEST_MARKER")}
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+path = os.path.join(out, f"rank{rank}.json")
+with open(path + ".tmp", "w") as f:  # renamed whole: rank 1 must never read it half-written
     json.dump(record, f)
+os.replace(path + ".tmp", path)
 print("rank", rank, "wrote its record", flush=True)
 if rank == "1":  # wait until rank 0 has finished: the failure is rank 1's alone
     deadline = time.time() + 60
