@@ -17,11 +17,14 @@ from conftest import REPO
 from ddp_tutorial.harness.hosted import SETUP_CELL, SETUP_METADATA, SETUP_TAG
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-# The course's budget is 60 s a lesson on a quiet 2-core machine (lessons take 55-65 s
-# there); the assert allows a host 2.5x slower (a shared CI runner, a CPU-bound job beside
-# it): a lesson over it is stuck, not slow. Each lesson's time is reported.
+# The course's budget is 60 s a lesson on a quiet 2-core machine (`make run`: 14-59 s a
+# lesson). Under `make test` a lesson shares the two cores with launches of the other worker
+# that hold many more processes than its own, and the scheduler shares by process: 05 took
+# 129 s here (33 s alone), 00 109 s on a CI host (20 s alone). The assert allows 4x the
+# budget: a lesson over it is stuck, not starved (each launch and cell has its own timeout
+# besides). Each lesson's time is reported.
 LESSON_BUDGET_S = 60
-BUDGET_S = 2.5 * LESSON_BUDGET_S
+BUDGET_S = 4 * LESSON_BUDGET_S
 # Per cell: above every launch timeout of a lesson, so that a launch that hangs is killed
 # by its own timeout (torchrun and every rank) and says so, before nbclient kills the kernel.
 CELL_TIMEOUT_S = 300
