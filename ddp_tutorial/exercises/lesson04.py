@@ -94,6 +94,31 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
             "steps_per_call": steps_per_call}  # fmt: skip
 
 
+def _misscaled(step1: torch.Tensor, ref1: torch.Tensor, world: int) -> str | None:
+    """What a first update that is a multiple of one process's says about the loss's scale."""
+    if torch.allclose(step1, K * ref1, rtol=1e-3, atol=1e-6):
+        return (
+            f"the first update is {K} times one process's on the global batch: the {K} "
+            f"micro-batches' gradients add up, so divide each micro-batch's loss by k = {K}"
+        )
+    if world > 1 and torch.allclose(step1 * world, ref1, rtol=1e-3, atol=1e-6):
+        return (
+            f"the first update is 1/{world} of one process's on the global batch: each loss was "
+            f"divided by the {world} ranks as well, but DDP already averages the gradients over "
+            f"the ranks - divide each micro-batch's loss by k = {K} only"
+        )
+    scale = float(step1 @ ref1 / (ref1 @ ref1))  # SGD's first update is linear in the loss
+    if abs(scale - 1) < 1e-3 or not torch.allclose(step1, scale * ref1, rtol=1e-3, atol=1e-6):
+        return None
+    factor = f"1/{1 / scale:.3g} of" if scale < 1 else f"{scale:.3g} times"
+    return (
+        f"the first update is {factor} one process's on the global batch: the loss is scaled "
+        "wrong - loss_fn is already a mean over the micro-batch's samples (do not divide by "
+        f"len(x)) and DDP already averages over the ranks: divide each micro-batch's loss by "
+        f"k = {K}, and by nothing else"
+    )
+
+
 def judge_accumulate(records: list[Record]) -> str | None:
     T = torch.tensor
     first = records[0]
@@ -120,18 +145,9 @@ def judge_accumulate(records: list[Record]) -> str | None:
         if not torch.equal(T(rec["params"][-1]), T(first["params"][-1])):
             return f"rank {rank}'s weights differ from rank 0's: were the gradients averaged?"
     step1, ref1 = T(first["params"][1]) - start, ref[1] - start
-    if torch.allclose(step1, K * ref1, rtol=1e-3, atol=1e-6):
-        return (
-            f"the first update is {K} times one process's on the global batch: the {K} "
-            f"micro-batches' gradients add up, so divide each micro-batch's loss by k = {K}"
-        )
-    world = len(records)
-    if world > 1 and torch.allclose(step1 * world, ref1, rtol=1e-3, atol=1e-6):
-        return (
-            f"the first update is 1/{world} of one process's on the global batch: each loss was "
-            f"divided by the {world} ranks as well, but DDP already averages the gradients over "
-            f"the ranks - divide each micro-batch's loss by k = {K} only"
-        )
+    misscaled = _misscaled(step1, ref1, len(records))
+    if misscaled:
+        return misscaled
     gap = (T(first["params"][-1]) - ref[-1]).abs().max().item()
     if not torch.allclose(T(first["params"][-1]), ref[-1], rtol=1e-4, atol=1e-5):
         return (
