@@ -90,6 +90,16 @@ def test_unknown_lessons_and_files_get_a_clear_error(capsys, tmp_path):
         assert "which exercise?" in capsys.readouterr().err
 
 
+def test_a_renamed_copy_of_a_stub_is_known_by_its_first_line(capsys, tmp_path):
+    """Two exercises in lesson 05: a copy named mine.py is still 05_exact_resume's."""
+    (stub,) = (ex.stub for ex in find("05") if ex.name == "05_exact_resume")
+    mine = tmp_path / "mine.py"
+    mine.write_text(stub.read_text())  # untouched: named without a launch
+    assert exercise_check.main("05", [str(mine)]) == 1
+    out = capsys.readouterr().out
+    assert "05_exact_resume" in out and "not started yet" in out, out
+
+
 @pytest.mark.parametrize("lesson", sorted({ex.lesson for ex in EXERCISES}))
 def test_each_lesson_with_exercises_has_a_your_turn_section_and_check_cell(lesson):
     (path,) = REPO.glob(f"notebooks/{lesson}_*.ipynb")

@@ -24,6 +24,11 @@ CASES = register([
          edits=(("rest += (rest * padding)[:padding]", "rest += (order * padding)[:padding]"),)),
     Case(EX, "consumed-counted-per-rank", "it counts every rank's samples already",
          edits=(("rest = order[consumed:]", "rest = order[consumed * world_size :]"),)),
+    Case(EX, "off-by-one", "an off-by-one",
+         edits=(("rest = order[consumed:]", "rest = order[consumed + 1 :]"),)),
+    Case(EX, "drops-the-tail", "instead of dropping its end",
+         edits=(("    padding = -len(rest) % world_size\n    rest += (rest * padding)[:padding]\n",
+                 "    rest = rest[: len(rest) // world_size * world_size]  # like drop_last\n"),)),
 ])  # fmt: skip
 
 

@@ -1,23 +1,16 @@
-"""Lesson 05's exercises: a rank-0 atomic snapshot, and an exact resume.
+"""Lesson 05's first exercise: a rank-0 atomic snapshot (the second: ``lesson05_resume``).
 
 ``05_atomic_snapshot`` (functions): the learner's ``save_snapshot`` is called on every rank
 while the check slows rank 0's write down (a rank that returns before the file exists did not
 wait), then once more on rank 0 with ``torch.save`` killed halfway through (the old snapshot
 must survive); ``load_snapshot`` reads a file whose tensors say "cuda:0", as rank 0 of a GPU
 job writes them, on ranks that have no GPU (only ``map_location`` makes that load work).
-
-``05_exact_resume`` (a script): the learner's file runs the same job three times in one
-process, as three launches would: once straight through, once stopped after an epoch's
-snapshot, once more to resume. Each launch writes a report per rank; the judge compares the
-resumed job with the run that never stopped: where it started, what it restored, the order of
-every epoch, the final weights.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -358,88 +351,11 @@ def judge_atomic(records: list[Record]) -> str | None:
             or _judge_loads(records))  # fmt: skip
 
 
-# ---------------------------------------------------------------- 05_exact_resume
-
-RUNS = ("straight", "job-1", "job-2")  # the three launches the learner's script makes
-
-
-def run_resume(_: ModuleType | None, ctx: Context) -> Record:
-    """On each rank: its reports of the three launches."""
-    reports = {}
-    for name in RUNS:
-        path = ctx.out / f"report-{name}-rank{ctx.rank}.json"
-        reports[name] = json.loads(path.read_text()) if path.is_file() else None
-    return {"rank": ctx.rank, "reports": reports}
-
-
-def judge_resume(records: list[Record]) -> str | None:
-    missing = [f"{n} (rank {r['rank']})" for r in records for n in RUNS if not r["reports"][n]]
-    if missing:
-        return f"no report from {missing[0]}: keep the lines that write report-*.json"
-    rep = [r["reports"] for r in records]
-    stop = rep[0]["job-1"]["epochs"][-1]["epoch"]
-    epochs = len(rep[0]["straight"]["epochs"])
-    starts = [r["job-2"]["start_epoch"] for r in rep]
-    if len(set(starts)) > 1:
-        return (f"the second launch started at epoch {starts[0]} on rank 0 and {starts[1]} on "
-                "rank 1: load the snapshot on every rank")  # fmt: skip
-    start = starts[0]
-    if start == 0:
-        return ("the second launch started over at epoch 0: when snapshot.pt exists, load it "
-                "and carry on after the epoch it holds")  # fmt: skip
-    if start == stop:
-        return (f"epoch {stop} ran twice, before the stop and again after the resume: the "
-                f"snapshot holds the epoch it *finished* ({stop}); start at snapshot['epoch'] "
-                "+ 1 (the official example's EPOCHS_RUN mistake)")  # fmt: skip
-    if start != stop + 1:
-        return (f"the second launch started at epoch {start}; the snapshot was taken after "
-                f"epoch {stop}: start at snapshot['epoch'] + 1 = {stop + 1}")  # fmt: skip
-    for rank, r in enumerate(rep):
-        if r["job-2"]["optimizer_state"] == 0:
-            also = (" (DDP's broadcast copies rank 0's weights, not its optimizer's state)"
-                    if rank else "")  # fmt: skip
-            return (
-                f"rank {rank} resumed with an empty optimizer, no momentum: "
-                "optimizer.load_state_dict(snapshot['optimizer']), on every rank" + also
-            )
-    straight = rep[0]["straight"]["epochs"]
-    if rep[0]["job-2"]["start_weights"] != straight[stop]["weights"]:
-        return (
-            f"the resumed job did not start from the weights of epoch {stop}: "
-            "model.load_state_dict(snapshot['model']) (before DDP wraps the model)"
-        )
-    for rank, r in enumerate(rep):
-        orders = [e["order"] for e in r["straight"]["epochs"]]
-        if any(orders[i] == orders[0] for i in range(1, epochs)):
-            return (f"rank {rank} saw its samples in the same order in every epoch: "
-                    "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
-        for e in r["job-2"]["epochs"]:
-            want = orders[e["epoch"]]
-            if e["order"] != want:
-                same = [i for i, o in enumerate(orders) if o == e["order"]]
-                was = f" (the order of epoch {same[0]})" if same else ""
-                return (f"rank {rank}: after the resume, epoch {e['epoch']} was not shuffled "
-                        f"as it is in a run that never stopped{was}: "
-                        "sampler.set_epoch(epoch), with the epoch's own number")  # fmt: skip
-    end_job, end_straight = rep[0]["job-2"]["epochs"][-1], straight[-1]
-    if end_job["weights"] != end_straight["weights"]:
-        return ("the resumed job ended with other weights than the run that never stopped: "
-                "restore everything the snapshot holds (weights, optimizer, epoch)")  # fmt: skip
-    if any(r.get("left_group_open") for r in records):
-        return "the process group was left open: end with dist.destroy_process_group()"
-    return None
-
-
 EXERCISES = [
     Exercise(
         name="05_atomic_snapshot", lesson="05", run=run_atomic, judge=judge_atomic,
         title="a snapshot written by rank 0 alone, atomically, and read back anywhere",
         teaches='lesson 05, "The lines you write" and "2 · Killed in the middle of a save"',
         collective_timeout_s=6.0,
-    ),
-    Exercise(
-        name="05_exact_resume", lesson="05", kind="script", run=run_resume,
-        judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
-        teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=20.0,
     ),
 ]  # fmt: skip

@@ -74,6 +74,20 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
             "positions of the epoch's order")  # fmt: skip
 
 
+def _never_dealt(where: str, rest: list[int], never: list[int]) -> str:
+    """Positions of the rest that no rank got: its start (off by one), its end (dropped)."""
+    k = len(never)
+    if never == rest[:k]:
+        return (f"{where}: the first {k} position(s) after `consumed` went to no rank (sample "
+                f"{never[0]}): the rest starts at order[consumed] - an off-by-one?")  # fmt: skip
+    if never == rest[-k:]:
+        return (f"{where}: the last {k} sample(s) of the rest went to no rank (as drop_last "
+                "would): every position after `consumed` goes to some rank - pad the rest to a "
+                "multiple of world_size with its start instead of dropping its end")  # fmt: skip
+    return (f"{where}: sample {never[0]} was never dealt out ({k} in all): every position "
+            "after `consumed` goes to some rank")  # fmt: skip
+
+
 def judge_rest(records: list[Record]) -> str | None:
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
@@ -102,8 +116,7 @@ def judge_rest(records: list[Record]) -> str | None:
         dealt = [i for mine in lists for i in mine]
         never = [i for i in rest if i not in dealt]
         if never:
-            return (f"{where}: sample {never[0]} was never dealt out ({len(never)} in all): "
-                    "every position after `consumed` goes to some rank")  # fmt: skip
+            return _never_dealt(where, rest, never)
         full = padded(rest, world)
         if sorted(dealt) != sorted(full):
             extra = [i for i in set(dealt) if dealt.count(i) > full.count(i)]

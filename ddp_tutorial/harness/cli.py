@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
     check = sub.add_parser("check", help="check your answers to a lesson's exercises")
     check.add_argument("lesson", help="the lesson (01) or one exercise by name (01_ring_average)")
-    check.add_argument("files", nargs="*", help="your files (default: scripts/exercises/...)")
+    check.add_argument("files", nargs="*", help=(
+        "your files, each named after its exercise (05_exact_resume.py) or keeping its stub's "
+        "first line (default: the stubs in scripts/exercises/)"))  # fmt: skip
     check.add_argument("--solution", action="store_true", help="check the reference answers")
     check.set_defaults(func=_check)
     lint = sub.add_parser("lint", help="find the classic DDP mistakes in training scripts")

@@ -164,6 +164,17 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
     return [verdicts[i] for i in range(len(pairs))]
 
 
+def from_first_line(path: Path, exercises: Sequence[Exercise]) -> Exercise | None:
+    """The exercise whose stub's first line (``Lesson NN, your turn: ...``) the file keeps,
+    if exactly one does: a copy renamed by the learner is still recognised."""
+    try:
+        first = path.read_text().lstrip().splitlines()[0]
+    except (OSError, UnicodeDecodeError, IndexError):
+        return None
+    found = [ex for ex in exercises if ex.stub.read_text().splitlines()[0] == first]
+    return found[0] if len(found) == 1 else None
+
+
 def check(key: str, files: Sequence[str | Path] = (), solution: bool = False,
           echo: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
     """Check lesson ``key``'s exercises (or one exercise by name) on the learner's files.
@@ -180,9 +191,11 @@ def check(key: str, files: Sequence[str | Path] = (), solution: bool = False,
         pairs = []
         for f in map(Path, files):
             ex = by_name.get(f.stem) or (exercises[0] if len(exercises) == 1 else None)
+            ex = ex or from_first_line(f, exercises)
             if ex is None:
                 names = ", ".join(by_name)
-                raise LookupError(f"{f}: which exercise? name the file after one of {names}")
+                raise LookupError(f"{f}: which exercise? name the file after one of {names}, "
+                                  "or keep its stub's first line")  # fmt: skip
             pairs.append((ex, f))
     return check_files(pairs, echo=echo)
 
