@@ -25,6 +25,11 @@ CASES = register(
              edits=((PHYSICAL, "physical = local_rank"),)),
         Case(GPU, "reads-os-environ-not-env", "not os.environ",
              edits=((LOCAL, 'local_rank = int(__import__("os").environ["LOCAL_RANK"])'),)),
+        Case(GPU, "rank-mod-local-world-size", "only when every node runs as many ranks",
+             edits=((LOCAL, 'local_rank = int(env["RANK"]) % int(env["LOCAL_WORLD_SIZE"])'),)),
+        Case(GPU, "physical-id-as-str", "(str), not an int",
+             edits=(("int(listed.split(\",\")[local_rank])",
+                     "listed.split(\",\")[local_rank].strip()"),)),
         Case(GPU, "sorted-list", "expected 7",
              edits=(('listed.split(",")', 'sorted(listed.split(","), key=int)'),)),
     ]

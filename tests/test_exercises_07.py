@@ -29,6 +29,18 @@ CASES = register(
                      "        if i >= warmup:\n            synchronize()\n"))),
         Case(TIMING, "one-timed-step-short", "an off-by-one",
              edits=(("        if i >= warmup:", "        if i > warmup:"),)),
+        Case(TIMING, "cpu-time-clock", "time.perf_counter()",
+             edits=(("        start = time.perf_counter()\n",
+                     "        start = time.process_time()\n"),
+                    ("times.append(time.perf_counter() - start)",
+                     "times.append(time.process_time() - start)"))),
+        Case(TIMING, "async-max-never-waited", "was never waited on",
+             edits=(("dist.all_reduce(slowest, op=dist.ReduceOp.MAX)",
+                     "dist.all_reduce(slowest, op=dist.ReduceOp.MAX, async_op=True)"),)),
+        Case(TIMING, "clock-started-once", "added up from one start",
+             edits=(("    for i in range(warmup + steps):\n",
+                     "    start = time.perf_counter()\n    for i in range(warmup + steps):\n"),
+                    ("        start = time.perf_counter()\n", ""))),
     ]
 )  # fmt: skip
 

@@ -83,6 +83,17 @@ CASES = register(
         Case(HOOKS, "async-never-waited", "were never waited on before optimizer.step()",
              edits=(("        dist.all_reduce(p.grad)\n",
                      "        dist.all_reduce(p.grad, async_op=True)\n"),)),
+        Case(HOOKS, "hooks-on-the-weights-only", "were never all_reduced",
+             edits=(("    for p in model.parameters():\n        p.register_post",
+                     "    for m in model.modules():\n        if isinstance(m, torch.nn.Linear):\n"
+                     "            m.weight.register_post"),)),
+        Case(HOOKS, "hooks-registered-twice", "its hook is registered more than once",
+             edits=(("    for p in model.parameters():\n        p.register_post",
+                     "    for m in model.modules():\n        for p in m.parameters():\n"
+                     "            p.register_post"),)),
+        Case(HOOKS, "average-op", None,  # a right answer: gloo averages too, in this torch
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n"),)),
     ]
 )  # fmt: skip
 

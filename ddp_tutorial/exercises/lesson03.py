@@ -18,21 +18,28 @@ import torch
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV as CVD
 
-# (where, the environment a rank sees); nodes have 4 GPUs unless CUDA_VISIBLE_DEVICES says
+# (where, the environment a rank sees, as torchrun sets it); nodes have 4 GPUs unless
+# CUDA_VISIBLE_DEVICES says. The last: nodes that run different numbers of ranks (torchrun
+# allows it), where RANK % LOCAL_WORLD_SIZE is not the local rank.
 SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
-    ("one node, rank 2", {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"}),
+    ("one node, rank 2", {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4",
+                          "LOCAL_WORLD_SIZE": "4"}),
     ("node 1 of 2, rank 3", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
-                             "GROUP_RANK": "1"}),
+                             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}),
     ("one node, CUDA_VISIBLE_DEVICES=5,6,7, rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", CVD: "5,6,7"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", CVD: "5,6,7"}),
     ("node 1 of 2, CUDA_VISIBLE_DEVICES=6,7, rank 3",
-     {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
-      CVD: "6,7"}),
+     {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+      "GROUP_RANK": "1", CVD: "6,7"}),
     ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 0",
-     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", CVD: "7,5"}),
+     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: "7,5"}),
     ("one node, CUDA_VISIBLE_DEVICES=' 2, 3', rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", CVD: " 2, 3"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: " 2, 3"}),
+    ("node 1 of 2 (3 ranks on node 0, 2 here), rank 3",
+     {"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2",
+      "GROUP_RANK": "1"}),
 )  # fmt: skip
+OWN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # torchrun's, in this launch
 
 
 def _expected(env: dict[str, str]) -> tuple[int, int]:
@@ -48,8 +55,9 @@ def _answer(got: Any) -> dict[str, Any]:
     device, physical = got
     if not isinstance(device, torch.device):
         return {"bad": f"a device {device!r} that is not a torch.device"}
-    return {"type": device.type, "index": device.index, "physical": physical
-            if isinstance(physical, int) else repr(physical)}  # fmt: skip
+    if not isinstance(physical, int):
+        return {"bad": f"a physical id {physical!r} ({type(physical).__name__}), not an int"}
+    return {"type": device.type, "index": device.index, "physical": physical}
 
 
 def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, str]) -> Record:
@@ -64,7 +72,7 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
     answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
     if CVD not in os.environ:  # this rank's own environment, from torchrun
-        own = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        own = {k: os.environ[k] for k in OWN}
         answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, dict(os.environ)))
     return {"answers": answers}
 
@@ -98,6 +106,13 @@ def judge_gpu(records: list[Record]) -> str | None:
                         f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK "
                         '(lesson 03, "Physical ids and logical ids")'
                     )
+                if a["index"] == global_ % int(env["LOCAL_WORLD_SIZE"]):
+                    return (
+                        f"{where}: you picked cuda:{a['index']}, RANK % LOCAL_WORLD_SIZE; that "
+                        "is the local rank only when every node runs as many ranks - read "
+                        "LOCAL_RANK, which torchrun sets on every node "
+                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
+                    )
                 if a["index"] == rank:  # torchrun's LOCAL_RANK here: one node, rank = local
                     return (
                         f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
@@ -116,7 +131,7 @@ def judge_gpu(records: list[Record]) -> str | None:
                     return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
                             f"card listed at position LOCAL_RANK: {physical} "
                             '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
-                return (f"{where}: you said physical GPU {a['physical']!r}, expected {physical} "
+                return (f"{where}: you said physical GPU {a['physical']}, expected {physical} "
                         '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
     return None
 

@@ -25,6 +25,7 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 STEPS, WARMUP = 5, 2
 WORK_S = (0.005, 0.04)  # one step's device work on rank 0, on rank 1 (and beyond): a slower rank
 FIRST_S = 0.3  # the first call's extra work: the warm-up a real first step pays
+CPU_CLOCKS = ("process_time", "thread_time")  # the time this process computed, not waited
 
 
 def work_s(rank: int) -> float:
@@ -54,68 +55,97 @@ class QueuedDevice:
             time.sleep(left)
 
 
+class _Waited:
+    """What ``all_reduce(..., async_op=True)`` returned, its ``wait()`` noted."""
+
+    def __init__(self, work: Any, notes: dict[str, Any]) -> None:
+        self._work, self._notes = work, notes
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._notes["waits"] += 1
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 @contextmanager
-def reductions(ops: list[str]) -> Iterator[None]:
-    """Note the op of every ``dist.all_reduce`` made inside the block."""
-    real = dist.all_reduce
+def noted_calls(notes: dict[str, Any]) -> Iterator[None]:
+    """Note the op of every ``dist.all_reduce`` made inside the block, its async calls and
+    their waits, and every read of a CPU-time clock (which does not count waiting)."""
+    real, clocks = dist.all_reduce, {n: getattr(time, n) for n in CPU_CLOCKS}
 
     def call(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
-        ops.append(str(op).rsplit(".", 1)[-1])
-        return real(tensor, op, *args, **kwargs)
+        notes["ops"].append(str(op).rsplit(".", 1)[-1])
+        work = real(tensor, op, *args, **kwargs)
+        if kwargs.get("async_op"):
+            notes["async"] += 1
+            return _Waited(work, notes)
+        return work
+
+    def clock(name: str) -> Any:
+        def read() -> float:
+            notes["cpu_clock"] = name
+            return clocks[name]()
+
+        return read
 
     dist.all_reduce = call
+    for name in CPU_CLOCKS:
+        setattr(time, name, clock(name))
     try:
         yield
     finally:
         dist.all_reduce = real
+        for name, real_clock in clocks.items():
+            setattr(time, name, real_clock)
 
 
 def run_timing(module: ModuleType, ctx: Context) -> Record:
     device = QueuedDevice(ctx.rank)
-    ops: list[str] = []
-    with reductions(ops):
+    notes: dict[str, Any] = {"ops": [], "async": 0, "waits": 0, "cpu_clock": None}
+    with noted_calls(notes):
         got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
     try:
         seconds = float(got)
     except (TypeError, ValueError):
         seconds = None
     return {"seconds": seconds, "returned": repr(got)[:80], "calls": device.calls,
-            "syncs": device.syncs, "ops": ops}  # fmt: skip
+            "syncs": device.syncs, **notes}  # fmt: skip
 
 
-def judge_timing(records: list[Record]) -> str | None:
-    n = len(records)
+def _judge_habits(records: list[Record]) -> str | None:
+    """A CPU-time clock, an all_reduce never waited for: named before the numbers they skew."""
     for rank, rec in enumerate(records):
-        if rec["seconds"] is None:
-            return f"rank {rank}'s time_steps returned {rec['returned']}, not a number of seconds"
-        if rec["calls"] != STEPS + WARMUP:
-            return (f"rank {rank} called step() {rec['calls']} times: {WARMUP} untimed warm-up "
-                    f"calls, then {STEPS} timed ones")  # fmt: skip
-    values = [rec["seconds"] for rec in records]
-    mine = [work_s(r) * STEPS for r in range(n)]  # each rank's timed device work, at least
+        if rec["cpu_clock"]:
+            return (f"rank {rank} read time.{rec['cpu_clock']}(), the CPU time this process "
+                    "used: it does not count the time spent waiting in synchronize() or for the "
+                    "device - time a step by the wall clock, time.perf_counter()")  # fmt: skip
+        if rec["async"] > rec["waits"]:
+            return (f"rank {rank}'s all_reduce(..., async_op=True) was never waited on: it "
+                    "returns before the other ranks' times have arrived, so the tensor may "
+                    "still hold this rank's own - call it without async_op (or .wait() on "
+                    "what it returns before reading the tensor)")  # fmt: skip
+    return None
+
+
+def _judge_value(value: float, mine: list[float]) -> str | None:
+    """The reported time against each rank's device work: what each habit skipped adds or
+    removes (``mine``: each rank's timed work, at least)."""
     slowest = max(mine)
-    if values[0] <= 0:
-        return f"time_steps returned {values[0]}: no step was timed"
-    if any(v != values[0] for v in values):
-        said = ", ".join(f"rank {r} {v * 1e3:.1f} ms" for r, v in enumerate(values))
-        return (f"the ranks reported different times ({said}): report the slowest rank's on "
-                "every rank - all_reduce it with op=ReduceOp.MAX")  # fmt: skip
-    wrong_ops = sorted({op for rec in records for op in rec["ops"]} - {"MAX"})
-    if wrong_ops:
-        what = {
-            "SUM": "adds up the ranks' times (or averages them, once divided)",
-            "AVG": "averages the ranks' times",
-        }
-        return (f"all_reduce with {wrong_ops[0]} {what.get(wrong_ops[0], 'is not the slowest')}"
-                f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
-                f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
-                "op=ReduceOp.MAX")  # fmt: skip
-    value = values[0]
     if value < 0.4 * min(mine):
         return (
             f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
             f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued - "
             "call synchronize() before each clock reading"
+        )
+    everything = FIRST_S + (STEPS + WARMUP) * slowest / STEPS  # all its work, warm-up too
+    if value > 1.5 * everything:
+        return (
+            f"{value * 1e3:.0f} ms: more than the slowest device's whole work, warm-up "
+            f"included ({everything * 1e3:.0f} ms) - were the clock's readings added up from "
+            "one start? Read the clock at the start of each timed step (after synchronize()), "
+            "or once around all the timed steps"
         )
     if value > slowest + 0.5 * FIRST_S:
         return (
@@ -137,6 +167,38 @@ def judge_timing(records: list[Record]) -> str | None:
             "(an off-by-one: i >= warmup, not i > warmup)"
         )
     return None
+
+
+def judge_timing(records: list[Record]) -> str | None:
+    n = len(records)
+    for rank, rec in enumerate(records):
+        if rec["seconds"] is None:
+            return f"rank {rank}'s time_steps returned {rec['returned']}, not a number of seconds"
+        if rec["calls"] != STEPS + WARMUP:
+            return (f"rank {rank} called step() {rec['calls']} times: {WARMUP} untimed warm-up "
+                    f"calls, then {STEPS} timed ones")  # fmt: skip
+    if mistake := _judge_habits(records):
+        return mistake
+    values = [rec["seconds"] for rec in records]
+    mine = [work_s(r) * STEPS for r in range(n)]  # each rank's timed device work, at least
+    slowest = max(mine)
+    if values[0] <= 0:
+        return f"time_steps returned {values[0]}: no step was timed"
+    if any(v != values[0] for v in values):
+        said = ", ".join(f"rank {r} {v * 1e3:.1f} ms" for r, v in enumerate(values))
+        return (f"the ranks reported different times ({said}): report the slowest rank's on "
+                "every rank - all_reduce it with op=ReduceOp.MAX")  # fmt: skip
+    wrong_ops = sorted({op for rec in records for op in rec["ops"]} - {"MAX"})
+    if wrong_ops:
+        what = {
+            "SUM": "adds up the ranks' times (or averages them, once divided)",
+            "AVG": "averages the ranks' times",
+        }
+        return (f"all_reduce with {wrong_ops[0]} {what.get(wrong_ops[0], 'is not the slowest')}"
+                f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
+                f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
+                "op=ReduceOp.MAX")  # fmt: skip
+    return _judge_value(values[0], mine)
 
 
 EXERCISES = [

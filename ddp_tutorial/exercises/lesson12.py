@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
-from ddp_tutorial.exercises.tracing import Trace, traced_all_reduce
+from ddp_tutorial.exercises.tracing import Trace, coverage, traced_all_reduce
 from ddp_tutorial.settings import machine_load
 
 SIZES = (8, 32, 32, 32, 4)  # the MLP's widths: 4 Linear layers, 8 parameter tensors
@@ -269,6 +269,8 @@ def judge_hooks(records: list[Record]) -> str | None:
                 "given (def hook(param): ... param.grad) "
                 '(lesson 12, "Your turn")'
             )
+        if mistake := coverage(targets, rec["nparams"]):
+            return f'rank {rank}: {mistake} (lesson 12, "Your turn")'
         first = next((e for e in rec["events"] if e["kind"] == "step" and e["unwaited"]), None)
         if first:
             return (

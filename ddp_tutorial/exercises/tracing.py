@@ -86,3 +86,23 @@ def traced_all_reduce(trace: Trace, module: ModuleType | None = None) -> Iterato
         dist.all_reduce = real
         for name in bound:
             setattr(module, name, real)
+
+
+def coverage(targets: list[str], n: int) -> str | None:
+    """One backward's all_reduce targets, when each was a parameter's own gradient: which of
+    the ``n`` gradients none reduced, or which one was reduced more than once (None: each once,
+    or the learner reduced tensors of its own, which the weights judge instead)."""
+    if not targets or any(not t.startswith("grad ") for t in targets):
+        return None
+    missing = [i for i in range(n) if f"grad {i}" not in targets]
+    if missing:
+        return (f"the gradients of parameters {missing} (of 0-{n - 1}) were never "
+                "all_reduced: a hook on every parameter - loop over model.parameters(), biases "
+                "included")  # fmt: skip
+    again = max(set(targets), key=targets.count)
+    if targets.count(again) > 1:
+        return (f"{again} was all_reduced {targets.count(again)} times in one backward: its "
+                "hook is registered more than once (model.modules() yields a parameter once for "
+                "every module that holds it, the model itself included) - loop over "
+                "model.parameters(), one hook each")  # fmt: skip
+    return None
