@@ -24,7 +24,7 @@ import time
 import uuid
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -956,9 +956,14 @@ class EvalResult:
 
 @torch.no_grad()
 def local_sums(
-    model: nn.Module, loader: DataLoader, device: torch.device, amp: torch.dtype | None = None
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    amp: torch.dtype | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``[correct, count, loss_sum]`` over one loader, float64 (exact counts)."""
+    """``[correct, count, loss_sum]`` over one loader, float64 (exact counts). ``loss_fn``:
+    training's, a mean over a batch (default: cross-entropy); accuracy is the argmax's."""
     model = unwrap_model(model)  # a DDP forward may sync buffers: a collective not all join
     was_training = model.training
     model.eval()
@@ -970,7 +975,10 @@ def local_sums(
                 logits = model(x)
             sums[0] += (logits.argmax(dim=1) == y).sum()
             sums[1] += y.numel()
-            sums[2] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+            if loss_fn is None:
+                sums[2] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+            else:  # a mean over the batch, times its size
+                sums[2] += loss_fn(logits.float(), y).double() * y.numel()
     finally:
         model.train(was_training)
     return sums
@@ -986,6 +994,7 @@ def distributed_evaluate(
     num_workers: int = 0,
     pin_memory: bool = False,
     amp: torch.dtype | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
@@ -1008,7 +1017,7 @@ def distributed_evaluate(
         multiprocessing_context=worker_context(num_workers),
         generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone
     )
-    sums = local_sums(model, loader, device, amp)
+    sums = local_sums(model, loader, device, amp, loss_fn)
     local_count = int(sums[1])
     if group_active():
         dist.all_reduce(sums)

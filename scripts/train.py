@@ -123,7 +123,12 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--init-timeout", type=float, default=600, help="seconds every rank may take to join")
     add("--no-progress", action="store_true", help="no progress bar (none off a terminal)")
-    add("--out", help="a folder for the course's records: the one optional hook (its recorder)")
+    add("--out", help="the course's records (needs its ddp_tutorial package): the one hook")
+    for action in p._actions:  # --help shows every default
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in (
+            action.help or ""
+        ):
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
     return p
 
 
@@ -171,6 +176,9 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             return f"{name} {path}: not writable by this user; give another directory"
     if args.pretrain and not Path(args.pretrain).is_file():
         return f"--pretrain {args.pretrain}: no such file"
+    if args.out and importlib.util.find_spec("ddp_tutorial") is None:
+        return ("--out is the course's recorder, from its ddp_tutorial package (not installed "
+                "here): leave --out out in your own project")  # fmt: skip
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         return "--tensorboard needs the tensorboard package: pip install tensorboard"
     if args.checkpoint_dir and (failed := Path(args.checkpoint_dir) / FAILED).is_file():
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     if problem := check_run(args, world_size, None):
         fail(problem)
     try:  # each rank checks its share of an image folder's files (a rank that finds one says so)
+        # yours instead: (train set, val set, number of classes), samples (input, class index)
         data = kit.build_datasets(args, rank, world_size)  # (train set, val set, classes)
     except kit.DataError as exc:
         fail(str(exc), everywhere=True)
@@ -305,7 +314,7 @@ def train(
 
     # 4. The model: the same initial weights on every rank (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    model = kit.build_model(args.model, num_classes, args.image_size)
+    model = kit.build_model(args.model, num_classes, args.image_size)  # yours: any nn.Module
     if args.pretrain:  # weights_only: a file that would run code is refused, not executed
         kit.load_model_state(model, args.pretrain, map_location="cpu")
     if args.sync_bn:
@@ -320,7 +329,7 @@ def train(
     model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP
     # AdamW, no weight decay on biases and norm weights; fused: fp16 steps need no host sync
     optimizer = kit.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = nn.CrossEntropyLoss()  # a mean over the batch; evaluation scores with it too
     amp = kit.amp_dtype(device, args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16: scale losses
     # 6. The data: a shard per rank, a random stream per rank (data_loader above).
@@ -407,6 +416,7 @@ def train(
             2 * args.batch_size,
             device,
             amp=amp,
+            loss_fn=loss_fn,
             num_workers=args.num_workers,
             pin_memory=cuda,
         )

@@ -163,6 +163,21 @@ def test_the_ranks_sums_add_up_to_one_process_and_padding_counts_twice(world):
     assert int(naive[1]) == 301 + padding and int(naive[0]) == whole.correct + int(repeated[0])
 
 
+def test_evaluation_scores_with_trainings_loss():
+    """A loss_fn given (the template passes training's): the mean of it over every sample."""
+    torch.manual_seed(0)
+    model, data = MLP(16, 4), GaussianBlobs(301, seed=1)
+    sharp = torch.nn.CrossEntropyLoss(label_smoothing=0.3)
+    x = torch.stack([data[i][0] for i in range(len(data))])
+    y = torch.tensor([int(data[i][1]) for i in range(len(data))])
+    with torch.no_grad():
+        logits = model(x)
+        want = sharp(logits, y).item()
+        assert want != pytest.approx(torch.nn.functional.cross_entropy(logits, y).item())
+    got = distributed_evaluate(model, data, 16, loss_fn=sharp)
+    assert got.loss == pytest.approx(want, rel=1e-5) and got.count == 301
+
+
 # ---------------------------------------------------------------- batch arithmetic, plots
 
 

@@ -734,6 +734,17 @@ def test_tensorboard_without_the_package_is_refused_before_training(template, mo
     assert "pip install tensorboard" in template.check_run(args, 2, None)
 
 
+def test_out_without_the_course_package_is_refused_before_training(template, monkeypatch):
+    """--out is the course's hook: a copy in a project without the package is told so."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    missing = lambda name, *a: None if name == "ddp_tutorial" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    args = template.parse_args(["--out", "records"])
+    assert "leave --out out in your own project" in template.check_run(args, 2, None)
+
+
 def test_download_is_refused_on_several_ranks(template):
     """--download with several ranks: refused before any rank builds (downloads) the data."""
     args = template.parse_args(["--data", "cifar10", "--data-dir", "d", "--download"])
