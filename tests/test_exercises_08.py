@@ -30,6 +30,20 @@ CASES = register([
                  "                status = PREEMPTED\n"),)),
     Case(EX, "rank-0-decides-alone", "which reached rank 1 only",
          edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)", "dist.broadcast(flag, src=0)"),)),
+    Case(EX, "flag-checked-once-per-epoch", "check the flag every few steps",
+         edits=(('            flag = torch.tensor(float(stop["signal"]))\n',
+                 "            if step % len(loader):  # once an epoch\n                continue\n"
+                 '            flag = torch.tensor(float(stop["signal"]))\n'),)),
+    Case(EX, "exits-in-the-handler", "exited inside its SIGTERM handler",
+         edits=(("    signal.signal(signal.SIGTERM, lambda signum, frame: "
+                 "stop.update(signal=signum))",
+                 "    def on_sigterm(signum, frame):\n        stop.update(signal=signum)\n"
+                 "        raise SystemExit(PREEMPTED)\n\n"
+                 "    signal.signal(signal.SIGTERM, on_sigterm)"),)),
+    Case(EX, "flag-reduced-by-the-signalled-rank-only", "called different collectives",
+         edits=(("            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n",
+                 '            if stop["signal"]:\n'
+                 "                dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n"),)),
 ])  # fmt: skip
 
 

@@ -28,16 +28,42 @@ PREEMPTED = 75
 HOLD_S = 0.5  # rank 0's torch.save is held this long: a rank that does not wait returns first
 
 
+IN_HANDLER = "exited inside its SIGTERM handler"  # the error a wrapped handler's exit becomes
+
+
+def _wrapped(handler: Any) -> Any:
+    """The learner's SIGTERM handler, with an exit from inside it turned into a named error
+    (its frame stays on the stack under the learner's, so the stub still sees a save in it)."""
+
+    def sigterm(signum: int, frame: Any) -> Any:
+        try:
+            return handler(signum, frame)
+        except SystemExit as stop:
+            raise RuntimeError(f"rank {IN_HANDLER} (SystemExit {stop.code})") from stop
+
+    return sigterm
+
+
 @contextmanager
-def slow_save_on_rank0(ctx: Context) -> Iterator[None]:
-    """Rank 0's torch.save starts HOLD_S late: the other ranks must still be waiting for it."""
-    real = torch.save
+def preempt_watch(ctx: Context) -> Iterator[None]:
+    """Around the learner's file: rank 0's first torch.save starts HOLD_S late (the others must
+    still be waiting for it), and a SIGTERM handler's exit from inside itself is named."""
+    real_save, real_signal = torch.save, signal.signal
+
+    held: list[int] = []
 
     def save(*args: Any, **kwargs: Any) -> None:
-        time.sleep(HOLD_S)
-        real(*args, **kwargs)
+        if not held:  # the first save (the preemption's): a loop that saves on is named anyway
+            held.append(1)
+            time.sleep(HOLD_S)
+        real_save(*args, **kwargs)
 
-    with mock.patch.object(torch, "save", save) if ctx.rank == 0 else nullcontext():
+    def install(signum: Any, handler: Any) -> Any:
+        wrap = signum == signal.SIGTERM and callable(handler)
+        return real_signal(signum, _wrapped(handler) if wrap else handler)
+
+    with (mock.patch.object(torch, "save", save) if ctx.rank == 0 else nullcontext(),
+          mock.patch.object(signal, "signal", install)):  # fmt: skip
         yield
 
 
@@ -108,11 +134,6 @@ def judge_preempt(records: list[Record]) -> str | None:
                 "every rank must learn whether ANY rank was signalled - all_reduce the flag "
                 f"with op=MAX (a broadcast from rank 0, or MIN, misses rank {PREEMPT_RANK}'s) - "
                 "then stop the loop")  # fmt: skip
-    if stop - PREEMPT_AT >= EVERY:
-        return (
-            f"the ranks stopped at step {stop}, {stop - PREEMPT_AT} steps after the signal: "
-            "torchrun and SLURM wait 30 s before SIGKILL - check the flag every few steps"
-        )
     writers = [rep["rank"] for rep in reports if rep["saves"]]
     if len(writers) > 1:
         return (f"ranks {writers} each saved a snapshot: only global rank 0 saves (`if rank == "
@@ -125,6 +146,11 @@ def judge_preempt(records: list[Record]) -> str | None:
         return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
                 "loop trained on after the preemption - break out of it right after the "
                 "save, with status PREEMPTED")  # fmt: skip
+    if stop - PREEMPT_AT >= EVERY:
+        return (
+            f"the ranks stopped at step {stop}, {stop - PREEMPT_AT} steps after the signal: "
+            "torchrun and SLURM wait 30 s before SIGKILL - check the flag every few steps"
+        )
     if mistake := _judge_snapshot(records, stop):
         return mistake
     statuses = [rep["status"] for rep in reports]
@@ -139,6 +165,9 @@ def judge_preempt(records: list[Record]) -> str | None:
 
 
 ERRORS = (  # matched against each failing rank's error and the line of the file it failed at
+    (IN_HANDLER, "a rank exited inside its SIGTERM handler: nothing was saved, and the other "
+     "rank was left waiting in the next all_reduce - the handler only sets the flag "
+     "(stop['signal'] = signum); the loop saves and stops at the step boundary"),
     ("SystemExit: 75", "the file exited with 75 from inside the loop: right for a job on a "
      "cluster, but this file reports first - set status = PREEMPTED and break, and main() "
      "returns it (on a cluster, end the script with sys.exit(main()))"),
@@ -150,7 +179,7 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
-        judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=slow_save_on_rank0,
+        judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
     ),

@@ -9,6 +9,7 @@ rank died (gloo aborts the process on some mistakes), for the candidates after i
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,6 +117,29 @@ def _start(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[Launch, Path
     return launch, run_dir
 
 
+MISMATCH = ("doesn't match", "EnforceNotMet")  # gloo's words for ranks in different collectives
+
+
+def died(ex: Exercise, path: Path, output: str) -> str:
+    """The ranks died without a record (gloo aborts a process whose peers called another
+    collective): where in the learner's file, if the output says, else how to see it."""
+    # a traceback names the innermost frame last ("line 9, in f"); a fatal error's dump
+    # (faulthandler, when gloo aborts) first ("line 9 in f")
+    found = re.findall(rf'File "{re.escape(str(path.resolve()))}", line (\d+)(,?)', output)
+    if not found:
+        return ex.hint("the launch failed before your code ran: run it in a shell, torchrun "
+                       f"--standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
+    traced = [n for n, comma in found if comma]
+    line = int(traced[-1] if traced else found[0][0])
+    code = path.read_text().splitlines()[line - 1].strip() if path.is_file() else ""
+    if any(word in output for word in MISMATCH):
+        return ex.hint(f"the ranks were aborted by gloo at your file, line {line}: {code} - "
+                       "the ranks called different collectives (or sent tensors of different "
+                       "sizes): is a collective under an `if` only some ranks take?")  # fmt: skip
+    return ex.hint(f"a rank died at your file, line {line}: {code} - run it in a shell to see "
+                   f"why: torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
+
+
 def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 force: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
     """Verdicts for (exercise, file) pairs, in order; untouched stubs without a launch
@@ -153,11 +177,10 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 passed, message = judge(ex, records, output)
                 verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=seconds)
                 ran += 1
-            if ran == 0:  # the launch itself failed before the first candidate
+            if ran == 0:  # the launch died before the first candidate's records
                 ex, path = pairs[indexes[0]]
                 verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, seconds=seconds,
-                    message="the launch failed before your code ran: run it in a shell, "
-                    f"torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
+                                                       message=died(ex, path, output))  # fmt: skip
                 ran = 1
             todo[n] = indexes[ran:]
         todo = {n: indexes for n, indexes in todo.items() if indexes}

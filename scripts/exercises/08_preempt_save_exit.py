@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="per process")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--num-samples", type=int, default=192)
+    p.add_argument("--num-samples", type=int, default=640)  # 40 steps an epoch on 2 ranks
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--preempt-at-step",
