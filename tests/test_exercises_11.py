@@ -57,7 +57,27 @@ CASES = register([
                  "from __future__ import annotations\n\n"),)),
     Case(EX, "sends-float16", "sent float16",
          edits=(("buffer.to(torch.bfloat16)", "buffer.to(torch.float16)"),)),
+    Case(EX, "blocking-all-reduce", "waited for its all_reduce (no async_op=True)",
+         edits=(("    work = dist.all_reduce(compressed, group=group, async_op=True)\n",
+                 "    dist.all_reduce(compressed, group=group)\n    buffer.copy_(compressed)\n"),
+                ("    future = work.get_future().then(decompress)\n", ""))),
+    Case(EX, "then-returns-none", "returned None",
+         edits=(("        return buffer\n", ""),)),
 ])  # fmt: skip
+
+
+def test_a_bucket_copied_before_the_sum_arrived_is_named():
+    """Chained on the stub's completed Future, the copy runs before gloo's sum has arrived
+    (when exactly is a race, so this is the judge alone): each rank's own gradient / n."""
+    from ddp_tutorial.exercises.lesson11 import STEPS, judge_hook
+
+    plain, alone = [[0.5, -1.0, 2.0]] * STEPS, [[1.0, -4.0, 2.0]] * STEPS
+    sent = [[("bfloat16", 6, True)]] * STEPS
+    records = [{"plain": plain, "alone": alone, "hooked": [[g / 2 for g in alone[0]]] * STEPS,
+                "sent": sent, "bytes_fp32": 12} for _ in range(2)]  # fmt: skip
+    assert "copied back before the sum arrived" in judge_hook(records)
+    records = [{**r, "hooked": plain} for r in records]
+    assert judge_hook(records) is None
 
 
 @pytest.mark.torchrun

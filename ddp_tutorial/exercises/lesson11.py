@@ -53,21 +53,21 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     hooked.register_comm_hook(None, module.bf16_compress_hook)
-    sent: list[tuple[str, int]] = []
+    sent: list[tuple[str, int, bool]] = []
     original = dist.all_reduce
 
     def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent.append(
-            (str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size())
-        )
+        size = tensor.numel() * tensor.element_size()
+        sent.append((str(tensor.dtype).removeprefix("torch."), size, bool(kwargs.get("async_op"))))
         return original(tensor, *args, **kwargs)
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
-    record: Record = {"plain": [], "hooked": [], "sent": [], "returned": []}
+    record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": []}
     for _ in range(STEPS):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        for name, model in (("plain", plain), ("hooked", hooked)):
+        for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
             model.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             step: Callable[[], None] = loss.backward
@@ -94,18 +94,29 @@ def judge_hook(records: list[Record]) -> str | None:
                 return (f"rank {rank}'s hook sent nothing in step {step}: it must "
                         "dist.all_reduce the bucket (without it each rank keeps its own "
                         "gradients and the replicas drift apart)")  # fmt: skip
-            dtypes = sorted({d for d, _ in sent})
+            dtypes = sorted({d for d, _, _ in sent})
             if dtypes != ["bfloat16"]:
                 return (f"rank {rank}'s hook sent {', '.join(dtypes)}: cast the bucket to "
                         "torch.bfloat16 before the all_reduce (half the bytes)")  # fmt: skip
-            total = sum(b for _, b in sent)
+            total = sum(b for _, b, _ in sent)
             if 2 * total != rec["bytes_fp32"]:
                 return (f"rank {rank}'s hook sent {total} bytes in step {step}, not half of "
                         f"the {rec['bytes_fp32']} float32 bytes of the gradients: send each "
                         "bucket once, whole")  # fmt: skip
+            if not all(async_op for _, _, async_op in sent):
+                return (f"rank {rank}'s hook waited for its all_reduce (no async_op=True): "
+                        "backward stops at every bucket until the sum has arrived - pass "
+                        "async_op=True and chain .then(fn) on work.get_future(), so that DDP "
+                        "overlaps the sending with the rest of backward")  # fmt: skip
             want, got = torch.tensor(rec["plain"][step]), torch.tensor(rec["hooked"][step])
             scale = want.abs().max().item()
             n = len(records)
+            own = torch.tensor(rec["alone"][step]) / n
+            if n > 1 and (got - own).abs().max().item() <= TOLERANCE * scale:
+                return (f"rank {rank}'s gradients are its own divided by {n}: the bucket was "
+                        "copied back before the sum arrived - chain .then(fn) on the "
+                        "all_reduce's own future (work.get_future()), not on a Future that is "
+                        "already complete")  # fmt: skip
             if (got - n * want).abs().max().item() <= TOLERANCE * n * scale:
                 return (f"rank {rank}'s gradients are {n} times DDP's: divide by the world "
                         "size (DDP averages the gradients, all_reduce sums them)")  # fmt: skip
@@ -262,6 +273,9 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
 )  # fmt: skip
 
 ERRORS = (
+    ("Expected a proper Tensor but got None", "the function given to .then() returned None: "
+     "return the bucket's tensor from it (DDP copies what the Future holds into the "
+     "gradients)"),
     ("isPyObject()", "the hook returned all_reduce's own Future, whose value is a list [tensor], "
      "not the bucket's tensor: chain .then(fn) and return the bucket from fn"),
     ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
