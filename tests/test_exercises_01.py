@@ -33,6 +33,12 @@ CASES = register([
     Case(GATHER, "float-padding", "came back as float32",
          edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
                  "padded = torch.zeros(longest)"),)),
+    Case(RING, "left-neighbour-negative", "is not a rank",
+         edits=(("src=(rank - 1) % world", "src=rank - 1"),)),
+    Case(RING, "receives-into-the-buffer-being-sent", "receive into a buffer of its own",
+         edits=(("dist.recv(recv_buf, src=", "dist.recv(send_buf, src="),
+                ("        total += recv_buf\n", "        total += send_buf\n"),
+                ("        send_buf = recv_buf.clone()", "        pass"))),
 ])  # fmt: skip
 
 

@@ -58,6 +58,8 @@ CASES = register(
              edits=(("            (loss_fn(model(x), y) / k).backward()\n",
                      "            (loss_fn(model(x), y) / k).backward()\n"
                      "            optimizer.step()\n"),)),
+        Case(BUFFERS, "async-never-waited", "was never waited on",
+             edits=(("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
     ]
 )  # fmt: skip
 

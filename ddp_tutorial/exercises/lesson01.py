@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
 
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_gather_object",
@@ -24,16 +24,41 @@ COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "
 POINT_TO_POINT = ("send", "isend", "recv", "irecv")
 
 
+def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
+    """Refuse what torch would only hang on: a peer that is no rank (it waits for a key no
+    rank writes), a receive into a tensor an isend is still sending."""
+    world = dist.get_world_size()
+    if isinstance(peer, int) and not 0 <= peer < world:
+        side = "dst" if name in ("send", "isend") else "src"
+        raise ValueError(f"{side}={peer} is not a rank (0..{world - 1}): the ring's neighbours "
+                         "are (rank + 1) % world_size and (rank - 1) % world_size")  # fmt: skip
+    if (
+        name in ("recv", "irecv")
+        and isinstance(tensor, torch.Tensor)
+        and (tensor.data_ptr() in sending)
+    ):
+        raise ValueError("received into the tensor an isend is still sending (not waited on "
+                         "yet): receive into a buffer of its own (torch.empty_like)")  # fmt: skip
+
+
 @contextmanager
 def watched(calls: list[tuple[str, Any]]) -> Iterator[None]:
     """Record each collective and send/recv (name, peer) while the learner's code runs."""
     saved = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
+    sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
             calls.append((name, peer if name in POINT_TO_POINT else None))
-            return real(*args, **kwargs)
+            if name in POINT_TO_POINT:
+                _check_peer(name, peer, args[0] if args else kwargs.get("tensor"), sending)
+            work = real(*args, **kwargs)
+            if name != "isend" or work is None:
+                return work
+            ptr = (args[0] if args else kwargs["tensor"]).data_ptr()
+            sending.add(ptr)
+            return NotedWork(work, lambda: sending.discard(ptr))
 
         return call
 

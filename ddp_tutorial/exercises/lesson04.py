@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
 
 ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted all_reduces"'
 BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
@@ -33,13 +33,18 @@ K, MICRO, STEPS, LR, FEATURES, CLASSES = 3, 4, 2, 0.5, 8, 3
 
 
 @contextmanager
-def counted(name: str, calls: list[str]) -> Iterator[None]:
-    """Append ``name`` to ``calls`` each time ``dist.<name>`` runs inside the block."""
+def counted(name: str, calls: list[str], asyncs: dict[str, int] | None = None) -> Iterator[None]:
+    """Append ``name`` to ``calls`` each time ``dist.<name>`` runs inside the block (and with
+    ``asyncs``: count the calls with async_op=True and the waits on what they returned)."""
     real = getattr(dist, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         calls.append(name)
-        return real(*args, **kwargs)
+        work = real(*args, **kwargs)
+        if asyncs is None or not kwargs.get("async_op"):
+            return work
+        asyncs["sent"] += 1
+        return NotedWork(work, lambda: asyncs.update(waited=asyncs["waited"] + 1))
 
     setattr(dist, name, call)
     try:
@@ -199,14 +204,16 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     before = _buffers(model)
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
-    with counted("all_reduce", calls), counted("broadcast", calls):
+    asyncs = {"sent": 0, "waited": 0}
+    with counted("all_reduce", calls, asyncs), counted("broadcast", calls, asyncs):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():
         probe = model(torch.linspace(-1, 3, 2 * 36).reshape(2, 1, 6, 6))
     same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
     return {"before": before, "after": _buffers(model), "probe": probe.tolist(),
-            "calls": calls, "params_unchanged": same_params}  # fmt: skip
+            "calls": calls, "params_unchanged": same_params,
+            "unwaited": asyncs["sent"] - asyncs["waited"]}  # fmt: skip
 
 
 def judge_buffers(records: list[Record]) -> str | None:
@@ -231,6 +238,10 @@ def judge_buffers(records: list[Record]) -> str | None:
                         f"{records[0]['after'][name]['values']}): it counts the batches each "
                         "rank saw, the same on every rank - leave it alone")  # fmt: skip
     differ = [k for k in stats if any(r["after"][k] != records[0]["after"][k] for r in records)]
+    if any(r["unwaited"] for r in records):  # the numbers then depend on a race
+        return ("an all_reduce(..., async_op=True) was never waited on: it returns before the "
+                "sum has arrived - call .wait() on what it returns before dividing (or call it "
+                "without async_op)")  # fmt: skip
     if differ:
         kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
         layers = sorted({k.rsplit(".", 1)[0] for k in differ})

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
 
 STEPS, WARMUP = 5, 2
 WORK_S = (0.005, 0.04)  # one step's device work on rank 0, on rank 1 (and beyond): a slower rank
@@ -55,20 +55,6 @@ class QueuedDevice:
             time.sleep(left)
 
 
-class _Waited:
-    """What ``all_reduce(..., async_op=True)`` returned, its ``wait()`` noted."""
-
-    def __init__(self, work: Any, notes: dict[str, Any]) -> None:
-        self._work, self._notes = work, notes
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._notes["waits"] += 1
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
 @contextmanager
 def noted_calls(notes: dict[str, Any]) -> Iterator[None]:
     """Note the op of every ``dist.all_reduce`` made inside the block, its async calls and
@@ -80,7 +66,7 @@ def noted_calls(notes: dict[str, Any]) -> Iterator[None]:
         work = real(tensor, op, *args, **kwargs)
         if kwargs.get("async_op"):
             notes["async"] += 1
-            return _Waited(work, notes)
+            return NotedWork(work, lambda: notes.update(waits=notes["waits"] + 1))
         return work
 
     def clock(name: str) -> Any:
