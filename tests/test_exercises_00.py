@@ -29,6 +29,11 @@ CASES = register([
          edits=(('    dist.init_process_group("gloo")\n', ""),
                 ('rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])',
                  "rank, world_size = 0, 1"))),
+    Case(EX, "set-epoch-adds-the-seed", "the sampler adds its own seed",
+         edits=(("sampler.set_epoch(epoch)", "sampler.set_epoch(args.seed + epoch)"),)),
+    Case(EX, "batch-size-times-world", "--batch-size is per process",
+         edits=(("batch_size=args.batch_size, sampler",
+                 "batch_size=args.batch_size * dist.get_world_size(), sampler"),)),
 ])  # fmt: skip
 
 

@@ -58,6 +58,10 @@ CASES = register(
              edits=(("            (loss_fn(model(x), y) / k).backward()\n",
                      "            (loss_fn(model(x), y) / k).backward()\n"
                      "            optimizer.step()\n"),)),
+        Case(BUFFERS, "rank-0s-broadcast", "computed from rank 0's batches alone",
+             edits=(("            dist.all_reduce(buffer)  # SUM over the ranks, in place\n"
+                     "            buffer /= world\n",
+                     "            dist.broadcast(buffer, src=0)\n"),)),
         Case(BUFFERS, "async-never-waited", "was never waited on",
              edits=(("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
     ]

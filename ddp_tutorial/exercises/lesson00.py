@@ -23,10 +23,10 @@ SAMPLES, BATCH, EPOCHS, LR = 256, 16, 2, 0.05  # the stub's defaults
 SEED = 1
 
 
-def order(epoch: int) -> list[int]:
+def order(epoch: int, seed: int = SEED) -> list[int]:
     """The samples in the order one process draws them in ``epoch`` (RandomSampler's randperm,
     seeded as the stub seeds it): DistributedSampler(seed=args.seed) deals out the same order."""
-    return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+    return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
@@ -64,6 +64,9 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
         want = reference_weights(ctx.world_size)
         if set(plain) == set(want):
             record["gap"] = max((plain[k] - want[k]).abs().max().item() for k in want)
+            # --batch-size taken as global, times world_size per process: world_size^2 x 16
+            big = reference_weights(ctx.world_size**2)
+            record["gap_batch_x_world"] = max((plain[k] - big[k]).abs().max().item() for k in big)
     return record
 
 
@@ -94,6 +97,10 @@ def judge_convert(records: list[Record]) -> str | None:
                     "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
     for epoch in range(EPOCHS):
         if any(r["seen"][epoch] != order(epoch)[r["rank"] :: n] for r in reports):
+            if all(r["seen"][epoch] == order(epoch, 2 * SEED)[r["rank"] :: n] for r in reports):
+                return (f"epoch {epoch} was shuffled as set_epoch(args.seed + epoch) shuffles "
+                        "it: the sampler adds its own seed (seed=args.seed) to the number "
+                        "set_epoch gives it - call sampler.set_epoch(epoch)")  # fmt: skip
             return (
                 f"in epoch {epoch} the processes did not get the samples one process "
                 f"draws (the script ran with --seed {SEED}): build the DistributedSampler "
@@ -108,6 +115,10 @@ def judge_convert(records: list[Record]) -> str | None:
     if any(k.startswith("module.") for k in first["saved"]):
         return ("the saved keys start with 'module.' (DDP's wrapper): save "
                 "model.module.state_dict(), the plain model inside")  # fmt: skip
+    if first.get("gap_batch_x_world", 1.0) <= 1e-5:
+        return (f"the weights are those of a global batch of {n * n * BATCH}, not {n * BATCH}: "
+                "--batch-size is per process - keep batch_size=args.batch_size (2 processes "
+                "x 16 train what 1 x 32 trains)")  # fmt: skip
     if first.get("gap") is None or first["gap"] > 1e-5:
         return (f"the weights differ from one process on the global batch (by "
                 f"{first.get('gap', float('nan')):.2g}): wrap the model in DDP, so that "

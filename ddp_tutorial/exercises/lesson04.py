@@ -257,7 +257,9 @@ def judge_buffers(records: list[Record]) -> str | None:
         if torch.allclose(after, before.mean(0), rtol=1e-5, atol=1e-6):
             continue
         if torch.allclose(after, before[0], rtol=1e-6, atol=1e-7):
-            continue  # a broadcast from rank 0: the same on every rank too
+            return (f"{name} is rank 0's on every rank (a broadcast): the same everywhere, but "
+                    "computed from rank 0's batches alone - average over the ranks (all_reduce, "
+                    "then divide by the world size), which all ranks' data go into")  # fmt: skip
         if torch.allclose(after, before.sum(0), rtol=1e-5, atol=1e-6):
             return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
                     "world size for the mean, in place (buffer /= world): `buffer = buffer / "

@@ -4,8 +4,9 @@ Each rank's BatchNorm normalises its own batches and keeps running statistics of
 (``running_mean``, ``running_var``): after training, the ranks hold different ones, so they
 would evaluate (and rank 0 would save) a model whose statistics come from its own shard only.
 Before evaluating or saving, make them the same on every rank: their mean over the ranks
-(all_reduce, then divide by the world size), or rank 0's (broadcast). Every rank calls this
-function; leave ``num_batches_tracked``, an integer counter that is the same everywhere, alone.
+(all_reduce, then divide by the world size; rank 0's alone, a broadcast, would be the same
+everywhere but from rank 0's batches only). Every rank calls this function; leave
+``num_batches_tracked``, an integer counter that is the same everywhere, alone.
 
 Check it (2 gloo ranks, each with its own images; the check reads every buffer on every rank):
 
