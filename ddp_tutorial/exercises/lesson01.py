@@ -185,7 +185,7 @@ EXERCISES = [
     Exercise(
         name="01_ring_average", lesson="01", nproc=3, run=run_ring, judge=judge_ring,
         title="the mean over ranks, from point-to-point sends around a ring",
-        teaches='lesson 01, "The collectives": all_reduce',
+        teaches='lesson 01, "send and recv"',
     ),
     Exercise(
         name="01_gather_uneven", lesson="01", run=run_gather, judge=judge_gather,
