@@ -47,6 +47,7 @@ import ddp_kit as kit  # noqa: E402
 REFERENCE_BATCH = 256  # --lr is the learning rate of a global batch of this size
 OPTIMIZERS = {"adamw": (3e-3, 0.05), "sgd": (0.2, 5e-4)}  # default --lr, --weight-decay
 FAILED = "failed.json"  # why the last run stopped for good: a restart would only repeat it
+HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never in a copy
 
 
 def positive(text: str) -> int:
@@ -123,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--init-timeout", type=float, default=600, help="seconds every rank may take to join")
     add("--no-progress", action="store_true", help="no progress bar (none off a terminal)")
-    add("--out", help="the course's records (needs its ddp_tutorial package): the one hook")
+    add("--out", help="the course's records (needs the course's package): the one hook")
     for action in p._actions:  # --help shows every default
         if action.default not in (None, False, argparse.SUPPRESS) and "default" not in (
             action.help or ""
@@ -176,8 +177,8 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             return f"{name} {path}: not writable by this user; give another directory"
     if args.pretrain and not Path(args.pretrain).is_file():
         return f"--pretrain {args.pretrain}: no such file"
-    if args.out and importlib.util.find_spec("ddp_tutorial") is None:
-        return ("--out is the course's recorder, from its ddp_tutorial package (not installed "
+    if args.out and importlib.util.find_spec(HOOK.split(".")[0]) is None:
+        return ("--out is the course's recorder, from the course's package (not installed "
                 "here): leave --out out in your own project")  # fmt: skip
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         return "--tensorboard needs the tensorboard package: pip install tensorboard"
@@ -544,7 +545,7 @@ def instruments(args: argparse.Namespace, *who: Any) -> Any:
     never steers training). Without --out: None, the path a copy outside the course runs."""
     if not args.out:
         return None
-    recorder = importlib.import_module("ddp_tutorial.recorder")  # the course's package
+    recorder = importlib.import_module(HOOK)  # the course's package
     return recorder.Recorder.from_template(args, *who)
 
 
