@@ -39,6 +39,14 @@ CASES = register([
          edits=(("dist.recv(recv_buf, src=", "dist.recv(send_buf, src="),
                 ("        total += recv_buf\n", "        total += send_buf\n"),
                 ("        send_buf = recv_buf.clone()", "        pass"))),
+    Case(RING, "batch-isend-irecv", None,  # a right answer, torch's own ring example
+         edits=(("        request = dist.isend(send_buf, dst=(rank + 1) % world)\n"
+                 "        dist.recv(recv_buf, src=(rank - 1) % world)\n"
+                 "        request.wait()\n",
+                 "        ops = [dist.P2POp(dist.isend, send_buf, (rank + 1) % world),\n"
+                 "               dist.P2POp(dist.irecv, recv_buf, (rank - 1) % world)]\n"
+                 "        for request in dist.batch_isend_irecv(ops):\n"
+                 "            request.wait()\n"),)),
 ])  # fmt: skip
 
 
