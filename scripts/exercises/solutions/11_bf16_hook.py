@@ -13,7 +13,7 @@ def bf16_compress_hook(
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()  # this bucket's gradients, flat, float32
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)  # as it is: nothing sent, each rank keeps its own gradients
+    future.set_result(buffer)  # a placeholder (nothing sent): replace it, not chain on it
     # YOUR CODE: compress, all_reduce without waiting, decompress when it is done
     compressed = buffer.to(torch.bfloat16).div_(world_size)  # divide first: DDP averages
     work = dist.all_reduce(compressed, group=group, async_op=True)
