@@ -126,7 +126,8 @@ def _judge_value(value: float, mine: list[float]) -> str | None:
             "call synchronize() before each clock reading"
         )
     everything = FIRST_S + (STEPS + WARMUP) * slowest / STEPS  # all its work, warm-up too
-    if value > 1.5 * everything:
+    if value > 2.5 * everything:  # readings added up from one start: 2.5 s here; the warm-up
+        # timed (0.58 s) stays below even with a CPU-bound job delaying every wake-up
         return (
             f"{value * 1e3:.0f} ms: more than the slowest device's whole work, warm-up "
             f"included ({everything * 1e3:.0f} ms) - were the clock's readings added up from "
