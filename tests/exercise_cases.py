@@ -70,6 +70,10 @@ def assert_verdict(case: Case, verdicts: dict[str, object]) -> None:
     verdict = verdicts[str(case)]
     if case.expect is None:
         assert verdict.passed, f"{case} should pass: {verdict.message}"
+        # a pass says what it has shown (and, where the exercise measures, what it measured)
+        assert verdict.message.startswith(f"right: {case.spec.proves}"), verdict.message
+        if case.spec.report is not None:
+            assert verdict.message.endswith(")") and " ms" in verdict.message, verdict.message
     else:
         assert not verdict.passed, f"{case} should fail with {case.expect!r}, but passed"
         assert case.expect in verdict.message, (

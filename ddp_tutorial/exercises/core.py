@@ -61,13 +61,15 @@ class Exercise:
     ``run(module, ctx)`` on every rank. ``kind="script"``: the runner executes the file as
     ``__main__`` with ``--out DIR`` (and ``args``), as torchrun would, and ``run`` (if any)
     reads what it left behind. ``judge`` sees every rank's record, on the host.
-    ``teaches``: where the lesson explains it, quoted in every hint.
+    ``teaches``: where the lesson explains it, quoted in every hint; ``proves``: what the
+    judge found true, said on a pass.
     """
 
     name: str  # the file's stem: scripts/exercises/{name}.py
     lesson: str  # "00" ... "12"
     title: str
     teaches: str  # e.g. 'lesson 01, "The collectives"'
+    proves: str  # what a pass has shown, said with it: "right" alone teaches nothing
     judge: JudgeFn
     run: RunFn | None = None
     kind: str = "functions"

@@ -141,5 +141,11 @@ EXERCISES = [
         judge=judge_convert, title="a single-process training loop, turned into DDP",
         args=("--seed", str(SEED)),
         teaches='lesson 00, "Every changed line, once"', collective_timeout_s=20.0, errors=ERRORS,
+        proves=(
+            "every process reported its rank; each epoch dealt every sample once, in the "
+            "DistributedSampler's order for --seed, a new order each epoch; the weights equal one"
+            " process's on the global batch; rank 0 alone wrote model.pt, without 'module.'; the "
+            "group was closed"
+        ),
     ),
 ]  # fmt: skip

@@ -194,11 +194,19 @@ EXERCISES = [
         name="01_ring_average", lesson="01", nproc=3, run=run_ring, judge=judge_ring,
         title="the mean over ranks, from point-to-point sends around a ring",
         teaches='lesson 01, "send and recv"',
+        proves=(
+            "only send/recv, only to the ring's neighbours; every rank returned the mean of the 3"
+            " ranks' tensors"
+        ),
     ),
     Exercise(
         name="01_gather_uneven", lesson="01", run=run_gather, judge=judge_gather,
         title="all_gather of tensors whose lengths differ by rank",
         teaches='lesson 01, "all_gather": every rank must send the same shape',
         errors=_UNEVEN_ERRORS,
+        proves=(
+            "every rank got every rank's tensor back through dist.all_gather, at its own length "
+            "and dtype"
+        ),
     ),
 ]  # fmt: skip

@@ -234,11 +234,19 @@ EXERCISES = [
         name="02_exact_accuracy", lesson="02", run=run_accuracy, judge=judge_accuracy,
         title="exact validation on a set that does not divide by the ranks",
         teaches='lesson 02, "Validation: count every sample once"', errors=_COUNTS_ERRORS,
+        proves=(
+            "a set that does not divide by the ranks: every sample evaluated once (none repeated,"
+            " none dropped); every rank returned the whole set's (correct, count)"
+        ),
     ),
     Exercise(
         name="02_macro_f1", lesson="02", run=run_f1, judge=judge_f1,
         title="macro F1 over ranks: add the counts, then compute",
         teaches='lesson 02, "A metric that is not a sum: gather, drop the padding, compute once"',
         shapes_hint="a count per class that only the classes a rank saw have",
+        proves=(
+            "every rank returned the macro F1 of the whole set (not the mean of the ranks' F1s, "
+            "not its own shard's, not the micro F1)"
+        ),
     ),
 ]  # fmt: skip

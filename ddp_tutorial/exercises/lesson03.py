@@ -141,5 +141,9 @@ EXERCISES = [
         name="03_rank_gpu", lesson="03", run=run_gpu, judge=judge_gpu,
         title="this rank's device, and the physical GPU behind it",
         teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
+        proves=(
+            "the device and the physical GPU, right in all 7 environments: one node and two, "
+            "CUDA_VISIBLE_DEVICES lists, nodes of different sizes"
+        ),
     ),
 ]  # fmt: skip

@@ -286,11 +286,20 @@ EXERCISES = [
         name="04_accumulate_no_sync", lesson="04", run=run_accumulate, judge=judge_accumulate,
         title="gradient accumulation: k micro-batches, one all_reduce, the large batch's step",
         teaches=ACCUM_TEACHES,
+        proves=(
+            "one all_reduce and one optimizer step per accumulation step; the weights equal one "
+            "process's on the global batch, on every rank"
+        ),
     ),
     Exercise(
         name="04_average_buffers", lesson="04", run=run_buffers, judge=judge_buffers,
         title="BatchNorm buffers made the same on every rank before evaluating",
         teaches=BUFFERS_TEACHES, collective_timeout_s=5.0,
         errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),),
+        proves=(
+            "every BatchNorm running_mean and running_var is the mean over the ranks on every "
+            "rank; num_batches_tracked and the parameters untouched; the ranks' models agree in "
+            "eval mode"
+        ),
     ),
 ]  # fmt: skip

@@ -357,5 +357,10 @@ EXERCISES = [
         title="a snapshot written by rank 0 alone, atomically, and read back anywhere",
         teaches='lesson 05, "The lines you write" and "2 · Killed in the middle of a save"',
         collective_timeout_s=6.0,
+        proves=(
+            "rank 0 alone wrote, through a temporary file and a rename, and the others waited for"
+            " it; the snapshot holds model (no 'module.'), optimizer and epoch, loads with "
+            "weights_only=True, and every rank reads it onto its own device"
+        ),
     ),
 ]  # fmt: skip

@@ -168,5 +168,9 @@ EXERCISES = [
         judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
         teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=20.0,
         around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
+        proves=(
+            "the second launch started from the first's snapshot, shuffled each epoch as the "
+            "DistributedSampler does, and ended with the weights of a run that never stopped"
+        ),
     ),
 ]  # fmt: skip

@@ -228,5 +228,10 @@ EXERCISES = [
         title="a clipped, scheduled step under a GradScaler, the same on every rank",
         teaches='lesson 06, "Three things every real loop needs" and "Rank 0 alone: fine, slow, '
         'or wrong"', errors=AMP_ERRORS,
+        proves=(
+            "at every step the scheduled learning rate, unscale before clipping, the true "
+            "gradient norm returned, the same weights on every rank, equal to one clipped SGD "
+            "step on the global batch"
+        ),
     ),
 ]  # fmt: skip

@@ -188,10 +188,21 @@ def judge_timing(records: list[Record]) -> str | None:
     return _judge_value(values[0], mine)
 
 
+def measured(records: list[Record]) -> str:
+    """On a pass, the time reported against the slowest rank's own work."""
+    slowest = max(work_s(r) * STEPS for r in range(len(records)))
+    return (f"you reported {records[0]['seconds'] * 1e3:.0f} ms for {STEPS} steps; the slowest "
+            f"rank's work alone takes {slowest * 1e3:.0f} ms")  # fmt: skip
+
+
 EXERCISES = [
     Exercise(
         name="07_honest_timing", lesson="07", run=run_timing, judge=judge_timing,
         title="an honest DDP step time: warm-up untimed, synchronised clocks, the slowest rank",
-        teaches='lesson 07, "Timing a step honestly"',
+        teaches='lesson 07, "Timing a step honestly"', report=measured,
+        proves=(
+            "the wall clock read after synchronize(), the warm-up untimed, the slowest rank's "
+            "time (MAX) on every rank, no less than the slowest rank's work"
+        ),
     ),
 ]  # fmt: skip

@@ -182,5 +182,9 @@ EXERCISES = [
         judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
+        proves=(
+            "a SIGTERM reached rank 1 only; every rank stopped at the same step soon after, rank "
+            "0 alone saved one snapshot outside the handler, and every rank returned 75"
+        ),
     ),
 ]  # fmt: skip

@@ -105,5 +105,9 @@ EXERCISES = [
         title="a training script that hangs: find it, fix it",
         teaches='lesson 09, "6 · Rank 0 evaluates alone" and "7 · Uneven inputs"',
         collective_timeout_s=8.0, errors=ERRORS,
+        proves=(
+            "no hang; each epoch trained every labelled sample, padded as the DistributedSampler "
+            "pads; the replicas agree, and rank 0's accuracy is the trained model's"
+        ),
     ),
 ]  # fmt: skip

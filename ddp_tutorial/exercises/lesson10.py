@@ -141,5 +141,9 @@ EXERCISES = [
         name="10_resume_new_world", lesson="10", run=run_rest, judge=judge_rest, nproc=3,
         title="the rest of an interrupted epoch, dealt out to a new number of ranks",
         teaches='lesson 10, "Resuming on another number of ranks"',
+        proves=(
+            "in every scenario the rest of the epoch went to 3 ranks once, strided, padded to "
+            "equal shares; an epoch not started is the DistributedSampler's"
+        ),
     ),
 ]  # fmt: skip

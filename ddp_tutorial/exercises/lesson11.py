@@ -288,10 +288,18 @@ EXERCISES = [
         name="11_amp_step", lesson="11", run=run_amp, judge=judge_amp,
         title="a mixed-precision step with accumulation: autocast, GradScaler, no_sync",
         teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
+        proves=(
+            "a float16 forward, one all_reduce on the last micro-batch, the inf step skipped by "
+            "the scaler, the step equal to float32's on the global batch, the same on every rank"
+        ),
     ),
     Exercise(
         name="11_bf16_hook", lesson="11", run=run_hook, judge=judge_hook,
         title="a comm hook that sends the gradients as bfloat16",
         teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
+        proves=(
+            "each bucket sent once, as bfloat16, asynchronously; the gradients equal DDP's within"
+            " bfloat16's rounding, on every rank"
+        ),
     ),
 ]  # fmt: skip

@@ -100,7 +100,7 @@ def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, 
     mistake = ex.judge(results)
     if mistake is not None:
         return False, ex.hint(mistake)
-    return True, "right" + (f" - {ex.report(results)}" if ex.report else "")
+    return True, f"right: {ex.proves}" + (f" ({ex.report(results)})" if ex.report else "")
 
 
 def _start(batch: list[tuple[Exercise, Path]], echo: bool) -> tuple[Launch, Path]:
