@@ -13,6 +13,12 @@ from pathlib import Path
 
 from ddp_tutorial.exercises.core import Exercise, find
 
+# an edit that binds `all_reduce` in the file: the spies must see such calls too
+BY_NAME = (
+    "import torch.distributed as dist\n",
+    "import torch.distributed as dist\nfrom torch.distributed import all_reduce\n",
+)
+
 
 @dataclass(frozen=True)
 class Case:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from exercise_cases import Case, assert_verdict, register
+from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 RING, GATHER = "01_ring_average", "01_gather_uneven"
 ISEND = "        request = dist.isend(send_buf, dst=(rank + 1) % world)\n"
@@ -18,6 +18,10 @@ CASES = register([
          text="import torch.distributed as dist\n\n\ndef ring_average(tensor):\n"
               "    # YOUR CODE\n    dist.all_reduce(tensor)\n    # END YOUR CODE\n"
               "    return tensor / dist.get_world_size()\n"),
+    Case(RING, "all-reduce-imported-by-name", "called dist.all_reduce",
+         text=BY_NAME[1] + "\n\n"
+              "def ring_average(tensor):\n    # YOUR CODE\n    all_reduce(tensor)\n"
+              "    # END YOUR CODE\n    return tensor / dist.get_world_size()\n"),
     Case(GATHER, "left-padded", "still has its padding",
          edits=((TRIM, "    result = gathered\n"),)),
     Case(GATHER, "own-length", "trim each to the length its rank sent",

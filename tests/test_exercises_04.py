@@ -4,7 +4,7 @@ and the mistake each must be named with (checked in one batched launch, conftest
 from __future__ import annotations
 
 import pytest
-from exercise_cases import Case, assert_verdict, register
+from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 ACCUM, BUFFERS = "04_accumulate_no_sync", "04_average_buffers"
 LAST = "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum"
@@ -62,6 +62,9 @@ CASES = register(
              edits=(("            dist.all_reduce(buffer)  # SUM over the ranks, in place\n"
                      "            buffer /= world\n",
                      "            dist.broadcast(buffer, src=0)\n"),)),
+        Case(BUFFERS, "async-imported-by-name-never-waited", "was never waited on",
+             edits=(BY_NAME,
+                    ("dist.all_reduce(buffer)", "all_reduce(buffer, async_op=True)"))),
         Case(BUFFERS, "async-never-waited", "was never waited on",
              edits=(("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
     ]

@@ -4,7 +4,7 @@ and the mistake each must be named with (checked in one batched launch, conftest
 from __future__ import annotations
 
 import pytest
-from exercise_cases import Case, assert_verdict, register
+from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 TIMING = "07_honest_timing"
 REDUCE = "    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"
@@ -37,6 +37,9 @@ CASES = register(
         Case(TIMING, "async-max-never-waited", "was never waited on",
              edits=(("dist.all_reduce(slowest, op=dist.ReduceOp.MAX)",
                      "dist.all_reduce(slowest, op=dist.ReduceOp.MAX, async_op=True)"),)),
+        Case(TIMING, "sum-imported-by-name", "adds up the ranks' times",  # the spy sees it too
+             edits=(BY_NAME,
+                    (REDUCE, "    all_reduce(slowest)"))),
         Case(TIMING, "clock-started-once", "added up from one start",
              edits=(("    for i in range(warmup + steps):\n",
                      "    start = time.perf_counter()\n    for i in range(warmup + steps):\n"),

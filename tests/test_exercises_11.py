@@ -4,7 +4,7 @@ solutions)."""
 from __future__ import annotations
 
 import pytest
-from exercise_cases import Case, assert_verdict, register
+from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 EX = "11_bf16_hook"
 AMP = "11_amp_step"
@@ -60,6 +60,11 @@ CASES = register([
     Case(EX, "blocking-all-reduce", "waited for its all_reduce (no async_op=True)",
          edits=(("    work = dist.all_reduce(compressed, group=group, async_op=True)\n",
                  "    dist.all_reduce(compressed, group=group)\n    buffer.copy_(compressed)\n"),
+                ("    future = work.get_future().then(decompress)\n", ""))),
+    Case(EX, "blocking-all-reduce-imported-by-name", "waited for its all_reduce",
+         edits=(BY_NAME,
+                ("    work = dist.all_reduce(compressed, group=group, async_op=True)\n",
+                 "    all_reduce(compressed, group=group)\n    buffer.copy_(compressed)\n"),
                 ("    future = work.get_future().then(decompress)\n", ""))),
     Case(EX, "then-returns-none", "returned None",
          edits=(("        return buffer\n", ""),)),

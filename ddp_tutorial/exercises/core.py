@@ -29,21 +29,6 @@ RunFn = Callable[[ModuleType, "Context"], Record]
 JudgeFn = Callable[[list[Record]], "str | None"]
 
 
-class NotedWork:
-    """What a collective with ``async_op=True`` returned, each ``wait()`` on it noted
-    (``on_wait``): a check tells a Work that was waited on from one that was not."""
-
-    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
-        self._work, self._on_wait = work, on_wait
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._on_wait()
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
 @dataclass(frozen=True)
 class Context:
     """What a rank knows while it runs one candidate file."""

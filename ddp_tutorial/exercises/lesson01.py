@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.spies import spying
 
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_gather_object",
@@ -44,39 +45,25 @@ def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
 
 
 @contextmanager
-def watched(calls: list[tuple[str, Any]]) -> Iterator[None]:
-    """Record each collective and send/recv (name, peer) while the learner's code runs."""
-    saved = {name: getattr(dist, name) for name in COLLECTIVES + POINT_TO_POINT}
+def watched(calls: list[tuple[str, Any]], module: ModuleType) -> Iterator[None]:
+    """Record each collective and send/recv (name, peer) that the learner's ``module`` makes."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
-    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
-            calls.append((name, peer if name in POINT_TO_POINT else None))
-            if name in POINT_TO_POINT:
-                _check_peer(name, peer, args[0] if args else kwargs.get("tensor"), sending)
-            work = real(*args, **kwargs)
-            batched = sys._getframe(1).f_globals.get("__name__") == c10d.__name__
-            if name != "isend" or work is None or batched:  # batch_isend_irecv waits its own
-                return work
-            ptr = (args[0] if args else kwargs["tensor"]).data_ptr()
-            sending.add(ptr)
-            return NotedWork(work, lambda: sending.discard(ptr))
+    def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
+        peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+        calls.append((name, peer if name in POINT_TO_POINT else None))
+        if name not in POINT_TO_POINT:
+            return None
+        tensor = args[0] if args else kwargs.get("tensor")
+        _check_peer(name, peer, tensor, sending)
+        # frame 2: who called the spy; batch_isend_irecv waits for its own isends
+        if name != "isend" or sys._getframe(2).f_globals.get("__name__") == c10d.__name__:
+            return None
+        sending.add(ptr := tensor.data_ptr())
+        return lambda: sending.discard(ptr)
 
-        return call
-
-    spies = {name: spy(name, real) for name, real in saved.items()}
-    for name, call in spies.items():
-        setattr(dist, name, call)
-        if name in POINT_TO_POINT:  # P2POp checks its op against these: the spy must pass
-            setattr(c10d, name, call)
-    try:
+    with spying(COLLECTIVES, note, module), spying(POINT_TO_POINT, note, module, also=(c10d,)):
         yield
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
-            if name in POINT_TO_POINT:
-                setattr(c10d, name, real)
 
 
 def _values(x: Any) -> Any:
@@ -94,7 +81,7 @@ def ring_input(rank: int) -> torch.Tensor:
 def run_ring(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     mine = ring_input(ctx.rank)
-    with watched(calls):
+    with watched(calls, module):
         got = module.ring_average(mine.clone())
     return {"got": _values(got), "calls": calls}
 
@@ -145,7 +132,7 @@ def uneven_input(rank: int) -> torch.Tensor:
 
 def run_gather(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
-    with watched(calls):
+    with watched(calls, module):
         got = module.gather_uneven(uneven_input(ctx.rank))
     dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
               for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip

@@ -68,7 +68,7 @@ def _number(x: Any) -> Any:
 def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     data = WatchedSet()
-    with watched(calls):
+    with watched(calls, module):
         got = module.exact_accuracy(predictor(), data)
     if isinstance(got, tuple | list) and len(got) == 2:
         got = [_number(v) for v in got]
@@ -175,7 +175,7 @@ def _shard(rank: int) -> tuple[list[int], list[int]]:
 def run_f1(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     pred, target = (torch.tensor(v) for v in _shard(ctx.rank))
-    with watched(calls):
+    with watched(calls, module):
         got = module.macro_f1(pred.clone(), target.clone(), CLASSES)
     return {"got": _number(got), "calls": [name for name, _ in calls]}
 

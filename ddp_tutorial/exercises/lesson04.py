@@ -12,19 +12,19 @@ function every rank must hold the same ones (the mean over the ranks, or rank 0'
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.spies import is_async, spying
 
 ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted all_reduces"'
 BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
@@ -33,24 +33,20 @@ K, MICRO, STEPS, LR, FEATURES, CLASSES = 3, 4, 2, 0.5, 8, 3
 
 
 @contextmanager
-def counted(name: str, calls: list[str], asyncs: dict[str, int] | None = None) -> Iterator[None]:
-    """Append ``name`` to ``calls`` each time ``dist.<name>`` runs inside the block (and with
-    ``asyncs``: count the calls with async_op=True and the waits on what they returned)."""
-    real = getattr(dist, name)
+def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
+            asyncs: dict[str, int] | None = None) -> Iterator[None]:  # fmt: skip
+    """Append the name of each ``dist.<name>`` call made inside the block to ``calls`` (and
+    with ``asyncs``: count the calls with async_op=True and the waits on what they returned)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         calls.append(name)
-        work = real(*args, **kwargs)
-        if asyncs is None or not kwargs.get("async_op"):
-            return work
+        if asyncs is None or not is_async(args, kwargs):  # all_reduce's and broadcast's 4th
+            return None
         asyncs["sent"] += 1
-        return NotedWork(work, lambda: asyncs.update(waited=asyncs["waited"] + 1))
+        return lambda: asyncs.update(waited=asyncs["waited"] + 1)
 
-    setattr(dist, name, call)
-    try:
+    with spying(names, note, module):
         yield
-    finally:
-        setattr(dist, name, real)
 
 
 def _mlp() -> nn.Module:
@@ -85,7 +81,7 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
         rows = slice(ctx.rank * K * MICRO, (ctx.rank + 1) * K * MICRO)  # this rank's shard
         micro = list(zip(x[rows].split(MICRO), y[rows].split(MICRO), strict=True))
         calls: list[str] = []
-        with counted("all_reduce", calls):
+        with counted(("all_reduce",), calls, module):
             module.accumulation_step(model, optimizer, micro, F.cross_entropy)
         calls_per_step.append(len(calls))
         steps_per_call.append(len(stepped))
@@ -205,7 +201,7 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
     asyncs = {"sent": 0, "waited": 0}
-    with counted("all_reduce", calls, asyncs), counted("broadcast", calls, asyncs):
+    with counted(("all_reduce", "broadcast"), calls, module, asyncs):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():

@@ -13,14 +13,13 @@ warm-up untimed, synchronise before reading the clock, the slowest rank (all_red
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-import torch.distributed as dist
-
-from ddp_tutorial.exercises.core import Context, Exercise, NotedWork, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.spies import is_async, reduce_op, spying
 
 STEPS, WARMUP = 5, 2
 WORK_S = (0.005, 0.04)  # one step's device work on rank 0, on rank 1 (and beyond): a slower rank
@@ -56,18 +55,18 @@ class QueuedDevice:
 
 
 @contextmanager
-def noted_calls(notes: dict[str, Any]) -> Iterator[None]:
-    """Note the op of every ``dist.all_reduce`` made inside the block, its async calls and
-    their waits, and every read of a CPU-time clock (which does not count waiting)."""
-    real, clocks = dist.all_reduce, {n: getattr(time, n) for n in CPU_CLOCKS}
+def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
+    """Note the op of every ``dist.all_reduce`` the learner's ``module`` makes, its async calls
+    and their waits, and every read of a CPU-time clock (which does not count waiting)."""
+    clocks = {n: getattr(time, n) for n in CPU_CLOCKS}
+    bound = [(a, n) for a, v in vars(module).items() for n, c in clocks.items() if v is c]
 
-    def call(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
-        notes["ops"].append(str(op).rsplit(".", 1)[-1])
-        work = real(tensor, op, *args, **kwargs)
-        if kwargs.get("async_op"):
-            notes["async"] += 1
-            return NotedWork(work, lambda: notes.update(waits=notes["waits"] + 1))
-        return work
+    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
+        notes["ops"].append(reduce_op(args, kwargs))
+        if not is_async(args, kwargs):
+            return None
+        notes["async"] += 1
+        return lambda: notes.update(waits=notes["waits"] + 1)
 
     def clock(name: str) -> Any:
         def read() -> float:
@@ -76,21 +75,21 @@ def noted_calls(notes: dict[str, Any]) -> Iterator[None]:
 
         return read
 
-    dist.all_reduce = call
-    for name in CPU_CLOCKS:
-        setattr(time, name, clock(name))
+    places = [(time, n, n) for n in CPU_CLOCKS] + [(module, a, n) for a, n in bound]
+    for place, attr, name in places:
+        setattr(place, attr, clock(name))
     try:
-        yield
+        with spying(("all_reduce",), note, module):
+            yield
     finally:
-        dist.all_reduce = real
-        for name, real_clock in clocks.items():
-            setattr(time, name, real_clock)
+        for place, attr, name in places:
+            setattr(place, attr, clocks[name])
 
 
 def run_timing(module: ModuleType, ctx: Context) -> Record:
     device = QueuedDevice(ctx.rank)
     notes: dict[str, Any] = {"ops": [], "async": 0, "waits": 0, "cpu_clock": None}
-    with noted_calls(notes):
+    with noted_calls(notes, module):
         got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
     try:
         seconds = float(got)

@@ -13,18 +13,17 @@ of the mean, ranks that disagree, or gradients further from DDP's than bf16's ro
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.spies import is_async, spying
 
 AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale; float16 vs 32
 
@@ -56,12 +55,11 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     hooked.register_comm_hook(None, module.bf16_compress_hook)
     sent: list[tuple[str, int, bool]] = []
-    original = dist.all_reduce
 
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensor = args[0] if args else kwargs["tensor"]
         size = tensor.numel() * tensor.element_size()
-        sent.append((str(tensor.dtype).removeprefix("torch."), size, bool(kwargs.get("async_op"))))
-        return original(tensor, *args, **kwargs)
+        sent.append((str(tensor.dtype).removeprefix("torch."), size, is_async(args, kwargs)))
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
     record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": []}
@@ -70,15 +68,11 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
             model.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
-            step: Callable[[], None] = loss.backward
-            if name == "hooked":
-                dist.all_reduce = counted  # what the learner's hook hands to the backend
-                try:
-                    step()
-                finally:
-                    dist.all_reduce = original
+            if name == "hooked":  # what the learner's hook hands to the backend
+                with spying(("all_reduce",), note, module):
+                    loss.backward()
             else:
-                step()
+                loss.backward()
             record[name].append(grads(model))
         record["sent"].append(list(sent))
         sent.clear()

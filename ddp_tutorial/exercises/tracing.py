@@ -14,7 +14,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from ddp_tutorial.exercises.spies import is_async, spying
 
 
 class Trace:
@@ -42,50 +43,29 @@ class Trace:
         return "other"
 
 
-class TracedWork:
-    """What ``dist.all_reduce(..., async_op=True)`` returned, with its ``wait()`` recorded."""
-
-    def __init__(self, work: Any, trace: Trace, ident: int) -> None:
-        self._work, self._trace, self._id = work, trace, ident
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._trace.add("wait", id=self._id)
-        self._trace.unwaited.discard(self._id)
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
 @contextmanager
-def traced_all_reduce(trace: Trace, module: ModuleType | None = None) -> Iterator[None]:
-    """``dist.all_reduce`` records each call (blocking or not, how many numbers) while it runs;
-    also under the names ``module`` bound it to (``from torch.distributed import all_reduce``
-    copies the function into the learner's file before the check can replace it)."""
-    real: Callable[..., Any] = dist.all_reduce
-    bound = [n for n, v in vars(module).items() if v is real] if module is not None else []
+def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
+    """Each ``dist.all_reduce`` the learner's ``module`` makes, recorded while the block runs
+    (blocking or not, how many numbers, on which tensor), and each wait on what it returned."""
 
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
-        ident = len(trace.events)
+    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
+        tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
+        async_op = is_async(args, kwargs)
         trace.add(
             "all_reduce", numel=tensor.numel(), async_op=async_op, target=trace.target(tensor)
         )
-        work = real(tensor, *args, **kwargs)
-        if work is None:
+        if not async_op:
             return None
         trace.unwaited.add(ident)
-        return TracedWork(work, trace, ident)
 
-    dist.all_reduce = spy
-    for name in bound:
-        setattr(module, name, spy)
-    try:
+        def waited() -> None:
+            trace.add("wait", id=ident)
+            trace.unwaited.discard(ident)
+
+        return waited
+
+    with spying(("all_reduce",), note, module):
         yield
-    finally:
-        dist.all_reduce = real
-        for name in bound:
-            setattr(module, name, real)
 
 
 def coverage(targets: list[str], n: int) -> str | None:

@@ -1,0 +1,79 @@
+"""One spy for every check: ``torch.distributed`` functions replaced while the learner's code runs.
+
+A check must see what the learner called (which collective, on what, blocking or not) and
+whether what an asynchronous call returned was waited on. The spy also replaces the names the
+learner's file bound: ``from torch.distributed import all_reduce`` copies the function into the
+file before the check runs, and a spy on ``dist`` alone would never see those calls (a ring
+built from ``all_reduce`` passed as sends, an async buffer average never waited passed as
+right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+# (name, args, kwargs) of one call, before it runs -> what to do on each wait() of the Work it
+# returns (None: hand back the Work itself); it may raise to refuse the call
+OnCall = Callable[[str, tuple[Any, ...], dict[str, Any]], "Callable[[], None] | None"]
+
+
+class NotedWork:
+    """What a collective with ``async_op=True`` returned, each ``wait()`` on it noted
+    (``on_wait``): a check tells a Work that was waited on from one that was not."""
+
+    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._on_wait()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def is_async(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``async_op`` of a call to ``all_reduce(tensor, op, group, async_op)``."""
+    return bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))
+
+
+def reduce_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The op of a call to ``all_reduce(tensor, op, ...)``, by name: "SUM", "MAX", "AVG"."""
+    return str(kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)).rsplit(".")[-1]
+
+
+@contextmanager
+def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = None,
+           also: Sequence[ModuleType] = ()) -> Iterator[None]:  # fmt: skip
+    """Inside the block, ``dist.<name>`` for each of ``names`` calls ``on_call`` first, then
+    the real function; a Work it returns comes back as a ``NotedWork`` when ``on_call`` gave a
+    function to call on ``wait()``. Replaced in ``dist``, in each of ``also`` (where torch
+    compares a function with its own: ``P2POp`` checks its op against ``distributed_c10d``'s),
+    and under every name ``module`` (the learner's file) bound to one of them."""
+    reals = {name: getattr(dist, name) for name in names}
+
+    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            on_wait = on_call(name, args, kwargs)
+            work = real(*args, **kwargs)
+            return work if work is None or on_wait is None else NotedWork(work, on_wait)
+
+        return call
+
+    spies = {name: spy(name, real) for name, real in reals.items()}
+    bound = {attr: name for attr, value in vars(module).items() for name, real in reals.items()
+             if value is real} if module is not None else {}  # fmt: skip
+    places = [(m, name, name) for m in (dist, *also) for name in names]
+    places += [(module, attr, name) for attr, name in bound.items()]
+    for place, attr, name in places:
+        setattr(place, attr, spies[name])
+    try:
+        yield
+    finally:
+        for place, attr, name in places:
+            setattr(place, attr, reals[name])
