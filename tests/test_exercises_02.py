@@ -18,6 +18,29 @@ REDUCE_COUNTS = "dist.all_reduce(counts)  # counts add up over ranks; F1 scores 
 SCORE = "score = per_class.mean().item()"
 MICRO = "score = (2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum())).item()"
 
+# lesson 02's general route, right here too: a padded sampler, every rank's (index, correct)
+# gathered, each index counted once
+GATHERED = """import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def exact_accuracy(model, dataset, batch_size=4):
+    world = dist.get_world_size()
+    # YOUR CODE
+    sampler = DistributedSampler(dataset, shuffle=False)
+    index = torch.tensor(list(sampler))
+    model.eval()
+    with torch.no_grad():
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        ok = torch.cat([(model(x).argmax(dim=1) == y).long() for x, y in loader])
+    parts = [torch.empty(2, len(index), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(parts, torch.stack([index, ok]))
+    first = {int(i): int(k) for i, k in torch.cat(parts, dim=1).T}
+    # END YOUR CODE
+    return sum(first.values()), len(first)
+"""
+
 CASES = register(
     [
         Case(ACC, "padded-sampler-counts-a-sample-twice", "evaluated twice",
@@ -38,13 +61,36 @@ CASES = register(
              edits=((SCORE, MICRO),)),
         Case(ACC, "counted-the-batch-size", "count len(y) per batch",
              edits=(("torch.tensor(len(y))", "torch.tensor(batch_size)"),)),
+        # from a learner review: each named for what it is
+        Case(ACC, "float-sums-averaged", "were averaged (ReduceOp.AVG)",
+             edits=(("    dist.all_reduce(sums)  #", "    sums = sums.double()\n"
+                     "    dist.all_reduce(sums, op=dist.ReduceOp.AVG)  #"),)),
+        Case(ACC, "every-rank-the-whole-set", "every rank evaluated the whole set",
+             edits=((SPLIT, "shard = dataset"), ("    dist.all_reduce(sums)  #", "    #"))),
+        Case(ACC, "rank-0-alone", "evaluated the whole set alone",
+             edits=((SPLIT, "shard = dataset if rank == 0 else Subset(dataset, [])"),)),
+        Case(ACC, "all-reduce-before-the-loop", "after the loop",
+             edits=(("    dist.all_reduce(sums)  #", "    #"),
+                    ("    loader = DataLoader(shard", "    dist.all_reduce(sums)\n"
+                     "    loader = DataLoader(shard"))),
+        Case(ACC, "padded-sampler-gathered-and-deduplicated", None,  # right, the lesson's route
+             text=GATHERED),
+        Case(F1, "nan-for-the-class-nobody-has", "0 / 0 is nan",
+             edits=((".clamp(min=1)", ""),)),
+        Case(F1, "reduce-not-all-reduce", "dist.reduce leaves",
+             edits=((REDUCE_COUNTS, "dist.reduce(counts, dst=0)"),)),
+        Case(F1, "averaged-integer-counts", "with the default SUM",
+             edits=(("dtype=torch.float64)", "dtype=torch.int64)"),
+                    (REDUCE_COUNTS, "dist.all_reduce(counts, op=dist.ReduceOp.AVG)"))),
+        Case(F1, "score-on-rank-0-only", "every rank must compute it",
+             edits=((SCORE, "if dist.get_rank() == 0:\n        " + SCORE),)),
         Case(F1, "int64-counts", None,  # right: float32 F1s from integer counts
              edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
                      "counts = torch.zeros(3, num_classes, dtype=torch.int64)"),)),
         Case(F1, "classes-nobody-has-left-out", "the mean over the classes that occur",
              edits=(("score = per_class.mean().item()",
                      "score = per_class[(2 * tp + fp + fn) > 0].mean().item()"),)),
-        Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw have",
+        Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw",
              edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
                      "seen = int(max(pred.max(), target.max())) + 1  # the classes this rank saw\n"
                      "    counts = torch.zeros(3, seen, dtype=torch.float64)"),

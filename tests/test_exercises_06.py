@@ -31,6 +31,29 @@ CASES = register([
          edits=(("    scheduler.step()\n", ""),
                 ("    scaler.step(optimizer)\n",
                  "    scheduler.step()\n    scaler.step(optimizer)\n"))),
+    # from a learner review: each named for what it is
+    Case(EX, "update-before-step", "scaler.step(optimizer), then scaler.update()",
+         edits=(("    scaler.step(optimizer)\n    scaler.update()\n",
+                 "    scaler.update()\n    scaler.step(optimizer)\n"),)),
+    Case(EX, "update-on-rank-0", "on every rank, scaler.step(optimizer), then scaler.update()",
+         edits=(("    scaler.update()\n",
+                 "    if dist.get_rank() == 0:  # one scale for the job?\n"
+                 "        scaler.update()\n"),)),
+    Case(EX, "clip-before-backward", "clip_grad_norm_ ran before backward()",
+         edits=(("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n", ""),
+                ("    scaler.scale(loss).backward()\n",
+                 "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+                 "    scaler.scale(loss).backward()\n"))),
+    Case(EX, "loss-divided-by-the-world-size", "DDP averages the gradients over the ranks",
+         edits=(("scaler.scale(loss).backward()",
+                 "scaler.scale(loss / dist.get_world_size()).backward()"),)),
+    Case(EX, "clip-imported-by-name-before-backward", "clip_grad_norm_ ran before backward()",
+         edits=(("from torch import nn\n",
+                 "from torch import nn\nfrom torch.nn.utils import clip_grad_norm_\n"),
+                ("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n", ""),
+                ("    scaler.scale(loss).backward()\n",
+                 "    norm = clip_grad_norm_(model.parameters(), max_norm)\n"
+                 "    scaler.scale(loss).backward()\n"))),
 ])  # fmt: skip
 
 

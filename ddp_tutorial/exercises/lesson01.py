@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
-from ddp_tutorial.exercises.spies import spying
+from ddp_tutorial.exercises.spies import reduce_op, spying
 
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_gather_object",
@@ -46,12 +46,14 @@ def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
 
 @contextmanager
 def watched(calls: list[tuple[str, Any]], module: ModuleType) -> Iterator[None]:
-    """Record each collective and send/recv (name, peer) that the learner's ``module`` makes."""
+    """Record each collective and send/recv that the learner's ``module`` makes: (name, peer)
+    for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None)."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
-        calls.append((name, peer if name in POINT_TO_POINT else None))
+        op = reduce_op(args, kwargs) if name == "all_reduce" else None
+        calls.append((name, peer if name in POINT_TO_POINT else op))
         if name not in POINT_TO_POINT:
             return None
         tensor = args[0] if args else kwargs.get("tensor")
@@ -98,7 +100,7 @@ def judge_ring(records: list[Record]) -> str | None:
                 "(or isend/irecv) only - each rank adds what it receives and passes it on"
             )
         neighbours = ((rank + 1) % n, (rank - 1) % n)
-        far = [p for _, p in rec["calls"] if p is not None and p not in neighbours]
+        far = [p for c, p in rec["calls"] if c in POINT_TO_POINT and p not in (None, *neighbours)]
         if far:
             return (f"rank {rank} talked to rank {far[0]}: in a ring, rank r sends only to "
                     "(r + 1) % world_size and receives only from (r - 1) % world_size")  # fmt: skip

@@ -74,7 +74,8 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
         got = [_number(v) for v in got]
     else:
         got = repr(got)
-    return {"got": got, "read": data.read, "calls": [name for name, _ in calls]}
+    ops = [op for name, op in calls if name == "all_reduce"]
+    return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops}
 
 
 def truth_correct() -> int:
@@ -82,54 +83,82 @@ def truth_correct() -> int:
     return int((predictor()(x).argmax(dim=1) == y).sum())
 
 
+def _judge_reads(records: list[Record]) -> str | None:
+    """What the samples each rank read say (seen when the DataLoader has no workers)."""
+    n, reads = len(records), [set(rec["read"]) for rec in records]
+    whole = [r for r, seen in enumerate(reads) if len(seen) == VAL_LENGTH]
+    if n > 1 and len(whole) == n:
+        return (
+            "every rank evaluated the whole set: the right numbers for N times the work - "
+            "give rank r the samples r, r + N, r + 2N, ..., and add the ranks' counts"
+        )
+    if n > 1 and whole and not any(reads[r] for r in range(n) if r not in whole):
+        return (f"rank {whole[0]} evaluated the whole set alone while the others waited: split "
+                "it (rank r takes r, r + N, r + 2N, ...) and add the ranks' counts with "
+                'dist.all_reduce (lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
+    missing = sorted(set(range(VAL_LENGTH)) - set().union(*reads))
+    if any(reads) and missing:
+        return (f"samples {missing} were never evaluated: drop_last=True (or a split that stops "
+                f"at {VAL_LENGTH} // N per rank) skips the remainder - every sample must count "
+                "once")  # fmt: skip
+    return None
+
+
+def _judge_count(records: list[Record], count: int) -> str | None:
+    """A total count other than the set's length: why."""
+    n = len(records)
+    reads = Counter(i for rec in records for i in set(rec["read"]))
+    twice = sorted(i for i, k in reads.items() if k > 1)
+    if twice:
+        ranks = [r for r, rec in enumerate(records) if twice[0] in rec["read"]]
+        return (
+            f"counted {count} samples: sample {twice[0]} was evaluated twice (on ranks {ranks}): "
+            f"a DistributedSampler pads {VAL_LENGTH} samples to a multiple of {n} by repeating "
+            "some, and the sums count the repeats - split without padding (rank r takes r, "
+            "r + N, r + 2N, ...)"
+        )
+    if "AVG" in records[0]["ops"]:
+        return (f"counted {count} samples, not {VAL_LENGTH}: the ranks' counts were averaged "
+                "(ReduceOp.AVG) - add them with the default SUM")  # fmt: skip
+    if count == VAL_LENGTH + (-VAL_LENGTH % n):
+        return (f"counted {count} samples, not {VAL_LENGTH}: a padded DistributedSampler counts "
+                "its repeats twice - split without padding")  # fmt: skip
+    if not any(rec["read"] for rec in records):
+        return f"counted {count} samples, expected {VAL_LENGTH}: every sample exactly once"
+    return (
+        f"counted {count} samples, expected {VAL_LENGTH}, though every sample was read once: "
+        "count len(y) per batch (the last one is short, not batch_size), and all_reduce "
+        "the totals once, after the loop (not the running sums in it)"
+    )
+
+
 def judge_accuracy(records: list[Record]) -> str | None:
-    correct = truth_correct()
     got = [rec["got"] for rec in records]
     for rank, g in enumerate(got):
         if not isinstance(g, list):
             return f"rank {rank}'s exact_accuracy returned {g}, not a pair (correct, count)"
-    reads = Counter(i for rec in records for i in set(rec["read"]))
-    twice = sorted(i for i, n in reads.items() if n > 1)
-    if twice:
-        ranks = [r for r, rec in enumerate(records) if twice[0] in rec["read"]]
-        return (
-            f"sample {twice[0]} was evaluated twice (on ranks {ranks}): a DistributedSampler pads "
-            f"{VAL_LENGTH} samples to a multiple of {len(records)} by repeating some, and the sums "
-            "count the repeats - split without padding (rank r takes r, r + N, r + 2N, ...)"
-        )
-    if any(rec["read"] for rec in records):
-        missing = sorted(set(range(VAL_LENGTH)) - set(reads))
-        if missing:
-            return (
-                f"samples {missing} were never evaluated: drop_last=True (or a split that stops "
-                f"at {VAL_LENGTH} // N per rank) skips the remainder - every sample must count once"
-            )
+    if mistake := _judge_reads(records):
+        return mistake
+    called = {"all_reduce", "all_gather"} & set(records[0]["calls"])
     if len({tuple(g) for g in got}) > 1:
+        if called:
+            return (f"the ranks returned different results {got}, though they called "
+                    f"dist.{sorted(called)[0]}: add the totals once every batch is counted, "
+                    "after the loop (a sum made before it adds zeros)")  # fmt: skip
         return (
             f"the ranks returned different results {got}: each rank counted only its own shard - "
             "add the ranks' [correct, count] with dist.all_reduce, so every rank holds the total"
         )
-    if "all_reduce" not in records[0]["calls"] and "all_gather" not in records[0]["calls"]:
+    if not called:
         return (
             f"every rank returned {got[0]} without a collective: add the ranks' [correct, count] "
             "with dist.all_reduce"
         )
     got_correct, count = got[0]
-    if count == VAL_LENGTH + (-VAL_LENGTH % len(records)):
-        return (
-            f"counted {count} samples, not {VAL_LENGTH}: a padded DistributedSampler counts its "
-            "repeats twice - split without padding"
-        )
     if count != VAL_LENGTH:
-        if not any(rec["read"] for rec in records):
-            return f"counted {count} samples, expected {VAL_LENGTH}: every sample exactly once"
-        return (
-            f"counted {count} samples, expected {VAL_LENGTH}, though every sample was read once: "
-            "count len(y) per batch (the last one is short, not batch_size), and all_reduce "
-            "the totals once, after the loop (not the running sums in it)"
-        )
-    if got_correct != correct:
-        return f"counted {got_correct} correct predictions, expected {correct}"
+        return _judge_count(records, count)
+    if got_correct != truth_correct():
+        return f"counted {got_correct} correct predictions, expected {truth_correct()}"
     return None
 
 
@@ -191,12 +220,25 @@ def judge_f1(records: list[Record]) -> str | None:
         "micro": f1_of(every, macro=False),
         "present": f1_of(every, present_only=True),
     }
+    if "reduce" in records[0]["calls"] and "all_reduce" not in records[0]["calls"]:
+        return ("dist.reduce leaves the added counts on its dst rank only; every rank must "
+                "return the F1 - dist.all_reduce the counts")  # fmt: skip
+    numbers = [rec["got"] if isinstance(rec["got"], int | float) else None for rec in records]
+    right = [r for r, got in enumerate(numbers) if got is not None and abs(got - truth) < F1_TOL]
     for rank, rec in enumerate(records):
         got = rec["got"]
         if not isinstance(got, int | float):
             return f"rank {rank}'s macro_f1 returned {got}, not a number"
         if abs(got - truth) < F1_TOL:
             continue
+        if got != got:  # nan
+            return (f"rank {rank} returned nan: class {CLASSES - 1} is on no rank, and 0 / 0 is "
+                    "nan - a class with 2·TP + FP + FN = 0 scores 0 (divide by the denominator "
+                    "clamped to at least 1)")  # fmt: skip
+        if right and own[rank] != got:
+            return (f"rank {rank} returned {got:.4f}, rank {right[0]} the F1 of the whole set: "
+                    "every rank must compute it from the added counts (is the score under an "
+                    "`if rank == 0`?)")  # fmt: skip
         if abs(got - wrong["mean"]) < F1_TOL:
             return (
                 f"rank {rank} returned {got:.4f}, the mean of the ranks' own F1s; the F1 of the "
@@ -226,7 +268,7 @@ def judge_f1(records: list[Record]) -> str | None:
 _COUNTS_ERRORS = (
     ("can't be cast to the desired output type Long", "the counts are integers, and their "
      "mean is not one: ReduceOp.AVG (gloo computes it as a sum, then a division in place) "
-     "cannot write it back - all_reduce them with the default SUM, then divide the totals"),
+     "cannot write it back - all_reduce them with the default SUM, and compute from the totals"),
 )  # fmt: skip
 
 EXERCISES = [
@@ -235,15 +277,16 @@ EXERCISES = [
         title="exact validation on a set that does not divide by the ranks",
         teaches='lesson 02, "Validation: count every sample once"', errors=_COUNTS_ERRORS,
         proves=(
-            "a set that does not divide by the ranks: every sample evaluated once (none repeated,"
-            " none dropped); every rank returned the whole set's (correct, count)"
+            "a set that does not divide by the ranks: every sample counted once (none twice, "
+            "none dropped); every rank returned the whole set's (correct, count)"
         ),
     ),
     Exercise(
         name="02_macro_f1", lesson="02", run=run_f1, judge=judge_f1,
         title="macro F1 over ranks: add the counts, then compute",
         teaches='lesson 02, "A metric that is not a sum: gather, drop the padding, compute once"',
-        shapes_hint="a count per class that only the classes a rank saw have",
+        shapes_hint="a count per class for only the classes a rank saw, or each rank's own "
+        "predictions, whose numbers differ", errors=_COUNTS_ERRORS,
         proves=(
             "every rank returned the macro F1 of the whole set (not the mean of the ranks' F1s, "
             "not its own shard's, not the micro F1)"

@@ -19,6 +19,7 @@ from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
+from ddp_tutorial.exercises.spies import spying
 
 STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 1.0, 2.0**16, 0.1, 4
 
@@ -113,7 +114,10 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     for step in range(STEPS):
         x, y = batch(ctx.rank, step)
         calls.clear()
-        norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
+        with spying(
+            ("clip_grad_norm_",), lambda *_: calls.append("clip"), module, source=torch.nn.utils
+        ):
+            norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
         w = _flat(model.module)
         steps.append({
             "norm": float(norm), "want_norm": want[step]["norm"],
@@ -155,6 +159,11 @@ def judge_clip(records: list[Record]) -> str | None:
             return (f"the ranks' weights differ after step {step + 1}: every rank must take the "
                     "same step (clip, step and schedule on every rank) "
                     '(lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
+        if abs(norm * len(records) - true) < 1e-4 * true:
+            return (f"train_step returned {norm:.4g}, 1/{len(records)} of the true gradient norm "
+                    f"{true:.4g}: the loss was divided by the world size - DDP averages the "
+                    "gradients over the ranks already; leave the loss as it is "
+                    '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
         if abs(norm - true) > 1e-4 * true:
             return (f"train_step returned {norm:.4g}; the gradient norm before clipping was "
                     f"{true:.4g}: return what clip_grad_norm_ returns "
@@ -207,6 +216,10 @@ def _call_order(calls: list[str], step: int) -> str | None:
                 "scaler.step(optimizer), not optimizer.step() - it skips a step whose "
                 "gradients hold an inf or nan (an fp16 overflow) "
                 '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if "clip" in calls and calls.index("clip") < calls.index("scaler.scale"):
+        return (f"in step {step + 1} clip_grad_norm_ ran before backward(): the gradients it "
+                "clipped were not this step's yet - backward, scaler.unscale_(optimizer), then "
+                "clip (lesson 06, \"Three things every real loop needs\")")  # fmt: skip
     if "scaler.update" not in calls:
         return (
             f"step {step + 1} never called scaler.update(): after scaler.step(optimizer), "

@@ -261,6 +261,9 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
      "scaler.update()"),
     ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
      "without scaler.update() between: call scaler.update() after every scaler.step"),
+    ("unscale_() is being called after step()", "this rank's scaler was not updated after "
+     "its last scaler.step(optimizer): every step, on every rank, scaler.step(optimizer), then "
+     "scaler.update() - update() before step(), or on rank 0 only, leaves the step unfinished"),
     ("unscale_() has already been called on this optimizer since the last update()",
      "scaler.unscale_(optimizer) twice in one step, or a step without scaler.update(): call "
      "unscale_ once, before clipping, and scaler.update() after every scaler.step"),

@@ -49,13 +49,14 @@ def reduce_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 @contextmanager
 def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = None,
-           also: Sequence[ModuleType] = ()) -> Iterator[None]:  # fmt: skip
-    """Inside the block, ``dist.<name>`` for each of ``names`` calls ``on_call`` first, then
-    the real function; a Work it returns comes back as a ``NotedWork`` when ``on_call`` gave a
-    function to call on ``wait()``. Replaced in ``dist``, in each of ``also`` (where torch
-    compares a function with its own: ``P2POp`` checks its op against ``distributed_c10d``'s),
-    and under every name ``module`` (the learner's file) bound to one of them."""
-    reals = {name: getattr(dist, name) for name in names}
+           also: Sequence[ModuleType] = (),
+           source: ModuleType = dist) -> Iterator[None]:  # fmt: skip
+    """Inside the block, ``dist.<name>`` (``source``'s) for each of ``names`` calls ``on_call``
+    first, then the real function; a Work it returns comes back as a ``NotedWork`` when
+    ``on_call`` gave a function to call on ``wait()``. Replaced in ``source``, in each of
+    ``also`` (where torch compares a function with its own: ``P2POp`` checks its op against
+    ``distributed_c10d``'s), and under every name ``module`` (the learner's file) bound to one."""
+    reals = {name: getattr(source, name) for name in names}
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -68,7 +69,7 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
     spies = {name: spy(name, real) for name, real in reals.items()}
     bound = {attr: name for attr, value in vars(module).items() for name, real in reals.items()
              if value is real} if module is not None else {}  # fmt: skip
-    places = [(m, name, name) for m in (dist, *also) for name in names]
+    places = [(m, name, name) for m in (source, *also) for name in names]
     places += [(module, attr, name) for attr, name in bound.items()]
     for place, attr, name in places:
         setattr(place, attr, spies[name])
