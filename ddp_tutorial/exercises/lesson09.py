@@ -12,10 +12,14 @@ sample in every epoch, keep the replicas equal and report the trained model's ac
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms import Join
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
@@ -41,6 +45,23 @@ def trained_accuracy(state: dict[str, list]) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
+@contextmanager
+def noting_join(ctx: Context) -> Iterator[None]:
+    """Around the learner's file: a ``joined-RANK`` file in ``ctx.out`` once it enters torch's
+    ``Join``, the lesson's other fix for uneven inputs (the ranks may then differ in batches)."""
+    real = Join.__enter__
+
+    def enter(self: Join) -> Any:
+        (ctx.out / f"joined-{ctx.rank}").touch()
+        return real(self)
+
+    Join.__enter__ = enter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Join.__enter__ = real  # type: ignore[method-assign]
+
+
 def run_hang(_: ModuleType | None, ctx: Context) -> Record:
     """On rank 0: every process's report, and the accuracy its saved weights really have."""
     if ctx.rank != 0:
@@ -48,6 +69,7 @@ def run_hang(_: ModuleType | None, ctx: Context) -> Record:
     reports = [json.loads(p.read_text()) for p in sorted(ctx.out.glob("report-*.json"))]
     record: Record = {"reports": [{k: r[k] for k in ("rank", "seen", "accuracy")}
                                   for r in reports]}  # fmt: skip
+    record["joined"] = any(ctx.out.glob("joined-*"))
     if reports:
         # the weights, not BatchNorm's running statistics (each rank's own, from its last batch)
         weights = [{k: v for k, v in r["state"].items() if "running" not in k and
@@ -68,6 +90,12 @@ def judge_hang(records: list[Record]) -> str | None:
         if any(i % UNLABELLED_EVERY == 0 for i in seen):
             return (f"epoch {epoch} trained on unlabelled samples (label -1): keep only the "
                     "labelled ones, then split them")  # fmt: skip
+        shared = set(reports[0]["seen"][epoch]).intersection(*(r["seen"][epoch] for r in reports))
+        if len(shared) >= n:  # padding repeats at most world_size - 1 samples
+            return (f"in epoch {epoch} every rank trained on sample {min(shared)} ({len(shared)} "
+                    "shared): the ranks' shards overlap - every rank must order the labelled "
+                    "samples alike (the same seed on every rank), then take its own part "
+                    '(lesson 09, "7 · Uneven inputs")')  # fmt: skip
         missed = sorted(set(LABELLED) - set(seen))
         if missed:
             return (f"sample {missed[0]} was never trained on in epoch {epoch} ({len(missed)} "
@@ -80,6 +108,12 @@ def judge_hang(records: list[Record]) -> str | None:
                     f"ones: {extra} repeats - pad as DistributedSampler does, the list of "
                     "labelled samples to a multiple of world_size (at most world_size - 1 "
                     'repeats), then deal it out (lesson 09, "7 · Uneven inputs")')  # fmt: skip
+    counts = [len(r["seen"][0]) for r in reports]
+    if len(set(counts)) > 1 and not first["joined"]:
+        return (f"the ranks trained {counts} samples an epoch: as many batches of 5 here by luck "
+                "(with 21 labelled samples, 11 and 10 make 3 and 2 batches, and the ranks hang) - "
+                "pad the labelled list to a multiple of world_size as DistributedSampler does, "
+                'then deal it out (lesson 09, "7 · Uneven inputs")')  # fmt: skip
     if not first["replicas_equal"]:
         return "the ranks ended with different weights: every rank must train through DDP"
     accuracy = reports[0]["accuracy"]
@@ -104,10 +138,10 @@ EXERCISES = [
         name="09_find_the_hang", lesson="09", kind="script", run=run_hang, judge=judge_hang,
         title="a training script that hangs: find it, fix it",
         teaches='lesson 09, "6 · Rank 0 evaluates alone" and "7 · Uneven inputs"',
-        collective_timeout_s=8.0, errors=ERRORS,
+        collective_timeout_s=8.0, errors=ERRORS, around=noting_join,
         proves=(
-            "no hang; each epoch trained every labelled sample, padded as the DistributedSampler "
-            "pads; the replicas agree, and rank 0's accuracy is the trained model's"
+            "no hang; each epoch trained every labelled sample (at most world_size - 1 twice); "
+            "the replicas agree, and rank 0's accuracy is the trained model's"
         ),
     ),
 ]  # fmt: skip
