@@ -34,6 +34,21 @@ CASES = register([
     Case(AMP, "no-sync-on-the-last-micro-batch", "not the last: model.no_sync()",
          edits=(("sync = nullcontext() if last else model.no_sync()",
                  "sync = model.no_sync() if last else nullcontext()"),)),
+    # from a learner review: each named for what it is
+    Case(AMP, "scale-never-halves", "the scale did not halve",
+         edits=(("    scaler.update()  #", "    scaler.update(scaler.get_scale())  #"),)),
+    Case(AMP, "loss-divided-by-the-world-size-too", "divided once too often",
+         edits=(("            to_backward = scaler.scale(loss)",
+                 "            to_backward = scaler.scale(loss / 2)"),)),
+    Case(AMP, "clipped-without-unscale", "scaler.unscale_(optimizer) before clipping",
+         edits=(("    scaler.step(optimizer)  #",
+                 "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+                 "    scaler.step(optimizer)  #"),)),
+    Case(AMP, "clipped-after-unscale", None,  # right
+         edits=(("    scaler.step(optimizer)  #",
+                 "    scaler.unscale_(optimizer)\n"
+                 "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)\n"
+                 "    scaler.step(optimizer)  #"),)),
     Case(AMP, "update-before-step", "found no scaler.step(optimizer) before it",
          edits=(("    scaler.step(optimizer)  # unscales; skips the step on every rank if a "
                  "gradient is inf/nan\n", ""),

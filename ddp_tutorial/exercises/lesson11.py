@@ -13,6 +13,8 @@ of the mean, ranks that disagree, or gradients further from DDP's than bf16's ro
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -163,6 +165,26 @@ class _Watch:
         self.forwards, self.after, self.dtypes = 0, [], set()
 
 
+@contextmanager
+def noting_clips(scaler: torch.amp.GradScaler, module: ModuleType,
+                 calls: list[str]) -> Iterator[None]:  # fmt: skip
+    """The learner's ``clip_grad_norm_`` and ``scaler.unscale_`` calls, in order, in ``calls``
+    (``scaler.step`` unscales too, when the learner has not)."""
+    real = scaler.unscale_
+
+    def unscale(optimizer: torch.optim.Optimizer) -> None:
+        calls.append("unscale")
+        real(optimizer)
+
+    scaler.unscale_ = unscale  # type: ignore[method-assign]
+    try:
+        with spying(("clip_grad_norm_",), lambda *_: calls.append("clip"), module,
+                    source=torch.nn.utils):  # fmt: skip
+            yield
+    finally:
+        del scaler.unscale_  # the class's own again
+
+
 def run_amp(module: ModuleType, ctx: Context) -> Record:
     """Step 0: the learner's float16 step against float32 on the global batch; step 1: an inf
     in rank 1's first micro-batch gradient (inside no_sync). DDP's all_reduces are counted."""
@@ -172,13 +194,15 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE)
     record: Record = {"allreduces": [], "allreduce_after": [], "dtypes": []}
+    calls: list[str] = []  # the learner's clip_grad_norm_ and unscale_ calls, in order
 
     def step(n: int) -> None:
         x, y = amp_batch(n, ctx.world_size)
         mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))
         micro = list(zip(x[mine].chunk(2), y[mine].chunk(2), strict=True))
         watch.reset()
-        module.amp_step(model, micro, optimizer, scaler, torch.float16)
+        with noting_clips(scaler, module, calls):
+            module.amp_step(model, micro, optimizer, scaler, torch.float16)
         record["allreduces"].append(len(watch.after))
         record["allreduce_after"].append(list(watch.after))
         record["dtypes"].append(sorted(watch.dtypes))
@@ -193,18 +217,21 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     got = _flat(model) - before
     record["ratio"] = (got.norm() / want.norm()).item()
     record["gap"] = ((got - want).abs().max() / want.abs().max()).item()
-
-    calls: list[int] = []
+    record["clipped_scaled"] = "clip" in calls and calls.index("clip") < (
+        calls.index("unscale") if "unscale" in calls else len(calls)
+    )
+    grads: list[int] = []
 
     def first_call_inf(grad: torch.Tensor) -> torch.Tensor:
         """Rank 1's first micro-batch (inside no_sync: nothing sent yet) gets an inf."""
-        calls.append(1)
-        return grad.clone().fill_(float("inf")) if len(calls) == 1 else grad
+        grads.append(1)
+        return grad.clone().fill_(float("inf")) if len(grads) == 1 else grad
 
     weight = model.module[0].weight
     hook = weight.register_hook(first_call_inf) if ctx.rank == 1 else None
-    before = _flat(model)
+    before, scale = _flat(model), scaler.get_scale()
     step(1)
+    record["scale_kept"] = scaler.get_scale() >= scale  # update() halves it after a skip
     if hook is not None:
         hook.remove()
     after = _flat(model)
@@ -241,14 +268,32 @@ def judge_amp(records: list[Record]) -> str | None:
             return (f"rank {rank} stepped although rank 1's gradient held an inf: the scaler "
                     "must see the gradients after DDP's all_reduce: one scaler.step, after the "
                     "last micro-batch")  # fmt: skip
-        if abs(rec["ratio"] * 2 - 1) < 0.1 or abs(rec["ratio"] / 2 - 1) < 0.1:
-            return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: "
-                    "divide each micro-batch's loss by their number (accum)")  # fmt: skip
-        if rec["gap"] > AMP_TOL:
-            return (f"the step differs from float32's on the global batch by {rec['gap']:.2g} of "
-                    f"its largest element (float16 rounding stays below {AMP_TOL:g})")  # fmt: skip
+        if mistake := _judge_step(rec):
+            return mistake
     if any(rec["weights"] != records[0]["weights"] for rec in records):
         return "the ranks ended with different weights: every rank must step alike"
+    return None
+
+
+def _judge_step(rec: Record) -> str | None:
+    """The step's size against float32's on the global batch, and the scale after the skip."""
+    if rec["clipped_scaled"]:
+        return (f"clip_grad_norm_ saw the scaled gradients ({AMP_SCALE:g} times too large): call "
+                "scaler.unscale_(optimizer) before clipping "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if abs(rec["ratio"] / 2 - 1) < 0.1:
+        return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: "
+                "divide each micro-batch's loss by their number (accum)")  # fmt: skip
+    if abs(rec["ratio"] * 2 - 1) < 0.1:
+        return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: the loss "
+                "was divided once too often - by accum only (DDP averages over the ranks "
+                "already: not by the world size too)")  # fmt: skip
+    if rec["gap"] > AMP_TOL:
+        return (f"the step differs from float32's on the global batch by {rec['gap']:.2g} of "
+                f"its largest element (float16 rounding stays below {AMP_TOL:g})")  # fmt: skip
+    if rec["scale_kept"]:
+        return ("after the step with an inf the scale did not halve: scaler.update() with no "
+                "argument lowers it after a skipped step (update(new_scale) sets it)")  # fmt: skip
     return None
 
 
@@ -287,7 +332,8 @@ EXERCISES = [
         teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
         proves=(
             "a float16 forward, one all_reduce on the last micro-batch, the inf step skipped by "
-            "the scaler, the step equal to float32's on the global batch, the same on every rank"
+            "the scaler and its scale halved, the step equal to float32's on the global batch, "
+            "the same on every rank"
         ),
     ),
     Exercise(
