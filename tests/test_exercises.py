@@ -157,3 +157,16 @@ def test_at_least_eighteen_exercises_and_one_in_every_lesson():
     lessons = {p.name[:2] for p in REPO.glob("notebooks/[0-9][0-9]_*.ipynb")}
     assert {ex.lesson for ex in EXERCISES} == lessons, "every lesson has an exercise"
     assert len(EXERCISES) >= 18
+
+
+def test_a_launch_that_died_outside_the_file_says_what_it_said(tmp_path):
+    """No line of the learner's file in the output: the error the launch printed, and what to
+    do next - for a file the check imports, not "torchrun it" (it defines functions only)."""
+    output = 'Traceback (most recent call last):\n  File "x.py", line 3\nTypeError: bad kwarg\n'
+    (functions,) = find("02_macro_f1")
+    message = exercise_check.died(functions, tmp_path / "02_macro_f1.py", output)
+    assert "(TypeError: bad kwarg)" in message and "ddp-tutorial doctor" in message, message
+    assert "torchrun" not in message, message
+    (script,) = find("09")
+    message = exercise_check.died(script, tmp_path / "09_find_the_hang.py", output)
+    assert "(TypeError: bad kwarg)" in message and "torchrun --standalone" in message, message

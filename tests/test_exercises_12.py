@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from exercise_cases import Case, assert_verdict, register
+from exercise_cases import BY_NAME, Case, assert_verdict, register
 
-from ddp_tutorial.exercises import lesson12
+from ddp_tutorial.exercises import lesson12, lesson12_buckets
 from ddp_tutorial.exercises.core import Context, find
 from ddp_tutorial.exercises.runner import load
 
@@ -73,13 +73,19 @@ CASES = register(
                      "            for j in range(len(self.buckets)):\n"
                      "                self._launch(j)\n"),)),
         Case(BUCKETS, "all-reduce-imported-by-name", None,  # a right answer: the check sees it
-             edits=(("import torch.distributed as dist\n",
-                     "import torch.distributed as dist\n"
-                     "from torch.distributed import all_reduce\n"),
+             edits=(BY_NAME,
                     ("        work = dist.all_reduce(flat, async_op=True)\n",
                      "        work = all_reduce(flat, async_op=True)\n"))),
         Case(BUCKETS, "last-bucket-never-closed", "a parameter has no bucket",
              edits=(("        if bucket:\n            self.buckets.append(bucket)\n", ""),)),
+        # from a learner review
+        Case(BUCKETS, "pending-never-emptied", "again: the list of pending Works",
+             edits=(("        self.pending.clear()\n        self.ready", "        self.ready"),)),
+        Case(BUCKETS, "launched-one-gradient-early", "sent before every gradient in it",
+             edits=(("if self.ready[i] == len(self.buckets[i]):",
+                     "if self.ready[i] == len(self.buckets[i]) - 1:"),)),
+        Case(BUCKETS, "each-bucket-in-registration-order", None,  # right: the order inside is free
+             edits=(("            bucket.append(p)\n", "            bucket.insert(0, p)\n"),)),
         Case(HOOKS, "async-never-waited", "were never waited on before optimizer.step()",
              edits=(("        dist.all_reduce(p.grad)\n",
                      "        dist.all_reduce(p.grad, async_op=True)\n"),)),
@@ -110,7 +116,7 @@ def test_the_buckets_asked_for_are_ddps():
     produced their gradients, which for this MLP is the reverse of registration."""
     params = list(lesson12.make_model(0).parameters())
     nbytes = [p.numel() * p.element_size() for p in params]
-    want = lesson12.expected_buckets(nbytes)
+    want = lesson12_buckets.expected_buckets(nbytes)
     order = list(reversed(range(len(params))))
     torchs, _ = dist._compute_bucket_assignment_by_size(
         [params[i] for i in order], [lesson12.BUCKET_CAP_BYTES]

@@ -2,9 +2,8 @@
 
 ``12_my_ddp_hooks``: rank 0's weights broadcast to every rank, and a hook on every parameter
 that averages its gradient over the ranks as soon as backward has accumulated it.
-``12_my_ddp_buckets``: the same, the way DDP's reducer does it: the gradients grouped in
-buckets (in the order backward produces them), one asynchronous all_reduce per bucket,
-launched from backward's hooks as soon as the bucket is full, waited before the optimizer step.
+``12_my_ddp_buckets`` (its judge in ``lesson12_buckets``): the same, the way DDP's reducer
+does it, with buckets; both run here (``run_mine``).
 
 Each ``run`` trains the same small MLP for a few SGD steps three ways on every rank — with the
 learner's code, with ``torch.nn.parallel.DistributedDataParallel``, and with the usual wrong
@@ -63,19 +62,6 @@ def rank_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _flat(model: nn.Module) -> torch.Tensor:
     return parameters_to_vector(model.parameters()).detach()
-
-
-def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
-    """The parameters' indexes, bucketed DDP's way: walk them in reverse order of registration
-    (the order backward produces their gradients), close a bucket once it holds ``cap`` bytes."""
-    buckets, bucket, size = [], [], 0
-    for i in reversed(range(len(nbytes))):
-        bucket.append(i)
-        size += nbytes[i]
-        if size >= cap:
-            buckets.append(bucket)
-            bucket, size = [], 0
-    return buckets + ([bucket] if bucket else [])
 
 
 def train(
@@ -199,10 +185,6 @@ def run_hooks(module: ModuleType, ctx: Context) -> Record:
     return run_mine(module, ctx, bucketed=False)
 
 
-def run_buckets(module: ModuleType, ctx: Context) -> Record:
-    return run_mine(module, ctx, bucketed=True)
-
-
 def judge_start(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         if not rec["start_is_rank0"]:
@@ -215,8 +197,9 @@ def judge_start(records: list[Record]) -> str | None:
     return None
 
 
-def judge_weights(records: list[Record]) -> str | None:
-    """The weights after STEPS steps, against DDP's and the usual wrong answers'."""
+def judge_weights(records: list[Record], hint: str = "") -> str | None:
+    """The weights after STEPS steps, against DDP's and the usual wrong answers' (``hint``:
+    what else to look at, when the gradients were not what DDP's are)."""
     for rank, rec in enumerate(records):
         if rec["from_ddp"] <= TOL:
             continue
@@ -230,13 +213,13 @@ def judge_weights(records: list[Record]) -> str | None:
             return (
                 f"rank {rank} trained on its own gradients alone: nothing was averaged "
                 "over the ranks (is the hook registered on every parameter? does it "
-                "write the result back into p.grad?) "
+                f"write the result back into p.grad?{hint}) "
                 '(lesson 12, "Your turn")'
             )
         return (
             f"after {STEPS} SGD steps rank {rank}'s weights are {rec['from_ddp']:.2g} away "
             f"from DistributedDataParallel's (allowed: {TOL:g}): each p.grad must hold the "
-            "mean of the ranks' gradients when optimizer.step() runs"
+            f"mean of the ranks' gradients when optimizer.step() runs{hint}"
         )
     return None
 
@@ -284,149 +267,6 @@ def judge_hooks(records: list[Record]) -> str | None:
     return judge_weights(records)
 
 
-def per_step(rec: Record, kind: str) -> list[list[dict[str, Any]]]:
-    return [
-        [e for e in rec["events"] if e["kind"] == kind and e["step"] == s] for s in range(STEPS)
-    ]
-
-
-def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
-    """The buckets the learner built, against DDP's rule (reverse order, closed at the cap)."""
-    if not isinstance(got, list) or not got:
-        return (
-            f"self.buckets is {got!r}: it must hold the parameters in {len(want)} lists, "
-            "the buckets "
-            '(lesson 12, "Your turn")'
-        )
-    if sorted(i for b in got for i in b) != list(range(n)):
-        return (
-            f"your buckets hold the parameters {got} (by index, -1: not the model's): "
-            f"every one of the model's {n} parameters must be in exactly one bucket "
-            '(lesson 12, "Your turn")'
-        )
-    if got != want:
-        if len(got) == n:
-            return (
-                f"{n} buckets of one parameter each: one all_reduce per parameter - close "
-                f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
-            )
-        if got and got[0] and got[0][0] == 0:
-            return (
-                f"your buckets {got} start from the first layer: walk the parameters in "
-                "REVERSE order of registration, the order backward produces their "
-                f"gradients, so the first bucket fills first (expected {want}) "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
-            )
-        return (
-            f"your buckets are {got} (parameter indexes), expected {want}: walk the "
-            "parameters in reverse, add each to the current bucket, and close it once it "
-            f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
-            '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
-        )
-    return None
-
-
-def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> str | None:
-    """One rank's all_reduces and waits, step by step: one per bucket, async, overlapped."""
-    calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
-    for s in range(STEPS):
-        if len(calls[s]) == n and n != len(want):
-            return (
-                f"rank {rank} called all_reduce {n} times in step {s}, once per "
-                f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
-                "into one tensor (torch.cat) and all_reduce that, once per bucket "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
-            )
-        if len(calls[s]) != len(want):
-            return (
-                f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
-                f"for {len(want)} buckets: exactly one per bucket per step (are the "
-                "ready counts reset after each step?) "
-                '(lesson 12, "Your turn")'
-            )
-        blocking = [c for c in calls[s] if not c["async_op"]]
-        if blocking:
-            return (
-                f"rank {rank}'s all_reduce in step {s} blocked backward until it "
-                "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
-                "it returns, and wait on it in finish_gradient_sync "
-                '(lesson 11, "4 · Overlap, seen")'
-            )
-        if steps[s] and steps[s][0]["unwaited"]:
-            return (
-                f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
-                "were never waited on before optimizer.step(): an async all_reduce "
-                "may still be writing into its tensor - call work.wait() on each in "
-                "finish_gradient_sync, before reading the result "
-                '(lesson 12, "Your turn")'
-            )
-        early = [w for w in waits[s] if w["grads"] < n]
-        if early:
-            return (
-                f"rank {rank} waited on an all_reduce while backward was still "
-                "computing the earlier layers' gradients: that blocks backward until "
-                "the bucket is sent - no overlap; wait in "
-                "finish_gradient_sync, after backward "
-                '(lesson 11, "4 · Overlap, seen")'
-            )
-        # the check's hooks run after the learner's: n - 1 counted = inside the last hook
-        if calls[s][0]["grads"] >= n - 1:
-            return (
-                f"rank {rank} sent its first bucket in step {s} only once backward had "
-                "produced every gradient: launch each bucket's "
-                "all_reduce from the hook of its last gradient, while backward still "
-                "computes the earlier layers' - that is the overlap "
-                '(lesson 11, "4 · Overlap, seen")'
-            )
-    return None
-
-
-def judge_buckets(records: list[Record]) -> str | None:
-    mistake = judge_start(records)
-    if mistake:
-        return mistake
-    rec = records[0]
-    want = expected_buckets(rec["nbytes"])
-    n = rec["nparams"]
-    got = rec["buckets"]
-    mistake = _bucket_layout(got, want, n)
-    if mistake:
-        return mistake
-    for rank, rec in enumerate(records):
-        mistake = _bucket_traffic(rank, rec, n, want)
-        if mistake:
-            return mistake
-    mistake = judge_weights(records)
-    if mistake:
-        return mistake
-    ratio = max(r["mine_s"] / r["ddp_s"] for r in records)
-    if ratio > GROSS_SLOWDOWN and not any(r.get("busy_host") for r in records):
-        return (
-            f"your step took {ratio:.0f}x DistributedDataParallel's (more than "
-            f"{GROSS_SLOWDOWN:.0f}x): is every parameter all_reduced on its own, or "
-            "something waited on in a loop? "
-            '(lesson 11, "4 · Overlap, seen")'
-        )
-    return None
-
-
-_NO_WORK = (
-    "'NoneType' object has no attribute 'wait'",
-    "dist.all_reduce returned None: without async_op=True it blocks backward until the bucket "
-    "is sent (no overlap) and returns no Work to wait on - call dist.all_reduce(flat, "
-    "async_op=True) and wait on what it returns in finish_gradient_sync",
-)
-
-_NO_BUCKET = ("a parameter has no bucket: is every parameter in one - the last bucket closed "
-              "after the walk, even below the cap - and bucket_of filled for each?")  # fmt: skip
-
-
-def timed(records: list[Record]) -> str:  # on a pass: the slowest rank's step against DDP's
-    mine, ddp = max(((r["mine_s"], r["ddp_s"]) for r in records), key=lambda t: t[0] / t[1])
-    return f"your step {mine * 1e3:.1f} ms, DDP's {ddp * 1e3:.1f} ms: {mine / ddp:.2f}x"
-
-
 EXERCISES = [
     Exercise(
         name="12_my_ddp_hooks", lesson="12", run=run_hooks, judge=judge_hooks,
@@ -435,15 +275,5 @@ EXERCISES = [
         'lesson 04, "What DDP does with them: construction, forward, backward"',
         proves="rank 0's weights broadcast first; each gradient all_reduced once in backward; "
         "the weights after the steps equal DistributedDataParallel's",
-    ),
-    Exercise(
-        name="12_my_ddp_buckets", lesson="12", run=run_buckets, judge=judge_buckets,
-        title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
-        teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
-        'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_NO_WORK, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
-        proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
-        "waited on before the step; the weights equal DistributedDataParallel's",
-        report=timed,
     ),
 ]  # fmt: skip

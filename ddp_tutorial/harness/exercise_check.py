@@ -127,8 +127,14 @@ def died(ex: Exercise, path: Path, output: str) -> str:
     # (faulthandler, when gloo aborts) first ("line 9 in f")
     found = re.findall(rf'File "{re.escape(str(path.resolve()))}", line (\d+)(,?)', output)
     if not found:
-        return ex.hint("the launch failed before your code ran: run it in a shell, torchrun "
-                       f"--standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
+        errors = re.findall(r"^\S*(?:Error|Exception): .*$", output, re.M)
+        said = f" ({errors[-1].strip()[:200]})" if errors else ""
+        if ex.kind != "script":  # the check imports your file: torchrun alone would run nothing
+            return ex.hint(f"the launch failed before your code ran{said}: check again; if it "
+                           "fails the same way, `ddp-tutorial doctor` checks this machine's "
+                           "torch and gloo")  # fmt: skip
+        return ex.hint(f"the launch failed before your code ran{said}: run it in a shell, "
+                       f"torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
     traced = [n for n, comma in found if comma]
     line = int(traced[-1] if traced else found[0][0])
     code = path.read_text().splitlines()[line - 1].strip() if path.is_file() else ""

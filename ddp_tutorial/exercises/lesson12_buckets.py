@@ -1,0 +1,214 @@
+"""Lesson 12's second exercise, ``12_my_ddp_buckets``: your own DDP, the way DDP's reducer
+does it - the gradients grouped in buckets (in the order backward produces them), one
+asynchronous all_reduce per bucket, launched from backward's hooks as soon as the bucket is
+full, waited on before the optimizer step.
+
+It runs as the first one does (``lesson12.run_mine``: the learner's code, DDP, the usual wrong
+answers, and a trace of every all_reduce and wait); its judge adds the bucket layout, one
+all_reduce per bucket and step, asynchronous and overlapped with backward, and the step time
+against DDP's, said on a pass and failed only when gross.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.lesson12 import (
+    BUCKET_CAP_BYTES,
+    GROSS_SLOWDOWN,
+    STEPS,
+    judge_start,
+    judge_weights,
+    run_mine,
+)
+
+
+def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
+    """The parameters' indexes, bucketed DDP's way: walk them in reverse order of registration
+    (the order backward produces their gradients), close a bucket once it holds ``cap`` bytes."""
+    buckets, bucket, size = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        bucket.append(i)
+        size += nbytes[i]
+        if size >= cap:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return buckets + ([bucket] if bucket else [])
+
+
+def run_buckets(module: ModuleType, ctx: Context) -> Record:
+    return run_mine(module, ctx, bucketed=True)
+
+
+def per_step(rec: Record, kind: str) -> list[list[dict[str, Any]]]:
+    return [
+        [e for e in rec["events"] if e["kind"] == kind and e["step"] == s] for s in range(STEPS)
+    ]
+
+
+def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
+    """The buckets the learner built, against DDP's rule (reverse order, closed at the cap)."""
+    if not isinstance(got, list) or not got:
+        return (
+            f"self.buckets is {got!r}: it must hold the parameters in {len(want)} lists, "
+            "the buckets "
+            '(lesson 12, "Your turn")'
+        )
+    if sorted(i for b in got for i in b) != list(range(n)):
+        return (
+            f"your buckets hold the parameters {got} (by index, -1: not the model's): "
+            f"every one of the model's {n} parameters must be in exactly one bucket "
+            '(lesson 12, "Your turn")'
+        )
+    if [sorted(b) for b in got] != [sorted(b) for b in want]:  # the order inside: free
+        if len(got) == n:
+            return (
+                f"{n} buckets of one parameter each: one all_reduce per parameter - close "
+                f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+            )
+        if got and got[0] and got[0][0] == 0:
+            return (
+                f"your buckets {got} start from the first layer: walk the parameters in "
+                "REVERSE order of registration, the order backward produces their "
+                f"gradients, so the first bucket fills first (expected {want}) "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+            )
+        return (
+            f"your buckets are {got} (parameter indexes), expected {want}: walk the "
+            "parameters in reverse, add each to the current bucket, and close it once it "
+            f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
+            '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+        )
+    return None
+
+
+def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> str | None:
+    """One rank's all_reduces and waits, step by step: one per bucket, async, overlapped."""
+    calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
+    for s in range(STEPS):
+        if len(calls[s]) == n and n != len(want):
+            return (
+                f"rank {rank} called all_reduce {n} times in step {s}, once per "
+                f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
+                "into one tensor (torch.cat) and all_reduce that, once per bucket "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+            )
+        if len(calls[s]) != len(want):
+            return (
+                f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
+                f"for {len(want)} buckets: exactly one per bucket per step (are the "
+                "ready counts reset after each step?) "
+                '(lesson 12, "Your turn")'
+            )
+        blocking = [c for c in calls[s] if not c["async_op"]]
+        if blocking:
+            return (
+                f"rank {rank}'s all_reduce in step {s} blocked backward until it "
+                "was done: call dist.all_reduce(flat, async_op=True), keep the Work "
+                "it returns, and wait on it in finish_gradient_sync "
+                '(lesson 11, "4 · Overlap, seen")'
+            )
+        if steps[s] and steps[s][0]["unwaited"]:
+            return (
+                f"on rank {rank}, {steps[s][0]['unwaited']} all_reduce(s) of step {s} "
+                "were never waited on before optimizer.step(): an async all_reduce "
+                "may still be writing into its tensor - call work.wait() on each in "
+                "finish_gradient_sync, before reading the result "
+                '(lesson 12, "Your turn")'
+            )
+        again = [rec["events"][w["id"]]["step"] for w in waits[s]]
+        if any(step < s for step in again):
+            return (f"rank {rank} waited in step {s} on an all_reduce of step {min(again)} "
+                    "again: the list of pending Works still holds the old ones - empty it "
+                    "once they are waited on, or every step waits on (and copies back) every "
+                    'earlier bucket too (lesson 12, "Your turn")')  # fmt: skip
+        early = [w for w in waits[s] if w["grads"] < n]
+        if early:
+            return (
+                f"rank {rank} waited on an all_reduce while backward was still "
+                "computing the earlier layers' gradients: that blocks backward until "
+                "the bucket is sent - no overlap; wait in "
+                "finish_gradient_sync, after backward "
+                '(lesson 11, "4 · Overlap, seen")'
+            )
+        # the check's hooks run after the learner's: n - 1 counted = inside the last hook
+        if calls[s][0]["grads"] >= n - 1:
+            return (
+                f"rank {rank} sent its first bucket in step {s} only once backward had "
+                "produced every gradient: launch each bucket's "
+                "all_reduce from the hook of its last gradient, while backward still "
+                "computes the earlier layers' - that is the overlap "
+                '(lesson 11, "4 · Overlap, seen")'
+            )
+    return None
+
+
+def judge_buckets(records: list[Record]) -> str | None:
+    mistake = judge_start(records)
+    if mistake:
+        return mistake
+    rec = records[0]
+    want = expected_buckets(rec["nbytes"])
+    n = rec["nparams"]
+    got = rec["buckets"]
+    mistake = _bucket_layout(got, want, n)
+    if mistake:
+        return mistake
+    for rank, rec in enumerate(records):
+        mistake = _bucket_traffic(rank, rec, n, want)
+        if mistake:
+            return mistake
+    mistake = judge_weights(records, hint=READ_AFTER_WAIT)
+    if mistake:
+        return mistake
+    ratio = max(r["mine_s"] / r["ddp_s"] for r in records)
+    if ratio > GROSS_SLOWDOWN and not any(r.get("busy_host") for r in records):
+        return (
+            f"your step took {ratio:.0f}x DistributedDataParallel's (more than "
+            f"{GROSS_SLOWDOWN:.0f}x): is every parameter all_reduced on its own, or "
+            "something waited on in a loop? "
+            '(lesson 11, "4 · Overlap, seen")'
+        )
+    return None
+
+
+_NO_WORK = (
+    "'NoneType' object has no attribute 'wait'",
+    "dist.all_reduce returned None: without async_op=True it blocks backward until the bucket "
+    "is sent (no overlap) and returns no Work to wait on - call dist.all_reduce(flat, "
+    "async_op=True) and wait on what it returns in finish_gradient_sync",
+)
+
+
+READ_AFTER_WAIT = "; is each bucket copied back only after its work.wait()?"
+
+
+_EARLY = ("'NoneType' object has no attribute", "a gradient was still None when its bucket "
+          "was flattened: the bucket was sent before every gradient in it had arrived - "
+          "launch it when all of its parameters are ready (ready == len(bucket))")  # fmt: skip
+
+
+_NO_BUCKET = ("a parameter has no bucket: is every parameter in one - the last bucket closed "
+              "after the walk, even below the cap - and bucket_of filled for each?")  # fmt: skip
+
+
+def timed(records: list[Record]) -> str:  # on a pass: the slowest rank's step against DDP's
+    mine, ddp = max(((r["mine_s"], r["ddp_s"]) for r in records), key=lambda t: t[0] / t[1])
+    return f"your step {mine * 1e3:.1f} ms, DDP's {ddp * 1e3:.1f} ms: {mine / ddp:.2f}x"
+
+
+EXERCISES = [
+    Exercise(
+        name="12_my_ddp_buckets", lesson="12", run=run_buckets, judge=judge_buckets,
+        title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
+        teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
+        'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
+        errors=(_NO_WORK, _EARLY, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
+        proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
+        "waited on before the step; the weights equal DistributedDataParallel's",
+        report=timed,
+    ),
+]  # fmt: skip
