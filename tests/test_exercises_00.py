@@ -34,6 +34,18 @@ CASES = register([
     Case(EX, "batch-size-times-world", "--batch-size is per process",
          edits=(("batch_size=args.batch_size, sampler",
                  "batch_size=args.batch_size * dist.get_world_size(), sampler"),)),
+    # from a learner review: each named for what it is
+    Case(EX, "lr-times-world", "this lesson keeps --lr as it is",
+         edits=(("lr=args.lr,", "lr=args.lr * world_size,"),)),
+    Case(EX, "sampler-not-shuffled", "DistributedSampler(shuffle=False)",
+         edits=(("(train_set, seed=args.seed)", "(train_set, shuffle=False, seed=args.seed)"),)),
+    Case(EX, "sampler-seeded-per-rank", "the same seed on every rank",
+         edits=(("(train_set, seed=args.seed)", "(train_set, seed=args.seed + rank)"),)),
+    Case(EX, "saves-the-module-object", "not a state_dict",
+         edits=(("rank == 0, model.module.state_dict()", "rank == 0, model.module"),)),
+    Case(EX, "prefix-stripped-wrongly", "no prefix to strip by hand",
+         edits=(("rank == 0, model.module.state_dict()",
+                 "rank == 0, {k[6:]: v for k, v in model.state_dict().items()}"),)),
 ])  # fmt: skip
 
 

@@ -32,6 +32,13 @@ CASES = register(
                      "listed.split(\",\")[local_rank].strip()"),)),
         Case(GPU, "sorted-list", "expected 7",
              edits=(('listed.split(",")', 'sorted(listed.split(","), key=int)'),)),
+        # from a learner review
+        Case(GPU, "digits-read-one-by-one", "expected 13",  # right while every id was one digit
+             edits=(('int(listed.split(",")[local_rank])',
+                     "[int(c) for c in listed if c.isdigit()][local_rank]"),)),
+        Case(GPU, "list-indexed-by-rank", "the list is per node",
+             edits=(('int(listed.split(",")[local_rank])',
+                     'int(listed.split(",")[int(env["RANK"])])'),)),
     ]
 )  # fmt: skip
 

@@ -29,6 +29,13 @@ CASES = register([
     Case(EX, "drops-the-tail", "instead of dropping its end",
          edits=(("    padding = -len(rest) % world_size\n    rest += (rest * padding)[:padding]\n",
                  "    rest = rest[: len(rest) // world_size * world_size]  # like drop_last\n"),)),
+    # from a learner review
+    Case(EX, "padded-with-the-end", "repeated the END of the rest",
+         edits=(("    rest += (rest * padding)[:padding]",
+                 "    rest += rest[-padding:] if padding else []"),)),
+    Case(EX, "a-whole-row-of-padding", "more often than the padding needs",
+         edits=(("    padding = -len(rest) % world_size",
+                 "    padding = world_size - len(rest) % world_size"),)),
 ])  # fmt: skip
 
 

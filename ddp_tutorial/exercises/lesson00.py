@@ -8,6 +8,7 @@ the reference, one process on the global batch, to compare the weights with.
 from __future__ import annotations
 
 import json
+import pickle
 from types import ModuleType
 
 import torch
@@ -29,7 +30,7 @@ def order(epoch: int, seed: int = SEED) -> list[int]:
     return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
+def reference_weights(world_size: int, lr: float = LR) -> dict[str, torch.Tensor]:
     """What one process trains with the global batch (lesson 00's proof: the same weights)."""
     g = torch.Generator().manual_seed(SEED)
     x = torch.randn(SAMPLES, 20, generator=g)
@@ -39,7 +40,7 @@ def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
                         sampler=RandomSampler(range(SAMPLES), generator=generator))  # fmt: skip
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for epoch in range(EPOCHS):
         generator.manual_seed(SEED + epoch)
         for xb, yb in loader:
@@ -56,18 +57,92 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
         return {}
     reports = [json.loads(p.read_text()) for p in sorted(ctx.out.glob("report-*.json"))]
     record: Record = {"reports": reports, "saved": None}
-    model = ctx.out / "model.pt"
-    if model.is_file():
-        state = torch.load(model, map_location="cpu", weights_only=True)
-        record["saved"] = sorted(state)
-        plain = {k.removeprefix("module."): v for k, v in state.items()}
-        want = reference_weights(ctx.world_size)
-        if set(plain) == set(want):
-            record["gap"] = max((plain[k] - want[k]).abs().max().item() for k in want)
-            # --batch-size taken as global, times world_size per process: world_size^2 x 16
-            big = reference_weights(ctx.world_size**2)
-            record["gap_batch_x_world"] = max((plain[k] - big[k]).abs().max().item() for k in big)
+    if not (ctx.out / "model.pt").is_file():
+        return record
+    try:
+        state = torch.load(ctx.out / "model.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # a pickled object (the module itself): weights_only refuses
+        return {**record, "saved": [], "saved_object": True}
+    record["saved"] = sorted(state)
+    plain = {k.removeprefix("module."): v for k, v in state.items()}
+    want = reference_weights(ctx.world_size)
+    record["want_keys"] = sorted(want)
+    if set(plain) == set(want):
+        record["gap"] = max((plain[k] - want[k]).abs().max().item() for k in want)
+        # --batch-size taken as global, times world_size per process: world_size^2 x 16; and
+        # the learning rate scaled by the world size, a rule lesson 00 does not apply
+        n = ctx.world_size
+        others = {"batch_x_world": reference_weights(n * n),
+                  "lr_x_world": reference_weights(n, LR * n)}  # fmt: skip
+        for name, other in others.items():
+            record[f"gap_{name}"] = max((plain[k] - other[k]).abs().max().item() for k in other)
     return record
+
+
+def _judge_orders(reports: list[Record]) -> str | None:
+    """Each epoch's samples on each rank, against the DistributedSampler's for --seed."""
+    n = len(reports)
+    for epoch in range(EPOCHS):
+        shards = [r["seen"][epoch] for r in reports]
+        if len(set(shards[0]) & set(shards[1])) == len(shards[0]):
+            return ("rank 1 trained on the same samples as rank 0: the DataLoader has no "
+                    "DistributedSampler (each process must get its own share)")  # fmt: skip
+        every = sorted(i for shard in shards for i in shard)
+        if len(set(every)) < len(every):
+            return (f"in epoch {epoch} the ranks' shares overlap (and miss other samples): "
+                    "every rank must shuffle alike - DistributedSampler(..., seed=args.seed), "
+                    "the same seed on every rank")  # fmt: skip
+        if every != list(range(SAMPLES)):
+            return f"epoch {epoch} did not train every sample exactly once across the processes"
+    for r in reports:
+        if r["seen"][0] == list(range(r["rank"], SAMPLES, n)):
+            return (
+                f"rank {r['rank']} took its samples unshuffled, in index order: "
+                "DistributedSampler(shuffle=False) - keep its default, shuffle=True"
+            )
+        if r["seen"][0] == r["seen"][1]:
+            return (f"rank {r['rank']} saw its samples in the same order in every epoch: call "
+                    "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
+    for epoch in range(EPOCHS):
+        if any(r["seen"][epoch] != order(epoch)[r["rank"] :: n] for r in reports):
+            if all(r["seen"][epoch] == order(epoch, 2 * SEED)[r["rank"] :: n] for r in reports):
+                return (f"epoch {epoch} was shuffled as set_epoch(args.seed + epoch) shuffles "
+                        "it: the sampler adds its own seed (seed=args.seed) to the number "
+                        "set_epoch gives it - call sampler.set_epoch(epoch)")  # fmt: skip
+            return (
+                f"in epoch {epoch} the processes did not get the samples one process "
+                f"draws (the script ran with --seed {SEED}): build the DistributedSampler "
+                "with seed=args.seed, the same on every rank; call sampler.set_epoch(epoch)"
+            )
+    return None
+
+
+def _judge_saved(first: Record, n: int) -> str | None:
+    """What rank 0 saved: a state_dict of the plain model, with one process's weights."""
+    if first.get("saved_object"):
+        return ("model.pt holds a pickled object, not a state_dict: torch.load(..., "
+                "weights_only=True) refuses it - save model.module.state_dict()")  # fmt: skip
+    if any(k.startswith("module.") for k in first["saved"]):
+        return ("the saved keys start with 'module.' (DDP's wrapper): save "
+                "model.module.state_dict(), the plain model inside")  # fmt: skip
+    if "gap" not in first:
+        return (f"the saved keys are {first['saved'][:3]}..., the plain model's "
+                f"{first['want_keys'][:3]}...: save model.module.state_dict() as it is "
+                "(no prefix to strip by hand)")  # fmt: skip
+    if first["gap_batch_x_world"] <= 1e-5:
+        return (f"the weights are those of a global batch of {n * n * BATCH}, not {n * BATCH}: "
+                "--batch-size is per process - keep batch_size=args.batch_size (2 processes "
+                "x 16 train what 1 x 32 trains)")  # fmt: skip
+    if first["gap_lr_x_world"] <= 1e-5:
+        return (f"the weights are those of a learning rate {n} times --lr: this lesson keeps "
+                "--lr as it is, to train exactly what one process trains on the global batch; "
+                "a rate changes with a global batch that grows "
+                '(lesson 02, "The global batch and the learning rate")')  # fmt: skip
+    if first["gap"] > 1e-5:
+        return (f"the weights differ from one process on the global batch (by "
+                f"{first['gap']:.2g}): wrap the model in DDP, so that backward() averages the "
+                "gradients, and keep --batch-size per process")  # fmt: skip
+    return None
 
 
 def judge_convert(records: list[Record]) -> str | None:
@@ -83,48 +158,20 @@ def judge_convert(records: list[Record]) -> str | None:
             "environment"
         )
     reports.sort(key=lambda r: r["rank"])
-    for epoch in range(EPOCHS):
-        shards = [r["seen"][epoch] for r in reports]
-        if len(set(shards[0]) & set(shards[1])) == len(shards[0]):
-            return ("rank 1 trained on the same samples as rank 0: the DataLoader has no "
-                    "DistributedSampler (each process must get its own share)")  # fmt: skip
-        every = sorted(i for shard in shards for i in shard)
-        if every != list(range(SAMPLES)):
-            return f"epoch {epoch} did not train every sample exactly once across the processes"
-    for r in reports:
-        if r["seen"][0] == r["seen"][1]:
-            return (f"rank {r['rank']} saw its samples in the same order in every epoch: call "
-                    "sampler.set_epoch(epoch) at the start of each epoch")  # fmt: skip
-    for epoch in range(EPOCHS):
-        if any(r["seen"][epoch] != order(epoch)[r["rank"] :: n] for r in reports):
-            if all(r["seen"][epoch] == order(epoch, 2 * SEED)[r["rank"] :: n] for r in reports):
-                return (f"epoch {epoch} was shuffled as set_epoch(args.seed + epoch) shuffles "
-                        "it: the sampler adds its own seed (seed=args.seed) to the number "
-                        "set_epoch gives it - call sampler.set_epoch(epoch)")  # fmt: skip
-            return (
-                f"in epoch {epoch} the processes did not get the samples one process "
-                f"draws (the script ran with --seed {SEED}): build the DistributedSampler "
-                "with seed=args.seed, the same on every rank; call sampler.set_epoch(epoch)"
-            )
+    if mistake := _judge_orders(reports):
+        return mistake
     writers = [r["rank"] for r in reports if r["wrote"]]
     if len(writers) != 1:
         return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
                 "(`if rank == 0`); concurrent writers corrupt the file")  # fmt: skip
     if first["saved"] is None:
         return "no model.pt was written"
-    if any(k.startswith("module.") for k in first["saved"]):
-        return ("the saved keys start with 'module.' (DDP's wrapper): save "
-                "model.module.state_dict(), the plain model inside")  # fmt: skip
-    if first.get("gap_batch_x_world", 1.0) <= 1e-5:
-        return (f"the weights are those of a global batch of {n * n * BATCH}, not {n * BATCH}: "
-                "--batch-size is per process - keep batch_size=args.batch_size (2 processes "
-                "x 16 train what 1 x 32 trains)")  # fmt: skip
-    if first.get("gap") is None or first["gap"] > 1e-5:
-        return (f"the weights differ from one process on the global batch (by "
-                f"{first.get('gap', float('nan')):.2g}): wrap the model in DDP, so that "
-                "backward() averages the gradients, and keep --batch-size per process")  # fmt: skip
-    if any(r.get("left_group_open") for r in records):
-        return "the process group was left open: end with dist.destroy_process_group()"
+    if mistake := _judge_saved(first, n):
+        return mistake
+    open_ = [rank for rank, r in enumerate(records) if r.get("left_group_open")]
+    if open_:
+        return (f"rank {open_[0]} left the process group open: every rank ends with "
+                "dist.destroy_process_group()")  # fmt: skip
     return None
 
 

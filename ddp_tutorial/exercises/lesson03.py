@@ -38,6 +38,9 @@ SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
     ("node 1 of 2 (3 ranks on node 0, 2 here), rank 3",
      {"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2",
       "GROUP_RANK": "1"}),
+    ("node 1 of 2, CUDA_VISIBLE_DEVICES=12,13,14,15 (2 ranks a node), rank 3",
+     {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+      "GROUP_RANK": "1", CVD: "12,13,14,15"}),
 )  # fmt: skip
 OWN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # torchrun's, in this launch
 
@@ -66,7 +69,7 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
     try:
         return {"where": where, "env": env, **_answer(module.rank_gpu(sees))}
     except Exception as exc:  # the learner's code may raise anything
-        return {"where": where, "env": env, "bad": f"an error: {type(exc).__name__}: {exc}"}
+        return {"where": where, "env": env, "raised": f"{type(exc).__name__}: {exc}"}
 
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
@@ -77,11 +80,41 @@ def run_gpu(module: ModuleType, ctx: Context) -> Record:
     return {"answers": answers}
 
 
+def _judge_physical(where: str, got: int, env: dict[str, str], physical: int) -> str:
+    """A physical id other than the card listed at position LOCAL_RANK: which one it was."""
+    listed = env.get(CVD)
+    local, global_ = int(env["LOCAL_RANK"]), int(env["RANK"])
+    if listed is not None and got == local:
+        return (
+            f"{where}: you said physical GPU {local}, the LOCAL_RANK; with "
+            f"CUDA_VISIBLE_DEVICES={listed.strip()!r} cuda:{local} is the card listed "
+            f"at position {local}: physical GPU {physical} "
+            '(lesson 03, "Physical ids and logical ids")'
+        )
+    ids = [int(i) for i in listed.split(",")] if listed is not None else []
+    if global_ < len(ids) and global_ != local and got == ids[global_]:
+        return (f"{where}: you said physical GPU {ids[global_]}, the card at position "
+                f"RANK ({global_}) of the list; the list is per node: the card at "
+                f"position LOCAL_RANK ({local}), {physical} "
+                '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
+    if listed is not None and got == global_:
+        return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
+                f"card listed at position LOCAL_RANK: {physical} "
+                '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
+    return (f"{where}: you said physical GPU {got}, expected {physical} "
+            '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
+
+
 def judge_gpu(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         for a in rec["answers"]:
             where, env = a["where"], a["env"]
             index, physical = _expected(env)
+            if "raised" in a:
+                per_node = " - the list is per node: index it with LOCAL_RANK" if (
+                    a["raised"].startswith("IndexError") and CVD in env) else ""  # fmt: skip
+                return (f"{where}: rank_gpu raised {a['raised']} (expected cuda:{index} and "
+                        f"physical GPU {physical}){per_node}")  # fmt: skip
             if "bad" in a:
                 return (f"{where}: rank_gpu returned {a['bad']}, expected (cuda:{index}, "
                         f"{physical}): a (torch.device, int) pair")  # fmt: skip
@@ -120,19 +153,7 @@ def judge_gpu(records: list[Record]) -> str | None:
                     )
                 return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
             if a["physical"] != physical:
-                if listed is not None and a["physical"] == local:
-                    return (
-                        f"{where}: you said physical GPU {local}, the LOCAL_RANK; with "
-                        f"CUDA_VISIBLE_DEVICES={listed.strip()!r} cuda:{local} is the card listed "
-                        f"at position {local}: physical GPU {physical} "
-                        '(lesson 03, "Physical ids and logical ids")'
-                    )
-                if listed is not None and a["physical"] == global_:
-                    return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
-                            f"card listed at position LOCAL_RANK: {physical} "
-                            '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
-                return (f"{where}: you said physical GPU {a['physical']}, expected {physical} "
-                        '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
+                return _judge_physical(where, a["physical"], env, physical)
     return None
 
 
@@ -142,7 +163,7 @@ EXERCISES = [
         title="this rank's device, and the physical GPU behind it",
         teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
         proves=(
-            "the device and the physical GPU, right in all 7 environments: one node and two, "
+            "the device and the physical GPU, right in all 8 environments: one node and two, "
             "CUDA_VISIBLE_DEVICES lists, nodes of different sizes"
         ),
     ),

@@ -118,6 +118,11 @@ def judge_rest(records: list[Record]) -> str | None:
         if never:
             return _never_dealt(where, rest, never)
         full = padded(rest, world)
+        padding = len(full) - len(rest)
+        if padding and len(dealt) == len(full) and sorted(dealt) == sorted(rest + rest[-padding:]):
+            return (f"{where}: the padding repeated the END of the rest: DistributedSampler "
+                    "pads with its start (rest + rest[:padding]), and a resume must deal out "
+                    "what it would have")  # fmt: skip
         if sorted(dealt) != sorted(full):
             extra = [i for i in set(dealt) if dealt.count(i) > full.count(i)]
             return (f"{where}: sample {extra[0] if extra else '?'} was dealt out more often than "

@@ -23,6 +23,7 @@ from ddp_tutorial.harness.runs import default_run_dir
 from ddp_tutorial.records import read_rank_records
 
 MAX_LAUNCH_S = 420.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 HANG_WORDS = (
     "timed out",
     "Timed out",
@@ -89,7 +90,8 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
             "different shapes" + (f" ({ex.shapes_hint})" if ex.shapes_hint else "") + "?"
         )
     where = f" at {first['where']}" if first.get("where") else ""
-    return ex.hint(f"rank {first['rank']} raised {first['error'].splitlines()[0]}{where}")
+    error = ANSI.sub("", first["error"]).splitlines()[0]  # torch's bold in its own messages
+    return ex.hint(f"rank {first['rank']} raised {error}{where}")
 
 
 def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, str]:
