@@ -60,6 +60,19 @@ CASES = register([
                 ("        os.replace(tmp, path)\n",
                  "        os.replace(tmp, path)\n        fd = os.open(path, os.O_RDONLY)\n"
                  "        os.fsync(fd)\n        os.close(fd)\n"))),
+    # from a learner review
+    Case(SNAP, "old-snapshot-deleted-first", "deleted before the rename",
+         edits=(("        os.replace(tmp, path)\n",
+                 "        if path.exists():\n            path.unlink()  # make room\n"
+                 "        os.rename(tmp, path)\n"),)),
+    Case(SNAP, "barrier-on-rank-0-only", "is the dist.barrier() inside",
+         edits=(("        os.replace(tmp, path)\n    dist.barrier()\n",
+                 "        os.replace(tmp, path)\n        dist.barrier()\n"),)),
+    Case(RESUME, "rank-0-loads-and-broadcasts", None,  # right: the check's cuda:0 tag is on files
+         edits=(("        state = torch.load(snapshot, map_location=\"cpu\", weights_only=True)\n",
+                 "        box = [torch.load(snapshot, map_location=\"cpu\", weights_only=True)\n"
+                 "               if rank == 0 else None]\n"
+                 "        dist.broadcast_object_list(box, src=0)\n        state = box[0]\n"),)),
 ])  # fmt: skip
 
 

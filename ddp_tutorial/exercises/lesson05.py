@@ -183,6 +183,33 @@ def _kill_phase(
     meet(ctx, "05-killed")
 
 
+def _replace_phase(
+    module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
+) -> None:
+    # 3. rank 0 alone saves over its snapshot: was the old one deleted before the rename?
+    if ctx.rank == 0 and path.is_file():
+        removed: list[str] = []
+
+        def noted(real: Callable[..., Any]) -> Callable[..., Any]:
+            def remove(target: Any, *args: Any, **kwargs: Any) -> Any:
+                removed.append(os.fspath(target))
+                return real(target, *args, **kwargs)
+
+            return remove
+
+        try:
+            with (
+                mock.patch.object(os, "unlink", noted(os.unlink)),
+                mock.patch.object(os, "remove", noted(os.remove)),
+                mock.patch.object(dist, "barrier", lambda *a, **k: None),
+            ):
+                module.save_snapshot(path, model, optimizer, EPOCH + 2, STEP + 80)
+        except Exception:  # named by the first save already
+            pass
+        record["removed_snapshot"] = str(path) in removed
+    meet(ctx, "05-replaced")
+
+
 def _load_phase(
     module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
 ) -> None:
@@ -232,7 +259,7 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
     # collective left unmatched costs only the learner's call, not the check's next step
     model, optimizer = _model()
     record: Record = {"rank": ctx.rank}
-    for phase in (_save_phase, _kill_phase, _load_phase):
+    for phase in (_save_phase, _kill_phase, _replace_phase, _load_phase):
         phase(module, ctx, model, optimizer, path, record)
     return record
 
@@ -251,8 +278,17 @@ def _judge_writes(records: list[Record]) -> str | None:
         return (f"rank {writers[0]} wrote the snapshot: the writer is global rank 0 "
                 '(lesson 05, "1 · The hazard, measured: several writers, one file")')  # fmt: skip
     for r in records:
-        if "save_error" in r:
-            return f"rank {r['rank']}: save_snapshot raised {r['save_error']}"
+        error = r.get("save_error", "")
+        if "Timed out" in error:
+            return (f"rank {r['rank']} waited in save_snapshot for ranks that never came "
+                    f"({error[:60]}...): is the dist.barrier() inside `if rank == 0`? Every rank "
+                    'must reach it (lesson 05, "The lines you write")')  # fmt: skip
+        if "cross-device link" in error:
+            return ("the temporary file was on another file system than the snapshot, and "
+                    "os.replace cannot move a file across: write it beside the snapshot "
+                    '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
+        if error:
+            return f"rank {r['rank']}: save_snapshot raised {error}"
     if not writers or first["saved"] is None:
         return "no snapshot was written: rank 0 must torch.save the state"
     late = [r["rank"] for r in records if not r["there_on_return"]]
@@ -297,6 +333,10 @@ def _judge_crash_safety(first: Record) -> str | None:
     moves = first["replaced"]
     if not moves:
         return ("no rename: write to a temporary file, then os.replace(tmp, path) "
+                '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
+    if first.get("removed_snapshot"):
+        return ("the old snapshot was deleted before the rename: until the rename there is no "
+                "snapshot at all - os.replace(tmp, path) replaces it in one step "
                 '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
     src, dst, synced = moves[-1]
     if Path(src).parent != Path(dst).parent:
@@ -360,7 +400,7 @@ EXERCISES = [
         proves=(
             "rank 0 alone wrote, through a temporary file and a rename, and the others waited for"
             " it; the snapshot holds model (no 'module.'), optimizer and epoch, loads with "
-            "weights_only=True, and every rank reads it onto its own device"
+            "weights_only=True, and every rank reads it back, weights only, mapped to its device"
         ),
     ),
 ]  # fmt: skip

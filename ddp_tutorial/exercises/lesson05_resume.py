@@ -12,6 +12,7 @@ would on a rank without that GPU (and is named on a machine that has one).
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,19 +34,27 @@ MAP_LOCATION = ("torch.load without map_location puts every tensor back on the d
 
 @contextmanager
 def saved_from_gpu(ctx: Context) -> Iterator[None]:
-    """Rank 0's snapshots say "cuda:0", as a GPU job's do; every torch.load call is noted."""
+    """Rank 0's snapshots say "cuda:0", as a GPU job's do; every torch.load of a file is noted.
+    Only files: torch pickles a tensor sent with ``broadcast_object_list`` through torch.save
+    and torch.load on a BytesIO, and those stay as they are."""
     loads: list[dict[str, Any]] = []
-    real_load = torch.load
+    real_load, real_save = torch.load, torch.save
 
-    def load(*args: Any, **kwargs: Any) -> Any:
-        where = kwargs.get("map_location", args[1] if len(args) > 1 else None)
-        loads.append({"map_location": None if where is None else repr(where),
-                      "weights_only": kwargs.get("weights_only")})  # fmt: skip
-        return real_load(*args, **kwargs)
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(f, io.BytesIO):
+            where = kwargs.get("map_location", args[0] if args else None)
+            loads.append({"map_location": None if where is None else repr(where),
+                          "weights_only": kwargs.get("weights_only")})  # fmt: skip
+        return real_load(f, *args, **kwargs)
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, io.BytesIO):
+            return real_save(obj, f, *args, **kwargs)
+        with mock.patch.object(torch.serialization, "location_tag", lambda _: "cuda:0"):
+            return real_save(obj, f, *args, **kwargs)
 
     try:
-        with (mock.patch.object(torch.serialization, "location_tag", lambda _: "cuda:0"),
-              mock.patch.object(torch, "load", load)):  # fmt: skip
+        with mock.patch.object(torch, "load", load), mock.patch.object(torch, "save", save):
             yield
     finally:
         ctx.out.mkdir(parents=True, exist_ok=True)
