@@ -44,6 +44,24 @@ CASES = register([
          edits=(("            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n",
                  '            if stop["signal"]:\n'
                  "                dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n"),)),
+    # from a learner review
+    Case(EX, "snapshot-of-the-wrapper", "the snapshot's model keys start with 'module.'",
+         edits=(('{"model": model.module.state_dict(),', '{"model": model.state_dict(),'),)),
+    Case(EX, "status-never-set", "set status = PREEMPTED before the break",
+         edits=(("                status = PREEMPTED\n                break\n",
+                 "                break\n"),)),
+    Case(EX, "return-inside-the-loop", "not `return`",
+         edits=(("                status = PREEMPTED\n                break\n",
+                 "                return PREEMPTED\n"),)),
+    Case(EX, "snapshot-written-by-hand", "without save_snapshot",
+         edits=(('                    save_snapshot(out / "snapshot.pt", ',
+                 '                    torch.save(dict(step=step, optimizer=optimizer.state_dict(), '
+                 'model=model.module.state_dict()), out / "snapshot.tmp")\n'
+                 '                    os.replace(out / "snapshot.tmp", out / "snapshot.pt")\n'
+                 '                    dict('),)),
+    Case(EX, "handler-raises", "handler raised (a KeyboardInterrupt",
+         edits=(("signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))",
+                 "signal.signal(signal.SIGTERM, signal.default_int_handler)"),)),
 ])  # fmt: skip
 
 

@@ -29,6 +29,7 @@ HOLD_S = 0.5  # rank 0's torch.save is held this long: a rank that does not wait
 
 
 IN_HANDLER = "exited inside its SIGTERM handler"  # the error a wrapped handler's exit becomes
+RAISED_IN_HANDLER = "raised inside its SIGTERM handler"  # ... and anything else it raised
 
 
 def _wrapped(handler: Any) -> Any:
@@ -40,6 +41,8 @@ def _wrapped(handler: Any) -> Any:
             return handler(signum, frame)
         except SystemExit as stop:
             raise RuntimeError(f"rank {IN_HANDLER} (SystemExit {stop.code})") from stop
+        except BaseException as exc:  # KeyboardInterrupt (default_int_handler), anything
+            raise RuntimeError(f"rank {RAISED_IN_HANDLER} ({type(exc).__name__})") from exc
 
     return sigterm
 
@@ -76,8 +79,11 @@ def run_preempt(_: ModuleType | None, ctx: Context) -> Record:
     if ctx.rank == 0 and snapshot.is_file():
         try:
             state = torch.load(snapshot, map_location="cpu", weights_only=True)
+            model = state.get("model")
             record["snapshot"] = {"step": state.get("step"), "keys": sorted(state),
-                                  "written_at": snapshot.stat().st_mtime}  # fmt: skip
+                                  "written_at": snapshot.stat().st_mtime,
+                                  "wrapper": isinstance(model, dict) and any(
+                                      k.startswith("module.") for k in model)}  # fmt: skip
         except Exception as exc:
             record["snapshot"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return record
@@ -94,6 +100,10 @@ def _judge_snapshot(records: list[Record], stop: int) -> str | None:
     if not {"model", "optimizer"} <= set(snapshot["keys"]):
         return (f"the snapshot holds {snapshot['keys']}: a resume needs the model and the "
                 "optimizer's state too")  # fmt: skip
+    if snapshot.get("wrapper"):
+        return ("the snapshot's model keys start with 'module.' (DDP's wrapper): save "
+                "model.module.state_dict(), the plain model inside "
+                '(lesson 05, "4 · `module.` and `_orig_mod.`")')  # fmt: skip
     # with the barrier a rank returns after the write; without, about HOLD_S before it (0.1 s
     # spares the file system's coarser clock, and leaves a loaded host 0.4 s to tell them apart)
     early = [r["report"]["rank"] for r in records
@@ -105,10 +115,35 @@ def _judge_snapshot(records: list[Record], stop: int) -> str | None:
     return None
 
 
+def _judge_saves(records: list[Record], stop: int) -> str | None:
+    """Who called save_snapshot, and how often: rank 0, once."""
+    reports = [r["report"] for r in records]
+    writers = [rep["rank"] for rep in reports if rep["saves"]]
+    if len(writers) > 1:
+        return (f"ranks {writers} each saved a snapshot: only global rank 0 saves (`if rank == "
+                "0`); the others wait for it")  # fmt: skip
+    if writers != [0] and records[0].get("snapshot"):
+        return ("rank 0 wrote snapshot.pt without save_snapshot: call save_snapshot(out / "
+                '"snapshot.pt", {...}) - it writes atomically, and the check counts its '
+                "calls")  # fmt: skip
+    if writers != [0]:
+        return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
+                "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
+    saved = [s["step"] for s in reports[0]["saves"]]
+    if len(saved) > 1:
+        unset = " - set status = PREEMPTED before the break: the epoch loop ends on it" if all(
+            rep["status"] != PREEMPTED for rep in reports) else ""  # fmt: skip
+        return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
+                "loop trained on after the preemption - break out of it right after the "
+                f"save, with status PREEMPTED{unset}")  # fmt: skip
+    return None
+
+
 def judge_preempt(records: list[Record]) -> str | None:
     reports = [r["report"] for r in records]
     if any(rep is None for rep in reports):
-        return "a rank wrote no report-rank*.json: keep the lines that write it"
+        return ("a rank wrote no report-rank*.json: keep the lines that write it, after the "
+                "loop - leave the loop with `break`, not `return`")  # fmt: skip
     if not any(rep["handler"] for rep in reports):
         return (f"no SIGTERM handler: on a cluster, rank {PREEMPT_RANK} would have died at once "
                 f"at step {PREEMPT_AT}, losing everything since the last snapshot - install one "
@@ -134,18 +169,8 @@ def judge_preempt(records: list[Record]) -> str | None:
                 "every rank must learn whether ANY rank was signalled - all_reduce the flag "
                 f"with op=MAX (a broadcast from rank 0, or MIN, misses rank {PREEMPT_RANK}'s) - "
                 "then stop the loop")  # fmt: skip
-    writers = [rep["rank"] for rep in reports if rep["saves"]]
-    if len(writers) > 1:
-        return (f"ranks {writers} each saved a snapshot: only global rank 0 saves (`if rank == "
-                "0`); the others wait for it")  # fmt: skip
-    if writers != [0]:
-        return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
-                "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
-    saved = [s["step"] for s in reports[0]["saves"]]
-    if len(saved) > 1:
-        return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
-                "loop trained on after the preemption - break out of it right after the "
-                "save, with status PREEMPTED")  # fmt: skip
+    if mistake := _judge_saves(records, stop):
+        return mistake
     if stop - PREEMPT_AT >= EVERY:
         return (
             f"the ranks stopped at step {stop}, {stop - PREEMPT_AT} steps after the signal: "
@@ -165,6 +190,10 @@ def judge_preempt(records: list[Record]) -> str | None:
 
 
 ERRORS = (  # matched against each failing rank's error and the line of the file it failed at
+    (RAISED_IN_HANDLER, "a rank's SIGTERM handler raised (a KeyboardInterrupt, say) in the "
+     "middle of the step it interrupted: nothing was saved, and the other rank was left "
+     "waiting - the handler only sets the flag (stop['signal'] = signum); the loop saves and "
+     "stops at the step boundary"),
     (IN_HANDLER, "a rank exited inside its SIGTERM handler: nothing was saved, and the other "
      "rank was left waiting in the next all_reduce - the handler only sets the flag "
      "(stop['signal'] = signum); the loop saves and stops at the step boundary"),
