@@ -24,7 +24,7 @@ CASES = register([
               "    # END YOUR CODE\n    return tensor / dist.get_world_size()\n"),
     Case(GATHER, "left-padded", "still has its padding",
          edits=((TRIM, "    result = gathered\n"),)),
-    Case(GATHER, "own-length", "trim each to the length its rank sent",
+    Case(GATHER, "own-length", "trim each to its own",
          edits=((TRIM, "    result = [g[: tensor.shape[0]] for g in gathered]\n"),)),
     Case(GATHER, "unpadded", "every rank must send the same shape",  # gloo aborts a rank
          text="import torch\nimport torch.distributed as dist\n\n\ndef gather_uneven(tensor):\n"
@@ -51,6 +51,32 @@ CASES = register([
                  "               dist.P2POp(dist.irecv, recv_buf, (rank - 1) % world)]\n"
                  "        for request in dist.batch_isend_irecv(ops):\n"
                  "            request.wait()\n"),)),
+    # from a learner review
+    Case(RING, "floor-division", "`//` is floor division",
+         edits=(("    total /= world  # the mean\n", "    total //= world\n"),)),
+    Case(RING, "isend-work-dropped", "let go of before its wait()",
+         edits=((ISEND, "        dist.isend(send_buf, dst=(rank + 1) % world)\n"),
+                ("        request.wait()\n", ""),
+                ("        send_buf = recv_buf.clone()", "        send_buf, recv_buf = recv_buf, "
+                 "torch.empty_like(tensor)"))),
+    Case(GATHER, "padded-with-minus-one-trimmed-by-value", "trim by the lengths gathered",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+                 "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),
+                (TRIM, "    result = [g[g != -1] for g in gathered]\n"))),
+    Case(GATHER, "rank-0s-length-for-all", "",
+         edits=(("longest = int(max(lengths).item())", "longest = int(lengths[0].item())"),)),
+    Case(GATHER, "broadcasts-not-all-gather", "not one broadcast per rank",
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+                 "    dist.all_gather(gathered, padded)\n",
+                 "    gathered = [padded.clone() if r == dist.get_rank() else torch.empty_like("
+                 "padded) for r in range(world)]\n"
+                 "    for r in range(world):\n        dist.broadcast(gathered[r], src=r)\n"),)),
+    Case(GATHER, "lengths-with-all-gather-object", None,  # right: a few ints may go that way
+         edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]\n"
+                 "    dist.all_gather(lengths, length)\n",
+                 "    lengths = [None] * world\n"
+                 "    dist.all_gather_object(lengths, tensor.shape[0])\n"
+                 "    lengths = [torch.tensor(n) for n in lengths]\n"),)),
 ])  # fmt: skip
 
 

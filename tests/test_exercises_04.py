@@ -67,6 +67,32 @@ CASES = register(
                     ("dist.all_reduce(buffer)", "all_reduce(buffer, async_op=True)"))),
         Case(BUFFERS, "async-never-waited", "was never waited on",
              edits=(("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
+        # from a learner review
+        Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP",
+             edits=(("            (loss_fn(model(x), y) / k).backward()",
+                     "            (loss_fn(model.module(x), y) / k).backward()"),
+                    ("    (loss_fn(model(x), y) / k).backward()  #",
+                     "    (loss_fn(model.module(x), y) / k).backward()  #"))),
+        Case(ACCUM, "sync-on-the-first-micro-batch", "not the last",
+             edits=(("    for x, y in micro_batches[:-1]:\n",
+                     "    x, y = micro_batches[0]\n    (loss_fn(model(x), y) / k).backward()\n"
+                     "    for x, y in micro_batches[1:-1]:\n"),
+                    ("    (loss_fn(model(x), y) / k).backward()  # outside",
+                     "    with model.no_sync():\n        (loss_fn(model(x), y) / k).backward()  #"))),  # noqa: E501
+        Case(ACCUM, "one-backward-for-all", "ran one backward for its",
+             edits=(("    for x, y in micro_batches[:-1]:\n"
+                     "        with model.no_sync():  # forward and backward in here: the gradients "
+                     "add up, unsent\n"
+                     "            (loss_fn(model(x), y) / k).backward()\n"
+                     "    x, y = micro_batches[-1]\n"
+                     "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the "
+                     "accumulated sum\n",
+                     "    (sum(loss_fn(model(x), y) for x, y in micro_batches) / k).backward()\n"),)),  # noqa: E501
+        Case(BUFFERS, "only-rank-0-divides", "every rank divides by the world size",
+             edits=(("            buffer /= world", "            if dist.get_rank() == 0:\n"
+                     "                buffer /= world"),)),
+        Case(BUFFERS, "parameters-not-buffers", "the statistics are buffers",
+             edits=(("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
     ]
 )  # fmt: skip
 

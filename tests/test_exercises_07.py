@@ -44,6 +44,17 @@ CASES = register(
              edits=(("    for i in range(warmup + steps):\n",
                      "    start = time.perf_counter()\n    for i in range(warmup + steps):\n"),
                     ("        start = time.perf_counter()\n", ""))),
+        # from a learner review
+        Case(TIMING, "max-of-a-copy", "it reduced a copy",
+             edits=((REDUCE, "    worst = slowest.clone()\n"
+                             "    dist.all_reduce(worst, op=dist.ReduceOp.MAX)"),)),
+        Case(TIMING, "milliseconds", "that is milliseconds",
+             edits=(("times.append(time.perf_counter() - start)",
+                     "times.append((time.perf_counter() - start) * 1000)"),)),
+        Case(TIMING, "mean-step", "one step's work",
+             edits=((REDUCE, REDUCE + "\n    slowest /= steps"),)),
+        Case(TIMING, "rank-0-times-alone", "does every rank time its own steps",
+             edits=(("        if i >= warmup:", "        if i >= warmup and dist.get_rank() == 0:"),)),  # noqa: E501
     ]
 )  # fmt: skip
 

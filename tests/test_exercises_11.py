@@ -83,6 +83,19 @@ CASES = register([
                 ("    future = work.get_future().then(decompress)\n", ""))),
     Case(EX, "then-returns-none", "returned None",
          edits=(("        return buffer\n", ""),)),
+    Case(EX, "divided-twice", "divided them twice",
+         edits=(("buffer.copy_(done.value()[0])", "buffer.copy_(done.value()[0] / world_size)"),)),
+    Case(EX, "one-all-reduce-per-gradient", "one per bucket",
+         edits=(("    compressed = buffer.to(torch.bfloat16).div_(world_size)  #",
+                 "    sent = [g.to(torch.bfloat16).div_(world_size) for g in bucket.gradients()]\n"
+                 "    works = [dist.all_reduce(t, group=group, async_op=True) for t in sent]\n"
+                 "    compressed = buffer.to(torch.bfloat16).div_(world_size)  #"),
+                ("    work = dist.all_reduce(compressed, group=group, async_op=True)\n", ""),
+                ("        buffer.copy_(done.value()[0])",
+                 "        buffer.copy_(torch.cat([t.reshape(-1) for t in sent]))"),
+                ("    future = work.get_future().then(decompress)",
+                 "    future = torch.futures.collect_all([w.get_future() for w in works])"
+                 ".then(decompress)"))),
 ])  # fmt: skip
 
 
@@ -94,7 +107,8 @@ def test_a_bucket_copied_before_the_sum_arrived_is_named():
     plain, alone = [[0.5, -1.0, 2.0]] * STEPS, [[1.0, -4.0, 2.0]] * STEPS
     sent = [[("bfloat16", 6, True)]] * STEPS
     records = [{"plain": plain, "alone": alone, "hooked": [[g / 2 for g in alone[0]]] * STEPS,
-                "sent": sent, "bytes_fp32": 12} for _ in range(2)]  # fmt: skip
+                "sent": sent, "bytes_fp32": 12, "buckets": [1] * STEPS}
+               for _ in range(2)]  # fmt: skip
     assert "copied back before the sum arrived" in judge_hook(records)
     records = [{**r, "hooked": plain} for r in records]
     assert judge_hook(records) is None

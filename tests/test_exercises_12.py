@@ -100,6 +100,19 @@ CASES = register(
         Case(HOOKS, "average-op", None,  # a right answer: gloo averages too, in this torch
              edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
                      "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n"),)),
+        Case(HOOKS, "broadcast-from-rank-1", "src is the rank that sends",
+             edits=(("            dist.broadcast(p, src=0)", "            dist.broadcast(p, src=1)"),)),  # noqa: E501
+        Case(HOOKS, "tensor-hook-given-the-gradient", "the gradient is not there yet",
+             edits=(("        p.register_post_accumulate_grad_hook(average)",
+                     "        p.register_hook(average)"),)),
+        Case(HOOKS, "tensor-hooks-registered-twice", "reduced more than once",
+             edits=(("    def average(p: torch.Tensor) -> None:\n"
+                     "        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "    def average(grad: torch.Tensor) -> torch.Tensor:\n"
+                     "        g = grad.clone()\n        dist.all_reduce(g)\n        return g / world\n"),  # noqa: E501
+                    ("    for p in model.parameters():\n        p.register_post_accumulate_grad_hook(average)",  # noqa: E501
+                     "    for m in model.modules():\n        for p in m.parameters():\n"
+                     "            p.register_hook(average)"))),
     ]
 )  # fmt: skip
 

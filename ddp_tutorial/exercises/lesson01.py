@@ -45,26 +45,33 @@ def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
 
 
 @contextmanager
-def watched(calls: list[tuple[str, Any]], module: ModuleType) -> Iterator[None]:
+def watched(calls: list[tuple[str, Any]], module: ModuleType,
+            dropped: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Record each collective and send/recv that the learner's ``module`` makes: (name, peer)
     for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None)."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
-        op = reduce_op(args, kwargs) if name == "all_reduce" else None
-        calls.append((name, peer if name in POINT_TO_POINT else op))
+        info = {"all_reduce": lambda: reduce_op(args, kwargs),  # the op, or what was gathered
+                "all_gather_object": lambda: type(args[1] if len(args) > 1 else kwargs.get("obj")
+                                                  ).__name__}.get(name, lambda: None)()  # fmt: skip
+        calls.append((name, peer if name in POINT_TO_POINT else info))
         if name not in POINT_TO_POINT:
             return None
         tensor = args[0] if args else kwargs.get("tensor")
         _check_peer(name, peer, tensor, sending)
         # frame 2: who called the spy; batch_isend_irecv waits for its own isends
-        if name != "isend" or sys._getframe(2).f_globals.get("__name__") == c10d.__name__:
+        if name not in ("isend", "irecv") or sys._getframe(2).f_globals.get(
+                "__name__") == c10d.__name__:  # fmt: skip
             return None
+        if name == "irecv":
+            return lambda: None  # a NotedWork all the same: one dropped unwaited is named
         sending.add(ptr := tensor.data_ptr())
         return lambda: sending.discard(ptr)
 
-    with spying(COLLECTIVES, note, module), spying(POINT_TO_POINT, note, module, also=(c10d,)):
+    with (spying(COLLECTIVES, note, module),
+          spying(POINT_TO_POINT, note, module, also=(c10d,), dropped=dropped)):  # fmt: skip
         yield
 
 
@@ -76,16 +83,29 @@ def _values(x: Any) -> Any:
     return repr(x)
 
 
+DROPPED = (
+    "dist.{0} returned a Work that was let go of before its wait(): on gloo the "
+    "transfer may then never happen, and the peer waits for ever - keep what isend and "
+    "irecv return, and call .wait() on it"
+)
+
+
 def ring_input(rank: int) -> torch.Tensor:
     return torch.tensor([rank + 1.0, 10.0 * (rank + 1), -(rank**2)])
 
 
 def run_ring(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
+    dropped: list[str] = []  # isend/irecv Works let go of unwaited
     mine = ring_input(ctx.rank)
-    with watched(calls, module):
-        got = module.ring_average(mine.clone())
-    return {"got": _values(got), "calls": calls}
+    try:
+        with watched(calls, module, dropped):
+            got = module.ring_average(mine.clone())
+    except Exception as exc:
+        if dropped:  # named: the hang it causes would say only "a peer that never came"
+            raise RuntimeError(DROPPED.format(dropped[0])) from exc
+        raise
+    return {"got": _values(got), "calls": calls, "dropped": dropped}
 
 
 def judge_ring(records: list[Record]) -> str | None:
@@ -112,6 +132,11 @@ def judge_ring(records: list[Record]) -> str | None:
         got_t = torch.tensor(got, dtype=torch.float32)
         if torch.allclose(got_t, inputs[rank]):
             return f"rank {rank} returned its own tensor: nothing from the other ranks was added"
+        if rec.get("dropped"):
+            return f"rank {rank}: " + DROPPED.format(rec["dropped"][0])
+        if torch.allclose(got_t, torch.floor(mean)) and not torch.allclose(got_t, mean):
+            return (f"rank {rank} returned {got}, the mean rounded down: `//` is floor "
+                    "division - divide with `/`")  # fmt: skip
         if torch.allclose(got_t, total):
             return f"rank {rank} returned the sum {got}: divide by the world size for the mean"
         if not torch.allclose(got_t, mean):
@@ -124,12 +149,15 @@ def judge_ring(records: list[Record]) -> str | None:
     return None
 
 
-LENGTHS = (3, 1, 4, 2)
+LENGTHS = (1, 3, 4, 2)  # rank 0's is not the longest: its length taken for all shows
 
 
 def uneven_input(rank: int) -> torch.Tensor:
-    """Class predictions, say: int64, so that a float padding buffer shows."""
-    return torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.int64) + 100 * rank
+    """Labels, say: int64, so that a float padding buffer shows; each starts with -1 (an
+    ignored label), so that a -1 padding trimmed by value shows too."""
+    x = torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.int64) + 100 * rank
+    x[0] = -1
+    return x
 
 
 def run_gather(module: ModuleType, ctx: Context) -> Record:
@@ -138,14 +166,16 @@ def run_gather(module: ModuleType, ctx: Context) -> Record:
         got = module.gather_uneven(uneven_input(ctx.rank))
     dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
               for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip
-    return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes}
+    objects = [info for name, info in calls if name == "all_gather_object"]
+    return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes,
+            "objects": objects}  # fmt: skip
 
 
 def judge_gather(records: list[Record]) -> str | None:
     n = len(records)
     want = [uneven_input(r).tolist() for r in range(n)]
     for rank, rec in enumerate(records):
-        if "all_gather_object" in rec["calls"]:
+        if "Tensor" in rec["objects"]:  # the lengths, a few ints, may go that way
             return ("all_gather_object pickles on the CPU (and copies through the GPU on nccl): "
                     "gather the tensors with dist.all_gather")  # fmt: skip
         got = rec["got"]
@@ -164,10 +194,18 @@ def judge_gather(records: list[Record]) -> str | None:
                     f"on rank {rank}, rank {src}'s tensor still has its padding ({len(g)} "
                     f"values, not {len(w)}): trim each to the length its rank sent"
                 )
+            if isinstance(g, list) and len(g) < len(w) and g == [v for v in w if v != w[0]]:
+                return (f"on rank {rank}, rank {src}'s tensor lost its {w[0]}s: trimmed by "
+                        f"value, like the padding - trim by the lengths gathered ({w[0]} can be "
+                        "a real label)")  # fmt: skip
             if isinstance(g, list) and len(g) != len(w):
                 return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
                         "gather every rank's length first, then trim each to its own")  # fmt: skip
             return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
+        if "all_gather" not in rec["calls"] or "broadcast" in rec["calls"]:
+            return (f"rank {rank} gathered with {', '.join(sorted(set(rec['calls'])))}: one "
+                    "dist.all_gather of the padded tensors does it in one collective, not one "
+                    "broadcast per rank")  # fmt: skip
     return None
 
 

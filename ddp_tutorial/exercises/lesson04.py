@@ -75,14 +75,23 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     params, ref_params, calls_per_step = [_flat(model.module)], [_flat(reference)], []
     stepped: list[int] = []  # optimizer.step() calls in this accumulation_step
     optimizer.register_step_pre_hook(lambda *_: stepped.append(1))
-    steps_per_call = []
+    steps_per_call, passes = [], []
+    forwards: list[int] = []  # through the wrapper (model(x), not model.module(x))
+    backwards: list[int] = []  # backward passes: the first layer's weight gets its gradient
+    reduced_at: list[int] = []  # for each all_reduce: the forwards run before it
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    model.module[0].weight.register_post_accumulate_grad_hook(lambda _: backwards.append(1))
     for step in range(STEPS):
         x, y = _global_batch(step, ctx.world_size)
         rows = slice(ctx.rank * K * MICRO, (ctx.rank + 1) * K * MICRO)  # this rank's shard
         micro = list(zip(x[rows].split(MICRO), y[rows].split(MICRO), strict=True))
         calls: list[str] = []
-        with counted(("all_reduce",), calls, module):
+        at = spying(("all_reduce",), lambda *_: reduced_at.append(len(forwards)), module)
+        with counted(("all_reduce",), calls, module), at:
             module.accumulation_step(model, optimizer, micro, F.cross_entropy)
+        passes.append({"forwards": len(forwards), "backwards": len(backwards),
+                       "reduced_at": list(reduced_at)})  # fmt: skip
+        forwards.clear(), backwards.clear(), reduced_at.clear()
         calls_per_step.append(len(calls))
         steps_per_call.append(len(stepped))
         stepped.clear()
@@ -92,7 +101,29 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
         ref_opt.step()
         ref_params.append(_flat(reference))
     return {"params": params, "reference": ref_params, "calls_per_step": calls_per_step,
-            "steps_per_call": steps_per_call}  # fmt: skip
+            "steps_per_call": steps_per_call, "passes": passes}  # fmt: skip
+
+
+def _judge_passes(records: list[Record]) -> str | None:
+    """The forwards, backwards and all_reduces of each accumulation step, on each rank."""
+    for rank, rec in enumerate(records):
+        for one in rec["passes"]:
+            if one["forwards"] < K:
+                return (f"rank {rank} ran {one['forwards']} of its {K} forwards through the DDP "
+                        "wrapper: model.module(x) bypasses DDP, which decides in its forward "
+                        "whether this backward sends - call model(x) "
+                        '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
+            if one["backwards"] == 1 and K > 1:
+                return (f"rank {rank} ran one backward for its {K} micro-batches: every "
+                        "micro-batch's graph was kept until then, which accumulation exists "
+                        "to avoid - backward each micro-batch's loss / k after its "
+                        "forward")  # fmt: skip
+            if len(one["reduced_at"]) == 1 and one["reduced_at"] != [K]:
+                return (f"rank {rank}'s all_reduce ran in the backward of micro-batch "
+                        f"{one['reduced_at'][0]} of {K}, not the last: model.no_sync() around "
+                        "every micro-batch but the last, so that the last one's all_reduce "
+                        "carries the sum of them all")  # fmt: skip
+    return None
 
 
 def _misscaled(step1: torch.Tensor, ref1: torch.Tensor, world: int) -> str | None:
@@ -127,6 +158,8 @@ def judge_accumulate(records: list[Record]) -> str | None:
     if all(torch.equal(T(r["params"][-1]), start) for r in records):
         return ("the weights did not change: no backward ran, so optimizer.step() had no "
                 "gradient - run forward and backward on every micro-batch")  # fmt: skip
+    if mistake := _judge_passes(records):
+        return mistake
     stepped = max(max(r["steps_per_call"]) for r in records)
     if stepped > 1:
         return (
@@ -212,6 +245,18 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
             "unwaited": asyncs["sent"] - asyncs["waited"]}  # fmt: skip
 
 
+def _only_rank_0_divided(records: list[Record], differ: list[str]) -> bool:
+    """Whether rank 0's buffers are the mean over the ranks and every other rank's the sum."""
+    for name in differ:
+        total = torch.stack([torch.tensor(r["before"][name]["values"]) for r in records]).sum(0)
+        for rank, r in enumerate(records):
+            after = torch.tensor(r["after"][name]["values"])
+            mean = torch.allclose(after, total / len(records), rtol=1e-5, atol=1e-6)
+            if mean != (rank == 0):
+                return False
+    return True
+
+
 def judge_buffers(records: list[Record]) -> str | None:
     T = torch.tensor
     n = len(records)
@@ -239,6 +284,9 @@ def judge_buffers(records: list[Record]) -> str | None:
                 "sum has arrived - call .wait() on what it returns before dividing (or call it "
                 "without async_op)")  # fmt: skip
     if differ:
+        if _only_rank_0_divided(records, differ):
+            return ("rank 0 holds the mean over the ranks, the others the sum: every rank "
+                    "divides by the world size after the all_reduce, not only rank 0")  # fmt: skip
         kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
         layers = sorted({k.rsplit(".", 1)[0] for k in differ})
         return (
@@ -291,7 +339,10 @@ EXERCISES = [
         name="04_average_buffers", lesson="04", run=run_buffers, judge=judge_buffers,
         title="BatchNorm buffers made the same on every rank before evaluating",
         teaches=BUFFERS_TEACHES, collective_timeout_s=5.0,
-        errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),),
+        errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),
+                ("a leaf Variable that requires grad", "an in-place change of a parameter: "
+                 "those are model.parameters(), which DDP keeps equal; the statistics are "
+                 "buffers - loop over model.buffers()")),
         proves=(
             "every BatchNorm running_mean and running_var is the mean over the ranks on every "
             "rank; num_batches_tracked and the parameters untouched; the ranks' models agree in "

@@ -114,17 +114,21 @@ def _judge_habits(records: list[Record]) -> str | None:
     return None
 
 
-def _judge_value(value: float, mine: list[float]) -> str | None:
+def _judge_value(value: float, mine: list[float], maxed: bool) -> str | None:
     """The reported time against each rank's device work: what each habit skipped adds or
-    removes (``mine``: each rank's timed work, at least)."""
+    removes (``mine``: each rank's timed work, at least; ``maxed``: every rank reduced MAX)."""
     slowest = max(mine)
+    everything = FIRST_S + (STEPS + WARMUP) * slowest / STEPS  # all its work, warm-up too
+    for unit, scale in (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9)):
+        if 0.95 * slowest <= value / scale <= 2.5 * everything:
+            return (f"{value:.4g} for {STEPS} steps of at least {slowest:.2f} s of work: that "
+                    f"is {unit} - time_steps returns seconds (time.perf_counter())")  # fmt: skip
     if value < 0.4 * min(mine):
         return (
             f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
             f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued - "
             "call synchronize() before each clock reading"
         )
-    everything = FIRST_S + (STEPS + WARMUP) * slowest / STEPS  # all its work, warm-up too
     if value > 2.5 * everything:  # readings added up from one start: 2.5 s here; the warm-up
         # timed (0.58 s) stays below even with a CPU-bound job delaying every wake-up
         return (
@@ -139,6 +143,13 @@ def _judge_value(value: float, mine: list[float]) -> str | None:
             f"the warm-up was timed - run the first {WARMUP} calls untimed, and synchronize() "
             "before starting the clock, so that no warm-up work is still queued"
         )
+    if abs(value - slowest / STEPS) < 0.3 * slowest / STEPS:
+        return (f"{value * 1e3:.0f} ms: one step's work, not {STEPS} - report the total of the "
+                f"{STEPS} timed steps (not their mean, nor the longest)")  # fmt: skip
+    if value < 0.5 * slowest and maxed:
+        return (f"{value * 1e3:.0f} ms, though every rank reduced with MAX; the slowest "
+                f"rank's {STEPS} steps take at least {slowest * 1e3:.0f} ms: does every rank "
+                "time its own steps (not only rank 0)?")  # fmt: skip
     if value < 0.5 * slowest:
         return (
             f"{value * 1e3:.0f} ms, but the slowest rank's {STEPS} steps take at least "
@@ -170,8 +181,13 @@ def judge_timing(records: list[Record]) -> str | None:
     slowest = max(mine)
     if values[0] <= 0:
         return f"time_steps returned {values[0]}: no step was timed"
+    maxed = all("MAX" in rec["ops"] for rec in records)
     if any(v != values[0] for v in values):
         said = ", ".join(f"rank {r} {v * 1e3:.1f} ms" for r, v in enumerate(values))
+        if maxed:
+            return (f"the ranks reported different times ({said}), though each called "
+                    "all_reduce with MAX: it reduced a copy - reduce the tensor you return, "
+                    "in place")  # fmt: skip
         return (f"the ranks reported different times ({said}): report the slowest rank's on "
                 "every rank - all_reduce it with op=ReduceOp.MAX")  # fmt: skip
     wrong_ops = sorted({op for rec in records for op in rec["ops"]} - {"MAX"})
@@ -184,7 +200,7 @@ def judge_timing(records: list[Record]) -> str | None:
                 f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
                 f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
                 "op=ReduceOp.MAX")  # fmt: skip
-    return _judge_value(values[0], mine)
+    return _judge_value(values[0], mine, maxed)
 
 
 def measured(records: list[Record]) -> str:

@@ -13,6 +13,7 @@ of the mean, ranks that disagree, or gradients further from DDP's than bf16's ro
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -55,7 +56,14 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
-    hooked.register_comm_hook(None, module.bf16_compress_hook)
+    buckets: list[int] = []  # the hook's calls, one per bucket, in this step
+
+    @functools.wraps(module.bf16_compress_hook)  # DDP checks the learner's signature
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        buckets.append(1)
+        return module.bf16_compress_hook(state, bucket)
+
+    hooked.register_comm_hook(None, hook)
     sent: list[tuple[str, int, bool]] = []
 
     def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -64,7 +72,8 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         sent.append((str(tensor.dtype).removeprefix("torch."), size, is_async(args, kwargs)))
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
-    record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": []}
+    record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
+                      "buckets": []}  # fmt: skip
     for _ in range(STEPS):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
@@ -77,7 +86,9 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
                 loss.backward()
             record[name].append(grads(model))
         record["sent"].append(list(sent))
+        record["buckets"].append(len(buckets))
         sent.clear()
+        buckets.clear()
     record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
     return record
 
@@ -94,6 +105,11 @@ def judge_hook(records: list[Record]) -> str | None:
             if dtypes != ["bfloat16"]:
                 return (f"rank {rank}'s hook sent {', '.join(dtypes)}: cast the bucket to "
                         "torch.bfloat16 before the all_reduce (half the bytes)")  # fmt: skip
+            if len(sent) > rec["buckets"][step]:
+                return (f"rank {rank}'s hook made {len(sent)} all_reduces for "
+                        f"{rec['buckets'][step]} bucket(s) in step {step}: one per bucket - "
+                        "send bucket.buffer(), whole (its gradients one by one are many small "
+                        "sends)")  # fmt: skip
             total = sum(b for _, b, _ in sent)
             if 2 * total != rec["bytes_fp32"]:
                 return (f"rank {rank}'s hook sent {total} bytes in step {step}, not half of "
@@ -113,6 +129,9 @@ def judge_hook(records: list[Record]) -> str | None:
                         "copied back before the sum arrived - chain .then(fn) on the "
                         "all_reduce's own future (work.get_future()), not on a Future that is "
                         "already complete")  # fmt: skip
+            if n > 1 and (got - want / n).abs().max().item() <= TOLERANCE * scale:
+                return (f"rank {rank}'s gradients are DDP's divided by {n}: the world size "
+                        "divided them twice - once, before (or after) the sum")  # fmt: skip
             if (got - n * want).abs().max().item() <= TOLERANCE * n * scale:
                 return (f"rank {rank}'s gradients are {n} times DDP's: divide by the world "
                         "size (DDP averages the gradients, all_reduce sums them)")  # fmt: skip

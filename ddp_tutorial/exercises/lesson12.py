@@ -165,6 +165,9 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
 
     record = {
         "start_is_rank0": torch.equal(start, _flat(make_model(0))),
+        "start_from": next(
+            (r for r in range(ctx.world_size) if torch.equal(start, _flat(make_model(r)))), None
+        ),  # fmt: skip
         "nparams": len(params),
         "nbytes": [p.numel() * p.element_size() for p in params],
         "buckets": buckets,
@@ -187,6 +190,10 @@ def run_hooks(module: ModuleType, ctx: Context) -> Record:
 
 def judge_start(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
+        if not rec["start_is_rank0"] and rec.get("start_from") not in (None, rank):
+            return (f"every rank started from rank {rec['start_from']}'s weights, not rank 0's: "
+                    "src is the rank that sends - dist.broadcast(p, src=0) "
+                    '(lesson 04, "1 · The broadcast at construction")')  # fmt: skip
         if not rec["start_is_rank0"]:
             return (
                 f"rank {rank} started from its own random weights, not rank 0's: broadcast "
@@ -254,6 +261,11 @@ def judge_hooks(records: list[Record]) -> str | None:
             )
         if mistake := coverage(targets, rec["nparams"]):
             return f'rank {rank}: {mistake} (lesson 12, "Your turn")'
+        if len(targets) > rec["nparams"]:
+            return (f"rank {rank} called all_reduce {len(targets)} times in one backward for "
+                    f"{rec['nparams']} gradients: some were reduced more than once - is a hook "
+                    "registered twice (model.modules() yields a parameter once for every module "
+                    'that holds it)? (lesson 12, "Your turn")')  # fmt: skip
         first = next((e for e in rec["events"] if e["kind"] == "step" and e["unwaited"]), None)
         if first:
             return (

@@ -24,14 +24,21 @@ OnCall = Callable[[str, tuple[Any, ...], dict[str, Any]], "Callable[[], None] | 
 
 class NotedWork:
     """What a collective with ``async_op=True`` returned, each ``wait()`` on it noted
-    (``on_wait``): a check tells a Work that was waited on from one that was not."""
+    (``on_wait``): a check tells a Work that was waited on from one that was not, and
+    (``on_drop``) one the learner let go of before any wait: gloo may then never send."""
 
-    def __init__(self, work: Any, on_wait: Callable[[], None]) -> None:
-        self._work, self._on_wait = work, on_wait
+    def __init__(self, work: Any, on_wait: Callable[[], None],
+                 on_drop: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self._work, self._on_wait, self._on_drop, self._waited = work, on_wait, on_drop, False
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._waited = True
         self._on_wait()
         return self._work.wait(*args, **kwargs)
+
+    def __del__(self) -> None:
+        if not self._waited and self._on_drop is not None:
+            self._on_drop()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -49,20 +56,24 @@ def reduce_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 @contextmanager
 def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = None,
-           also: Sequence[ModuleType] = (),
-           source: ModuleType = dist) -> Iterator[None]:  # fmt: skip
+           also: Sequence[ModuleType] = (), source: ModuleType = dist,
+           dropped: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Inside the block, ``dist.<name>`` (``source``'s) for each of ``names`` calls ``on_call``
     first, then the real function; a Work it returns comes back as a ``NotedWork`` when
     ``on_call`` gave a function to call on ``wait()``. Replaced in ``source``, in each of
     ``also`` (where torch compares a function with its own: ``P2POp`` checks its op against
-    ``distributed_c10d``'s), and under every name ``module`` (the learner's file) bound to one."""
+    ``distributed_c10d``'s), and under every name ``module`` (the learner's file) bound to one.
+    ``dropped``: the name of each call whose NotedWork was let go of before any wait."""
     reals = {name: getattr(source, name) for name in names}
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             on_wait = on_call(name, args, kwargs)
             work = real(*args, **kwargs)
-            return work if work is None or on_wait is None else NotedWork(work, on_wait)
+            if work is None or on_wait is None:
+                return work
+            on_drop = None if dropped is None else (lambda: dropped.append(name))
+            return NotedWork(work, on_wait, on_drop)
 
         return call
 

@@ -50,6 +50,12 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
 
     def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
+        if tensor is None:  # named here: the spy's own tensor.numel() would say less
+            raise TypeError(
+                "dist.all_reduce(None): the gradient is not there yet - a hook "
+                "from register_hook is given the gradient, not the parameter; "
+                "register_post_accumulate_grad_hook's runs once p.grad is set"
+            )
         async_op = is_async(args, kwargs)
         trace.add(
             "all_reduce", numel=tensor.numel(), async_op=async_op, target=trace.target(tensor)
