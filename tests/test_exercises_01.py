@@ -77,6 +77,12 @@ CASES = register([
                  "    lengths = [None] * world\n"
                  "    dist.all_gather_object(lengths, tensor.shape[0])\n"
                  "    lengths = [torch.tensor(n) for n in lengths]\n"),)),
+    Case(GATHER, "all-gather-into-tensor", None,  # right: one collective, one flat buffer
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+                 "    dist.all_gather(gathered, padded)\n",
+                 "    flat = torch.empty(world * longest, dtype=tensor.dtype)\n"
+                 "    dist.all_gather_into_tensor(flat, padded)\n"
+                 "    gathered = list(flat.split(longest))\n"),)),
 ])  # fmt: skip
 
 

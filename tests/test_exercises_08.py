@@ -62,6 +62,9 @@ CASES = register([
     Case(EX, "handler-raises", "handler raised (a KeyboardInterrupt",
          edits=(("signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))",
                  "signal.signal(signal.SIGTERM, signal.default_int_handler)"),)),
+    Case(EX, "the-signalled-rank-saves", "rank 1 saved the snapshot",
+         edits=(("                if rank == 0:\n                    save_snapshot(",
+                 "                if rank == 1:\n                    save_snapshot("),)),
 ])  # fmt: skip
 
 

@@ -202,10 +202,11 @@ def judge_gather(records: list[Record]) -> str | None:
                 return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
                         "gather every rank's length first, then trim each to its own")  # fmt: skip
             return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
-        if "all_gather" not in rec["calls"] or "broadcast" in rec["calls"]:
+        gathered = {"all_gather", "all_gather_into_tensor"} & set(rec["calls"])
+        if not gathered or "broadcast" in rec["calls"]:
             return (f"rank {rank} gathered with {', '.join(sorted(set(rec['calls'])))}: one "
-                    "dist.all_gather of the padded tensors does it in one collective, not one "
-                    "broadcast per rank")  # fmt: skip
+                    "dist.all_gather of the padded tensors does it in one collective (not "
+                    "one broadcast per rank)")  # fmt: skip
     return None
 
 

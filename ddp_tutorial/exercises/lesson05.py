@@ -192,7 +192,8 @@ def _replace_phase(
 
         def noted(real: Callable[..., Any]) -> Callable[..., Any]:
             def remove(target: Any, *args: Any, **kwargs: Any) -> Any:
-                removed.append(os.fspath(target))
+                if isinstance(target, str | os.PathLike):  # not a directory fd
+                    removed.append(os.path.realpath(target))
                 return real(target, *args, **kwargs)
 
             return remove
@@ -206,7 +207,7 @@ def _replace_phase(
                 module.save_snapshot(path, model, optimizer, EPOCH + 2, STEP + 80)
         except Exception:  # named by the first save already
             pass
-        record["removed_snapshot"] = str(path) in removed
+        record["removed_snapshot"] = os.path.realpath(path) in removed
     meet(ctx, "05-replaced")
 
 

@@ -40,18 +40,18 @@ def saved_from_gpu(ctx: Context) -> Iterator[None]:
     loads: list[dict[str, Any]] = []
     real_load, real_save = torch.load, torch.save
 
-    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(f, io.BytesIO):
-            where = kwargs.get("map_location", args[0] if args else None)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        if not isinstance(args[0] if args else kwargs.get("f"), io.BytesIO):
+            where = kwargs.get("map_location", args[1] if len(args) > 1 else None)
             loads.append({"map_location": None if where is None else repr(where),
                           "weights_only": kwargs.get("weights_only")})  # fmt: skip
-        return real_load(f, *args, **kwargs)
+        return real_load(*args, **kwargs)
 
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, io.BytesIO):
-            return real_save(obj, f, *args, **kwargs)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        if isinstance(args[1] if len(args) > 1 else kwargs.get("f"), io.BytesIO):
+            return real_save(*args, **kwargs)
         with mock.patch.object(torch.serialization, "location_tag", lambda _: "cuda:0"):
-            return real_save(obj, f, *args, **kwargs)
+            return real_save(*args, **kwargs)
 
     try:
         with mock.patch.object(torch, "load", load), mock.patch.object(torch, "save", save):

@@ -122,6 +122,9 @@ def _judge_saves(records: list[Record], stop: int) -> str | None:
     if len(writers) > 1:
         return (f"ranks {writers} each saved a snapshot: only global rank 0 saves (`if rank == "
                 "0`); the others wait for it")  # fmt: skip
+    if writers and writers != [0]:
+        return (f"rank {writers[0]} saved the snapshot: only global rank 0 saves (`if rank == "
+                "0`), after every rank has agreed to stop")  # fmt: skip
     if writers != [0] and records[0].get("snapshot"):
         return ("rank 0 wrote snapshot.pt without save_snapshot: call save_snapshot(out / "
                 '"snapshot.pt", {...}) - it writes atomically, and the check counts its '
