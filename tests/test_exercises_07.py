@@ -53,7 +53,7 @@ CASES = register(
                      "times.append((time.perf_counter() - start) * 1000)"),)),
         Case(TIMING, "mean-step", "one step's work",
              edits=((REDUCE, REDUCE + "\n    slowest /= steps"),)),
-        Case(TIMING, "rank-0-times-alone", "does every rank time its own steps",
+        Case(TIMING, "rank-0-times-alone", "every rank times its own steps",
              edits=(("        if i >= warmup:", "        if i >= warmup and dist.get_rank() == 0:"),)),  # noqa: E501
     ]
 )  # fmt: skip
