@@ -266,6 +266,39 @@ def test_run_together_kills_what_it_started_when_a_later_launch_cannot_start(
     _gone(script, [])
 
 
+def test_kill_tree_never_signals_a_number_its_process_gave_up():
+    """A reaped process's pid goes to the next process or thread, and a signal to a thread's
+    id ends its whole process. Here the number is pointed at a thread of this very process,
+    the worst case: the old ``kill_tree(pid)`` sent it SIGTERM, and this test died."""
+    import threading
+
+    import psutil
+
+    proc, other = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "30"])
+    proc.wait()
+    taken = psutil.Process(other.pid)  # taken while it ran, then ended and reaped
+    other.kill()
+    other.wait()
+    ready, done, tids = threading.Event(), threading.Event(), []
+
+    def park() -> None:
+        tids.append(threading.get_native_id())
+        ready.set()
+        done.wait()
+
+    thread = threading.Thread(target=park)
+    thread.start()
+    ready.wait()
+    try:
+        proc.pid = tids[0]  # what the kernel may do with a freed number
+        assert psutil.Process(tids[0]).ppid() == os.getppid(), "psutil opens a thread's id"
+        assert processes.kill_tree(proc) == []
+        assert processes.kill_tree(taken) == []
+    finally:
+        done.set()
+        thread.join()
+
+
 @pytest.mark.parametrize("timeout", [0, -5])
 def test_a_timeout_that_is_not_positive_is_refused_before_anything_starts(timeout):
     with pytest.raises(ValueError, match="timeout must be positive"):

@@ -112,20 +112,20 @@ def stop_kernel(km: KernelManager) -> None:
     from ddp_tutorial.harness.processes import kill_tree
 
     pid = getattr(getattr(km, "provisioner", None), "pid", None)
-    if pid:
-        try:
-            children = psutil.Process(pid).children()
-        except psutil.NoSuchProcess:
-            children = []
-        for child in children:
-            kill_tree(child.pid, grace_s=2.0)
+    try:  # taken while the kernel runs: after its shutdown, its pid may be anyone's
+        kernel = psutil.Process(pid) if pid else None
+        children = kernel.children() if kernel else []
+    except psutil.NoSuchProcess:
+        kernel, children = None, []
+    for child in children:
+        kill_tree(child, grace_s=2.0)
     try:
         if km.has_kernel:
             km.shutdown_kernel(now=True)
     except Exception:  # noqa: BLE001 - already gone: nothing left to stop
         pass
-    if pid:
-        kill_tree(pid, grace_s=2.0)
+    if kernel:
+        kill_tree(kernel, grace_s=2.0)
 
 
 @contextlib.contextmanager

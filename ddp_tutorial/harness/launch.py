@@ -270,7 +270,7 @@ class Launch:
 
     def kill(self) -> None:
         """Terminate the launch and every process it started."""
-        processes.kill_tree(self.proc.pid)
+        processes.kill_tree(self.proc)
 
     def wait(self) -> RunResult:
         """Stream output until the launch ends (or times out), then build its result.

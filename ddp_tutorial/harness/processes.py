@@ -37,16 +37,25 @@ def spawn(command: list[str], env: Mapping[str, str], with_stdin: bool) -> subpr
     )
 
 
-def kill_tree(pid: int, grace_s: float = 5.0) -> list[int]:
-    """Terminate ``pid`` and every descendant; SIGKILL whatever outlives ``grace_s``.
+def kill_tree(root: subprocess.Popen[str] | psutil.Process, grace_s: float = 5.0) -> list[int]:
+    """Terminate ``root`` and every descendant; SIGKILL whatever outlives ``grace_s``.
 
     Returns the pids that were found. torchrun starts each worker in a session
     of its own, so a single ``killpg`` would orphan them; walking the tree
     reaches them all (and their DataLoader workers).
+
+    ``root`` is the ``Popen`` that started the tree, or a ``psutil.Process`` taken
+    while it ran, never a bare pid: once a process is reaped its number goes to the
+    next process *or thread* (``psutil.Process(tid)`` works, and a signal sent to a
+    thread's id ends its whole process), so a kill by number after the end can end
+    a stranger (the likely end of a pytest worker that died inside a test that
+    starts nothing).
     """
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
+    if isinstance(root, subprocess.Popen):
+        if root.poll() is not None:  # reaped: its children, if any, were reparented already
+            return []
+        root = psutil.Process(root.pid)  # unreaped: the pid stays ours, even as a zombie
+    if not root.is_running():  # gone, or its pid reused since it was taken
         return []
     procs = [root]
     try:
@@ -135,7 +144,7 @@ def run_command(
         output, _ = proc.communicate(stdin, timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
+        kill_tree(proc)
         output, _ = proc.communicate()
         timed_out = True
     return CommandResult(

@@ -77,7 +77,7 @@ class SignalAtStep(threading.Thread):
         while self.launch.proc.poll() is None:
             newest = self._newest_step()
             if newest >= self.step:
-                os.kill(self.launch.proc.pid, self.sig)
+                self.launch.proc.send_signal(self.sig)  # not by number: it may be reaped by now
                 self.sent_after, self.sent_at = newest, time.monotonic()
                 return
             time.sleep(self.poll_s)
