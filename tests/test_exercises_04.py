@@ -7,6 +7,20 @@ import pytest
 from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 ACCUM, BUFFERS = "04_accumulate_no_sync", "04_average_buffers"
+LOOP = """\
+    for buffer in model.buffers():
+        if buffer.is_floating_point():  # running_mean, running_var; not num_batches_tracked
+            dist.all_reduce(buffer)  # SUM over the ranks, in place
+            buffer /= world
+"""
+WAITS, DIVIDE = (
+    "    for work in works:\n        work.wait()\n",
+    "    for b in stats:\n        b /= world\n",
+)
+ASYNC_LOOP = (
+    "    stats = [b for b in model.buffers() if b.is_floating_point()]\n"
+    "    works = [dist.all_reduce(b, async_op=True) for b in stats]\n" + WAITS + DIVIDE
+)
 LAST = "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum"
 
 CASES = register(
@@ -93,6 +107,11 @@ CASES = register(
                      "                buffer /= world"),)),
         Case(BUFFERS, "parameters-not-buffers", "the statistics are buffers",
              edits=(("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
+        # from a learner review: async sends, each tensor divided before its wait (a race
+        # that passed one check in two); the same sends waited on first are right
+        Case(BUFFERS, "divided-before-the-wait", "before the .wait()",
+             edits=((LOOP, ASYNC_LOOP), (WAITS + DIVIDE, DIVIDE + WAITS))),
+        Case(BUFFERS, "async-all-then-wait-then-divide", None, edits=((LOOP, ASYNC_LOOP),)),
     ]
 )  # fmt: skip
 

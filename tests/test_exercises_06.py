@@ -6,6 +6,7 @@ import pytest
 from exercise_cases import Case, assert_verdict, register
 
 EX = "06_clip_and_schedule"
+CLIP = "clip_grad_norm_(model.parameters(), max_norm)"
 CASES = register([
     Case(EX, "no-unscale", "scaler.unscale_(optimizer) before clipping",
          edits=(("    scaler.unscale_(optimizer)\n", ""),)),
@@ -54,6 +55,16 @@ CASES = register([
                 ("    scaler.scale(loss).backward()\n",
                  "    norm = clip_grad_norm_(model.parameters(), max_norm)\n"
                  "    scaler.scale(loss).backward()\n"))),
+    # from a learner review: the clip's arguments, and a norm summed over the ranks
+    Case(EX, "the-lessons-limit-hard-coded", "not train_step's max_norm argument",
+         edits=((CLIP, "clip_grad_norm_(model.parameters(), max_norm=1.0)"),)),
+    Case(EX, "infinity-norm", "norm_type=inf",
+         edits=((CLIP, 'clip_grad_norm_(model.parameters(), max_norm, norm_type=float("inf"))'),)),
+    Case(EX, "each-rank-clips-a-share", "was given max_norm / 2",
+         edits=((CLIP, "clip_grad_norm_(model.parameters(), max_norm / dist.get_world_size())"),)),
+    Case(EX, "norm-summed-over-the-ranks", "the norm was summed over the ranks",
+         edits=(("    scaler.step(optimizer)\n",
+                 "    dist.all_reduce(norm)\n    scaler.step(optimizer)\n"),)),
 ])  # fmt: skip
 
 

@@ -36,6 +36,15 @@ CASES = register([
     Case(EX, "a-whole-row-of-padding", "more often than the padding needs",
          edits=(("    padding = -len(rest) % world_size",
                  "    padding = world_size - len(rest) % world_size"),)),
+    # from a second learner review: padding in the wrong place, or with the wrong samples
+    Case(EX, "padding-put-first", "the padding went before the rest",
+         edits=(("    rest += (rest * padding)[:padding]\n",
+                 "    rest = (rest * padding)[:padding] + rest\n"),)),
+    Case(EX, "each-rank-pads-with-the-first-sample", "not the rest's first",
+         edits=(("    rest += (rest * padding)[:padding]\n    mine = rest[rank::world_size]\n",
+                 "    per_rank = -(-len(rest) // world_size)\n"
+                 "    mine = rest[rank::world_size]\n"
+                 "    while len(mine) < per_rank:\n        mine.append(rest[0])\n"),)),
 ])  # fmt: skip
 
 

@@ -96,6 +96,13 @@ CASES = register([
                 ("    future = work.get_future().then(decompress)",
                  "    future = torch.futures.collect_all([w.get_future() for w in works])"
                  ".then(decompress)"))),
+    # from a learner review: waits inside the hook passed as "asynchronously"
+    Case(EX, "work-waited-then-copied-into-the-placeholder", "the hook waited inside",
+         edits=(("    future = work.get_future().then(decompress)\n",
+                 "    work.wait()\n    buffer.copy_(compressed)\n"),)),
+    Case(EX, "future-waited-inside-the-hook", "the hook waited inside",
+         edits=(("    future = work.get_future().then(decompress)\n",
+                 "    future = work.get_future().then(decompress)\n    future.wait()\n"),)),
 ])  # fmt: skip
 
 
@@ -107,10 +114,13 @@ def test_a_bucket_copied_before_the_sum_arrived_is_named():
     plain, alone = [[0.5, -1.0, 2.0]] * STEPS, [[1.0, -4.0, 2.0]] * STEPS
     sent = [[("bfloat16", 6, True)]] * STEPS
     records = [{"plain": plain, "alone": alone, "hooked": [[g / 2 for g in alone[0]]] * STEPS,
-                "sent": sent, "bytes_fp32": 12, "buckets": [1] * STEPS}
+                "sent": sent, "bytes_fp32": 12, "buckets": [1] * STEPS,
+                "returned": [[True]] * STEPS}  # the placeholder: complete, as returned
                for _ in range(2)]  # fmt: skip
     assert "copied back before the sum arrived" in judge_hook(records)
     records = [{**r, "hooked": plain} for r in records]
+    assert "the hook waited inside" in judge_hook(records)
+    records = [{**r, "returned": [[False]] * STEPS} for r in records]
     assert judge_hook(records) is None
 
 

@@ -34,9 +34,11 @@ K, MICRO, STEPS, LR, FEATURES, CLASSES = 3, 4, 2, 0.5, 8, 3
 
 @contextmanager
 def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
-            asyncs: dict[str, int] | None = None) -> Iterator[None]:  # fmt: skip
+            asyncs: dict[str, int] | None = None,
+            touched: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Append the name of each ``dist.<name>`` call made inside the block to ``calls`` (and
-    with ``asyncs``: count the calls with async_op=True and the waits on what they returned)."""
+    with ``asyncs``: count the calls with async_op=True and the waits on what they returned;
+    ``touched``: those whose tensor the learner changed before the wait)."""
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         calls.append(name)
@@ -45,7 +47,7 @@ def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
         asyncs["sent"] += 1
         return lambda: asyncs.update(waited=asyncs["waited"] + 1)
 
-    with spying(names, note, module):
+    with spying(names, note, module, touched=touched):
         yield
 
 
@@ -233,8 +235,8 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     before = _buffers(model)
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
-    asyncs = {"sent": 0, "waited": 0}
-    with counted(("all_reduce", "broadcast"), calls, module, asyncs):
+    asyncs, touched = {"sent": 0, "waited": 0}, []
+    with counted(("all_reduce", "broadcast"), calls, module, asyncs, touched):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():
@@ -242,7 +244,7 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
     return {"before": before, "after": _buffers(model), "probe": probe.tolist(),
             "calls": calls, "params_unchanged": same_params,
-            "unwaited": asyncs["sent"] - asyncs["waited"]}  # fmt: skip
+            "unwaited": asyncs["sent"] - asyncs["waited"], "touched": touched}  # fmt: skip
 
 
 def _only_rank_0_divided(records: list[Record], differ: list[str]) -> bool:
@@ -255,6 +257,21 @@ def _only_rank_0_divided(records: list[Record], differ: list[str]) -> bool:
             if mean != (rank == 0):
                 return False
     return True
+
+
+def _raced(records: list[Record]) -> str | None:
+    """An async all_reduce never waited on, or its buffer changed before the wait."""
+    raced = next((r["touched"][0] for r in records if r.get("touched")), None)
+    if raced:
+        return (f"a buffer was changed (divided?) after its {raced}(..., async_op=True) and "
+                "before the .wait() on what it returned: the reduction reads and writes that "
+                "buffer in the background, so the result depends on which came first - wait on "
+                "every Work, then divide")  # fmt: skip
+    if any(r["unwaited"] for r in records):
+        return ("an all_reduce(..., async_op=True) was never waited on: it returns before the "
+                "sum has arrived - call .wait() on what it returns before dividing (or call it "
+                "without async_op)")  # fmt: skip
+    return None
 
 
 def judge_buffers(records: list[Record]) -> str | None:
@@ -279,10 +296,8 @@ def judge_buffers(records: list[Record]) -> str | None:
                         f"{records[0]['after'][name]['values']}): it counts the batches each "
                         "rank saw, the same on every rank - leave it alone")  # fmt: skip
     differ = [k for k in stats if any(r["after"][k] != records[0]["after"][k] for r in records)]
-    if any(r["unwaited"] for r in records):  # the numbers then depend on a race
-        return ("an all_reduce(..., async_op=True) was never waited on: it returns before the "
-                "sum has arrived - call .wait() on what it returns before dividing (or call it "
-                "without async_op)")  # fmt: skip
+    if race := _raced(records):  # the numbers then depend on who won: a pass would be luck
+        return race
     if differ:
         if _only_rank_0_divided(records, differ):
             return ("rank 0 holds the mean over the ranks, the others the sum: every rank "
@@ -308,8 +323,10 @@ def judge_buffers(records: list[Record]) -> str | None:
             return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
                     "world size for the mean, in place (buffer /= world): `buffer = buffer / "
                     "world` makes a new tensor, which the model never sees")  # fmt: skip
+        pooled = " (not a pooled variance: each statistic as it is)" if "var" in name else ""
         return (f"{name} is the same on every rank but neither the mean over the ranks nor "
-                "rank 0's: all_reduce (SUM) then divide by the world size")  # fmt: skip
+                f"rank 0's: the plain mean of each buffer{pooled} - all_reduce (SUM), wait if "
+                "async, then divide by the world size")  # fmt: skip
     if not all(r["params_unchanged"] for r in records):
         return ("the parameters changed: only the buffers should - DDP keeps the parameters "
                 "equal already")  # fmt: skip

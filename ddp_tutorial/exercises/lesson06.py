@@ -21,7 +21,9 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
 from ddp_tutorial.exercises.spies import spying
 
-STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 1.0, 2.0**16, 0.1, 4
+# the limit is not 1.0: the lesson's own line (max_norm=1.0) copied with the number in it
+# would pass unseen with the argument ignored
+STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 0.75, 2.0**16, 0.1, 4
 
 
 def warmup(step: int) -> float:
@@ -111,12 +113,19 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     scaler = _Scaler(calls)
     want, unclipped = reference(ctx.world_size, True), reference(ctx.world_size, False)
     steps = []
+    clips: list[tuple[float, float]] = []  # (max_norm, norm_type) of each clip_grad_norm_ call
+
+    def clipped(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.append("clip")
+        limit = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+        clips.append((float(limit), float(kwargs.get("norm_type", args[2] if len(args) > 2
+                                                      else 2.0))))  # fmt: skip
+
     for step in range(STEPS):
         x, y = batch(ctx.rank, step)
         calls.clear()
-        with spying(
-            ("clip_grad_norm_",), lambda *_: calls.append("clip"), module, source=torch.nn.utils
-        ):
+        clips.clear()
+        with spying(("clip_grad_norm_",), clipped, module, source=torch.nn.utils):
             norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
         w = _flat(model.module)
         steps.append({
@@ -125,7 +134,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "moved": not torch.equal(w, start),
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
-            "weights": w.tolist(), "calls": list(calls),
+            "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
 
@@ -138,6 +147,8 @@ def judge_clip(records: list[Record]) -> str | None:
                     "scaler.step(optimizer) and scaler.update() "
                     '(lesson 06, "Three things every real loop needs")')  # fmt: skip
         if mistake := _rates(records, rows, step) or _call_order(rows[0]["calls"], step):
+            return mistake
+        if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
         if norm > 100 * true:
@@ -164,6 +175,12 @@ def judge_clip(records: list[Record]) -> str | None:
                     f"{true:.4g}: the loss was divided by the world size - DDP averages the "
                     "gradients over the ranks already; leave the loss as it is "
                     '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
+        if len(records) > 1 and abs(norm - len(records) * true) < 1e-4 * true:
+            return (f"train_step returned {norm:.4g}, {len(records)} times the true gradient "
+                    f"norm {true:.4g}: the norm was summed over the ranks - it is already the "
+                    "same on every rank (measured on the averaged gradients): return what "
+                    "clip_grad_norm_ returns, with no collective "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
         if abs(norm - true) > 1e-4 * true:
             return (f"train_step returned {norm:.4g}; the gradient norm before clipping was "
                     f"{true:.4g}: return what clip_grad_norm_ returns "
@@ -176,6 +193,26 @@ def judge_clip(records: list[Record]) -> str | None:
                         '(lesson 06, "Three things every real loop needs")')  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
                     f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+    return None
+
+
+def _clip_arguments(clips: list[list[float]], world: int, step: int) -> str | None:
+    """The limit and the norm the learner clipped with, against ``max_norm`` and the L2 norm."""
+    for limit, norm_type in clips:
+        if norm_type != 2.0:
+            return (f"in step {step + 1} clip_grad_norm_ measured the norm_type={norm_type:g} "
+                    "norm: the limit is on the L2 norm of all the gradients together "
+                    "(norm_type=2, the default) "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+        if abs(limit * world - MAX_NORM) < 1e-9 and world > 1:
+            return (f"in step {step + 1} clip_grad_norm_ was given max_norm / {world}: after "
+                    "backward every rank holds the same averaged gradients, not a share of "
+                    "them - clip with max_norm itself, on every rank "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+        if limit != MAX_NORM and limit != float("inf"):  # inf: named below, "not clipped"
+            return (f"in step {step + 1} clip_grad_norm_ was given max_norm={limit:g}, not "
+                    f"train_step's max_norm argument ({MAX_NORM:g}): pass it on "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     return None
 
 

@@ -9,6 +9,7 @@ position dealt out once, nothing consumed dealt again, the same count on every r
 
 from __future__ import annotations
 
+from collections import Counter
 from types import ModuleType
 
 import torch
@@ -88,6 +89,34 @@ def _never_dealt(where: str, rest: list[int], never: list[int]) -> str:
             "after `consumed` goes to some rank")  # fmt: skip
 
 
+def _padding(where: str, lists: list[list[int]], rest: list[int], dealt: list[int],
+             world: int) -> str | None:  # fmt: skip
+    """Every position dealt out, in equal shares: the padding's samples and their place."""
+    full = padded(rest, world)
+    padding = len(full) - len(rest)
+    if padding and len(dealt) == len(full) and sorted(dealt) == sorted(rest + rest[-padding:]):
+        return (f"{where}: the padding repeated the END of the rest: DistributedSampler "
+                "pads with its start (rest + rest[:padding]), and a resume must deal out "
+                "what it would have")  # fmt: skip
+    if sorted(dealt) != sorted(full):
+        extras = sorted((Counter(dealt) - Counter(rest)).elements())
+        if len(extras) == padding:  # as many as needed, but not the rest's first ones
+            return (f"{where}: the padding was sample(s) {extras}, not the rest's first "
+                    f"{padding} ({sorted(full[len(rest):])}): pad with rest[:padding], "
+                    "the next samples in order, repeating the rest as often as that "
+                    "takes")  # fmt: skip
+        extra = [i for i in set(dealt) if dealt.count(i) > full.count(i)]
+        return (f"{where}: sample {extra[0] if extra else '?'} was dealt out more often than "
+                "the padding needs: pad with the rest's start, only up to a multiple of "
+                "world_size")  # fmt: skip
+    front = (full[len(rest) :] + rest) if padding else rest
+    if padding and lists == [front[r::world] for r in range(world)]:
+        return (f"{where}: the padding went before the rest: DistributedSampler appends "
+                "it (rest + rest[:padding]), then deals out positions r, r + world_size, "
+                "...")  # fmt: skip
+    return None
+
+
 def judge_rest(records: list[Record]) -> str | None:
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
@@ -117,17 +146,8 @@ def judge_rest(records: list[Record]) -> str | None:
         never = [i for i in rest if i not in dealt]
         if never:
             return _never_dealt(where, rest, never)
-        full = padded(rest, world)
-        padding = len(full) - len(rest)
-        if padding and len(dealt) == len(full) and sorted(dealt) == sorted(rest + rest[-padding:]):
-            return (f"{where}: the padding repeated the END of the rest: DistributedSampler "
-                    "pads with its start (rest + rest[:padding]), and a resume must deal out "
-                    "what it would have")  # fmt: skip
-        if sorted(dealt) != sorted(full):
-            extra = [i for i in set(dealt) if dealt.count(i) > full.count(i)]
-            return (f"{where}: sample {extra[0] if extra else '?'} was dealt out more often than "
-                    "the padding needs: pad with the rest's start, only up to a multiple of "
-                    "world_size")  # fmt: skip
+        if mistake := _padding(where, lists, rest, dealt, world):
+            return mistake
         return (f"{where}: every sample is there, but not strided: after one step of batch 2 "
                 f"the job must have used the next {2 * world} positions of the order, so that a "
                 "snapshot can count them as consumed - rank r takes positions r, r + "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -32,6 +33,7 @@ AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale;
 
 STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
+LATE_S = 0.5  # rank 1 starts the hooked backward this late: rank 0's sum cannot arrive sooner
 
 
 def ready_for_ddp(ctx: Context) -> None:
@@ -58,10 +60,14 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     buckets: list[int] = []  # the hook's calls, one per bucket, in this step
 
+    done_at_return: list[bool] = []  # whether the Future the hook returned had its sum
+
     @functools.wraps(module.bf16_compress_hook)  # DDP checks the learner's signature
     def hook(state, bucket):  # type: ignore[no-untyped-def]
         buckets.append(1)
-        return module.bf16_compress_hook(state, bucket)
+        future = module.bf16_compress_hook(state, bucket)
+        done_at_return.append(bool(getattr(future, "done", lambda: False)()))
+        return future
 
     hooked.register_comm_hook(None, hook)
     sent: list[tuple[str, int, bool]] = []
@@ -80,6 +86,8 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
             model.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             if name == "hooked":  # what the learner's hook hands to the backend
+                if ctx.rank == 1:  # so rank 0's hook cannot have the sum before it returns
+                    time.sleep(LATE_S)
                 with spying(("all_reduce",), note, module):
                     loss.backward()
             else:
@@ -87,8 +95,10 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
             record[name].append(grads(model))
         record["sent"].append(list(sent))
         record["buckets"].append(len(buckets))
+        record["returned"].append(list(done_at_return))
         sent.clear()
         buckets.clear()
+        done_at_return.clear()
     record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
     return record
 
@@ -140,6 +150,13 @@ def judge_hook(records: list[Record]) -> str | None:
                 return (f"rank {rank}'s gradients differ from DDP's by {gap:.2g} of the largest "
                         f"(more than bf16's rounding, {TOLERANCE:g}) in step {step}: copy the "
                         "all-reduced sum back into the bucket and return it")  # fmt: skip
+            if rank == 0 and any(rec["returned"][step]):
+                return (f"rank 0's hook returned in step {step} with the sum already in, "
+                        f"though rank 1 started its backward {LATE_S:g} s late on purpose: the "
+                        "hook waited inside (work.wait(), or .wait() on its future) and backward "
+                        "stopped at the bucket until the sum arrived - return "
+                        "work.get_future().then(fn) without waiting; DDP waits on it after "
+                        "backward")  # fmt: skip
     hooked = [rec["hooked"] for rec in records]
     if any(h != hooked[0] for h in hooked):
         return "the ranks ended with different gradients: every rank must use the same sum"

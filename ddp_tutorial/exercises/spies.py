@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # (name, args, kwargs) of one call, before it runs -> what to do on each wait() of the Work it
@@ -25,13 +26,21 @@ OnCall = Callable[[str, tuple[Any, ...], dict[str, Any]], "Callable[[], None] | 
 class NotedWork:
     """What a collective with ``async_op=True`` returned, each ``wait()`` on it noted
     (``on_wait``): a check tells a Work that was waited on from one that was not, and
-    (``on_drop``) one the learner let go of before any wait: gloo may then never send."""
+    (``on_drop``) one the learner let go of before any wait: gloo may then never send.
+    ``on_touch``: called at the first wait if ``tensor`` was changed in place since the call
+    (its version counter moved): the background reduction and the learner's change raced."""
 
     def __init__(self, work: Any, on_wait: Callable[[], None],
-                 on_drop: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 on_drop: Callable[[], None] | None = None, tensor: torch.Tensor | None = None,
+                 on_touch: Callable[[], None] | None = None) -> None:  # fmt: skip
         self._work, self._on_wait, self._on_drop, self._waited = work, on_wait, on_drop, False
+        self._tensor, self._on_touch = tensor, on_touch
+        self._version = None if tensor is None else tensor._version
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        touched = self._tensor is not None and self._tensor._version != self._version
+        if touched and not self._waited and self._on_touch is not None:
+            self._on_touch()
         self._waited = True
         self._on_wait()
         return self._work.wait(*args, **kwargs)
@@ -57,13 +66,15 @@ def reduce_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 @contextmanager
 def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = None,
            also: Sequence[ModuleType] = (), source: ModuleType = dist,
-           dropped: list[str] | None = None) -> Iterator[None]:  # fmt: skip
+           dropped: list[str] | None = None,
+           touched: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Inside the block, ``dist.<name>`` (``source``'s) for each of ``names`` calls ``on_call``
     first, then the real function; a Work it returns comes back as a ``NotedWork`` when
     ``on_call`` gave a function to call on ``wait()``. Replaced in ``source``, in each of
     ``also`` (where torch compares a function with its own: ``P2POp`` checks its op against
     ``distributed_c10d``'s), and under every name ``module`` (the learner's file) bound to one.
-    ``dropped``: the name of each call whose NotedWork was let go of before any wait."""
+    ``dropped``: the name of each call whose NotedWork was let go of before any wait;
+    ``touched``: of each whose tensor was changed in place between the call and its wait."""
     reals = {name: getattr(source, name) for name in names}
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -73,7 +84,10 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
             if work is None or on_wait is None:
                 return work
             on_drop = None if dropped is None else (lambda: dropped.append(name))
-            return NotedWork(work, on_wait, on_drop)
+            tensor = args[0] if args else kwargs.get("tensor")
+            if touched is None or not isinstance(tensor, torch.Tensor):
+                return NotedWork(work, on_wait, on_drop)
+            return NotedWork(work, on_wait, on_drop, tensor, lambda: touched.append(name))
 
         return call
 
