@@ -46,6 +46,10 @@ CASES = register([
     Case(EX, "prefix-stripped-wrongly", "no prefix to strip by hand",
          edits=(("rank == 0, model.module.state_dict()",
                  "rank == 0, {k[6:]: v for k, v in model.state_dict().items()}"),)),
+    # right here only: this model's keys start with a digit, which lstrip leaves alone
+    Case(EX, "prefix-lstripped", "right on this check's model only",
+         edits=(("rank == 0, model.module.state_dict()",
+                 'rank == 0, {k.lstrip("module."): v for k, v in model.state_dict().items()}'),)),
 ])  # fmt: skip
 
 

@@ -156,6 +156,10 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         "plain = {k[7:]: v for k, v in state.items()}",
         "plain = {k.removeprefix('module.'): v for k, v in state.items()}",
     ),
+    "DDP124": (
+        'plain = {k.lstrip("module."): v for k, v in state.items()}',
+        'plain = {k.removeprefix("module."): v for k, v in state.items()}',
+    ),
     "DDP116": (
         "model = torch.nn.DataParallel(net)",
         "model = torch.nn.parallel.DistributedDataParallel(net)",

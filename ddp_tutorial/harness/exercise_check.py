@@ -148,6 +148,22 @@ def died(ex: Exercise, path: Path, output: str) -> str:
                    f"why: torchrun --standalone --nproc-per-node {ex.nproc} {path}")  # fmt: skip
 
 
+# lint's findings that a check's own model cannot show: right here, wrong on the learner's model
+LUCKY = ("DDP124",)  # k.lstrip("module."): "0.weight" survives it, "layer.weight" does not
+
+
+def by_luck(ex: Exercise, path: Path) -> str | None:
+    """A passing file that holds a mistake the check's data happen to hide (the keys of its
+    model start with a digit, so ``k.lstrip("module.")`` leaves them whole)."""
+    from ddp_tutorial.harness.lint import lint_source
+
+    found = [f for f in lint_source(path.read_text(), str(path)) if f.code in LUCKY]
+    if not found:
+        return None
+    return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
+                   f"{found[0].message}")  # fmt: skip
+
+
 def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 force: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
     """Verdicts for (exercise, file) pairs, in order; untouched stubs without a launch
@@ -183,6 +199,8 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                     break  # the batch stopped before this one: launch the rest again
                 ex, path = pairs[i]
                 passed, message = judge(ex, records, output)
+                if passed and (luck := by_luck(ex, path)):
+                    passed, message = False, luck
                 verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=seconds)
                 ran += 1
             if ran == 0:  # the launch died before the first candidate's records

@@ -35,7 +35,7 @@ from ddp_tutorial.harness.lint_ast import (
     unbounded_bincount,
     under_modulo,
 )
-from ddp_tutorial.harness.lint_rules import RULES, LintFinding
+from ddp_tutorial.harness.lint_rules import RULES, WRAPPER_PREFIXES, LintFinding
 from ddp_tutorial.harness.lint_scopes import ScopeChecks
 
 __all__ = ["RULES", "LintFinding", "lint_paths", "lint_source", "main"]
@@ -141,7 +141,7 @@ class Linter(ScopeChecks):
                 self.add(call, "DDP103", name=name or "(made in the DataLoader call)")
 
     def key_slices(self) -> None:
-        """DDP115: ``k[7:]`` on the keys of a loop."""
+        """DDP115: ``k[7:]`` on the keys of a loop; DDP124: ``k.lstrip("module.")``."""
         keys = set()
         for node in ast.walk(self.tree):
             if isinstance(node, ast.For | ast.comprehension):
@@ -160,6 +160,20 @@ class Linter(ScopeChecks):
                 and node.slice.upper is None
             ):
                 self.add(node, "DDP115", name=node.value.id)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("lstrip", "strip")
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in keys
+                and len(node.args) == 1
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value in WRAPPER_PREFIXES
+            ):
+                prefix = node.args[0].value
+                chars = ", ".join(repr(c) for c in dict.fromkeys(prefix))
+                self.add(node, "DDP124", name=node.func.value.id, how=node.func.attr,
+                         prefix=prefix, chars=chars)  # fmt: skip
 
     def unused_modules(self) -> None:
         """DDP119: a layer built in ``__init__`` that no other method reads."""

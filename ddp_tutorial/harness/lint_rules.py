@@ -84,6 +84,13 @@ RULES: dict[str, tuple[str, str]] = {
         "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.')",
         "05",
     ),
+    "DDP124": (
+        "{name}.{how}({prefix!r}) strips characters, not a prefix: any of {chars} from the "
+        "start of every key ('layer.weight' becomes 'ayer.weight'); use "
+        "{name}.removeprefix({prefix!r}) or "
+        "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, {prefix!r})",
+        "05",
+    ),
     "DDP116": (
         "nn.DataParallel: one process driving every GPU (and its GIL); use "
         "DistributedDataParallel, one process per GPU",
@@ -138,6 +145,7 @@ GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
 SLOW_WORK = re.compile(r"download|prepare|preprocess|tokeni[sz]e|build_cache|extract|sleep")
 IGNORE = re.compile(r"#\s*ddp-lint:\s*ignore(?:\[(?P<codes>[A-Z0-9, ]+)\])?")
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # ddp_kit's, repeated: lint never imports torch
 
 
 @dataclass(frozen=True, order=True)
