@@ -86,6 +86,9 @@ CASES = register(
                      "if self.ready[i] == len(self.buckets[i]) - 1:"),)),
         Case(BUCKETS, "each-bucket-in-registration-order", None,  # right: the order inside is free
              edits=(("            bucket.append(p)\n", "            bucket.insert(0, p)\n"),)),
+        Case(BUCKETS, "divided-before-the-wait", "before its work.wait()",  # a race: named
+             edits=(("            work.wait()\n            flat /= self.world_size\n",
+                     "            flat /= self.world_size\n            work.wait()\n"),)),
         Case(HOOKS, "async-never-waited", "were never waited on before optimizer.step()",
              edits=(("        dist.all_reduce(p.grad)\n",
                      "        dist.all_reduce(p.grad, async_op=True)\n"),)),

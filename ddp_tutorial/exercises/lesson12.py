@@ -172,6 +172,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "nbytes": [p.numel() * p.element_size() for p in params],
         "buckets": buckets,
         "events": list(trace.events),
+        "touched": list(trace.touched),
         "from_ddp": far(ref["ddp"]),
         "from_summed": far(ref["summed"]),
         "from_alone": far(ref["alone"]),

@@ -161,6 +161,11 @@ def judge_buckets(records: list[Record]) -> str | None:
         mistake = _bucket_traffic(rank, rec, n, want)
         if mistake:
             return mistake
+        if rec.get("touched"):
+            return (f"on rank {rank}, a bucket's flat tensor was changed (divided?) after its "
+                    "all_reduce(..., async_op=True) and before its work.wait(): gloo reads and "
+                    "writes it in the background, so the sum depends on which came first - "
+                    'wait, then divide and copy back (lesson 12, "Your turn")')  # fmt: skip
     mistake = judge_weights(records, hint=READ_AFTER_WAIT)
     if mistake:
         return mistake

@@ -27,6 +27,7 @@ class Trace:
         self.grads = 0  # gradients accumulated so far in this step's backward
         self.events: list[dict[str, Any]] = []
         self.unwaited: set[int] = set()
+        self.touched: list[str] = []  # an async call's tensor changed in place before its wait
 
     def add(self, kind: str, **info: Any) -> None:
         self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
@@ -70,7 +71,7 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
 
         return waited
 
-    with spying(("all_reduce",), note, module):
+    with spying(("all_reduce",), note, module, touched=trace.touched):
         yield
 
 
