@@ -84,6 +84,12 @@ CASES = register(
                     (REDUCE_COUNTS, "dist.all_reduce(counts, op=dist.ReduceOp.AVG)"))),
         Case(F1, "score-on-rank-0-only", "every rank must compute it",
              edits=((SCORE, "if dist.get_rank() == 0:\n        " + SCORE),)),
+        # from a second learner review: an async all_reduce, its tensor read before the wait
+        Case(F1, "counts-read-before-the-wait", "the counts were read before the .wait()",
+             edits=(("    dist.all_reduce(counts)  #",
+                     "    work = dist.all_reduce(counts, async_op=True)  #"),
+                    ("    score = per_class.mean().item()\n",
+                     "    score = per_class.mean().item()\n    work.wait()\n"))),
         Case(F1, "int64-counts", None,  # right: float32 F1s from integer counts
              edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
                      "counts = torch.zeros(3, num_classes, dtype=torch.int64)"),)),

@@ -39,6 +39,10 @@ CASES = register(
         Case(GPU, "list-indexed-by-rank", "the list is per node",
              edits=(('int(listed.split(",")[local_rank])',
                      'int(listed.split(",")[int(env["RANK"])])'),)),
+        # from a second learner review
+        Case(GPU, "physical-id-from-rank-without-a-list", "without CUDA_VISIBLE_DEVICES",
+             edits=((PHYSICAL, 'physical = int(env["RANK"]) if listed is None else '
+                               'int(listed.split(",")[local_rank])'),)),
     ]
 )  # fmt: skip
 

@@ -73,6 +73,12 @@ CASES = register([
                  "        box = [torch.load(snapshot, map_location=\"cpu\", weights_only=True)\n"
                  "               if rank == 0 else None]\n"
                  "        dist.broadcast_object_list(box, src=0)\n        state = box[0]\n"),)),
+    # from a second learner review: the resume epoch taken from the simulation's flag
+    Case(RESUME, "epoch-from-the-stop-flag", "a flag of this simulation",
+         edits=(('        start_epoch = state["epoch"] + 1\n',
+                 "        start_epoch = args.stop_after_epoch + 1  # where the job stopped\n"),)),
+    Case(RESUME, "epoch-hard-coded", "start_epoch was set to a number",
+         edits=(('        start_epoch = state["epoch"] + 1\n', "        start_epoch = 2\n"),)),
 ])  # fmt: skip
 
 

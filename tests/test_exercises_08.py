@@ -6,6 +6,7 @@ import pytest
 from exercise_cases import Case, assert_verdict, register
 
 EX = "08_preempt_save_exit"
+HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))"
 SAVE = """                if rank == 0:
                     save_snapshot("""
 CASES = register([
@@ -65,6 +66,17 @@ CASES = register([
     Case(EX, "the-signalled-rank-saves", "rank 1 saved the snapshot",
          edits=(("                if rank == 0:\n                    save_snapshot(",
                  "                if rank == 1:\n                    save_snapshot("),)),
+    # from a second learner review: a handler on some ranks only; status on rank 0 only
+    Case(EX, "handler-on-the-signalled-rank-only", "rank 0 installed no SIGTERM handler",
+         edits=(("    " + HANDLER,
+                 "    if rank == args.preempt_rank:  # the rank the SIGTERM goes to\n"
+                 "        " + HANDLER),)),
+    Case(EX, "handler-on-rank-0-only", "rank 1 installed no SIGTERM handler",
+         edits=(("    " + HANDLER,
+                 "    if rank == 0:  # rank 0 is the one that saves\n        " + HANDLER),)),
+    Case(EX, "status-set-on-rank-0-only", "status = PREEMPTED set on every rank",
+         edits=(("                dist.barrier()\n                status = PREEMPTED\n",
+                 "                    status = PREEMPTED\n                dist.barrier()\n"),)),
 ])  # fmt: skip
 
 

@@ -70,6 +70,9 @@ class Exercise:
     # where tensors of different shapes are this exercise's likely hang: what differs (02: a
     # count per class that only the classes a rank saw have), added to the hang's verdict
     shapes_hint: str = ""
+    # (a regex over the code of the learner's blocks, the mistake): what the runs cannot show,
+    # tried on a file that passed (05: the resume epoch read from the simulation's own flag)
+    hidden: tuple[tuple[str, str], ...] = ()
 
     @property
     def stub(self) -> Path:

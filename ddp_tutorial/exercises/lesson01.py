@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
-from ddp_tutorial.exercises.spies import reduce_op, spying
+from ddp_tutorial.exercises.spies import is_async, reduce_op, spying
 
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_gather_object",
@@ -45,10 +45,11 @@ def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
 
 
 @contextmanager
-def watched(calls: list[tuple[str, Any]], module: ModuleType,
-            dropped: list[str] | None = None) -> Iterator[None]:  # fmt: skip
+def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str] | None = None,
+            asyncs: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Record each collective and send/recv that the learner's ``module`` makes: (name, peer)
-    for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None)."""
+    for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None);
+    ``asyncs``: the name of each collective called with async_op=True."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
@@ -57,6 +58,8 @@ def watched(calls: list[tuple[str, Any]], module: ModuleType,
                 "all_gather_object": lambda: type(args[1] if len(args) > 1 else kwargs.get("obj")
                                                   ).__name__}.get(name, lambda: None)()  # fmt: skip
         calls.append((name, peer if name in POINT_TO_POINT else info))
+        if asyncs is not None and name == "all_reduce" and is_async(args, kwargs):
+            asyncs.append(name)
         if name not in POINT_TO_POINT:
             return None
         tensor = args[0] if args else kwargs.get("tensor")

@@ -97,9 +97,12 @@ def _judge_physical(where: str, got: int, env: dict[str, str], physical: int) ->
                 f"RANK ({global_}) of the list; the list is per node: the card at "
                 f"position LOCAL_RANK ({local}), {physical} "
                 '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
-    if listed is not None and got == global_:
-        return (f"{where}: you said physical GPU {global_}, the global RANK; it is the "
-                f"card listed at position LOCAL_RANK: {physical} "
+    if got == global_ != local:
+        which = ("it is the card listed at position LOCAL_RANK" if listed is not None else
+                 "without CUDA_VISIBLE_DEVICES, cuda:i is physical GPU i, so it is "
+                 "LOCAL_RANK")  # fmt: skip
+        return (f"{where}: you said physical GPU {global_}, the global RANK; {which}: "
+                f"{physical} "
                 '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
     return (f"{where}: you said physical GPU {got}, expected {physical} "
             '(lesson 03, "Physical ids and logical ids")')  # fmt: skip

@@ -177,6 +177,14 @@ EXERCISES = [
         judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
         teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=20.0,
         around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
+        hidden=(
+            (r"stop_after", "start_epoch came from --stop-after-epoch, a flag of this "
+             "simulation: a real job is stopped at any epoch, by a signal - start at "
+             "snapshot['epoch'] + 1, read from the file"),
+            (r"(?m)start_epoch\s*=\s*[1-9]\d*\s*$", "start_epoch was set to a number: the "
+             "epoch after the one the snapshot holds is snapshot['epoch'] + 1, whatever epoch "
+             "the job stopped at"),
+        ),
         proves=(
             "the second launch started from the first's snapshot, shuffled each epoch as the "
             "DistributedSampler does, and ended with the weights of a run that never stopped"

@@ -151,6 +151,12 @@ def judge_preempt(records: list[Record]) -> str | None:
         return (f"no SIGTERM handler: on a cluster, rank {PREEMPT_RANK} would have died at once "
                 f"at step {PREEMPT_AT}, losing everything since the last snapshot - install one "
                 "with signal.signal(signal.SIGTERM, ...) that sets stop['signal']")  # fmt: skip
+    bare = [rep["rank"] for rep in reports if not rep["handler"]]
+    if bare:  # the check signals rank 1 only; a scheduler signals every process of the job
+        return (f"rank {bare[0]} installed no SIGTERM handler: a scheduler sends SIGTERM to "
+                f"every process of the job, and without one rank {bare[0]} dies at once, with "
+                "the save or the barrier it owes - install it on every rank, before the "
+                "loop")  # fmt: skip
     for rep in reports:
         if any(s["in_handler"] for s in rep["saves"]):
             return (
@@ -205,7 +211,9 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
      "returns it (on a cluster, end the script with sys.exit(main()))"),
     ("loss.backward()", "a rank went on into the next step and waited in backward's gradient "
      "all_reduce for a rank that had stopped: the SIGTERM reached one process only - all_reduce "
-     "the flag (MAX) at the step boundary, so that every rank stops at the same step"),
+     "the flag (MAX) at the step boundary, so that every rank stops at the same step; if it "
+     "is, did every rank leave the epoch loop too (status = PREEMPTED set on every rank, not "
+     "only on rank 0)?"),
 )  # fmt: skip
 
 EXERCISES = [

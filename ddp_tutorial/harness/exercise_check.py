@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ddp_tutorial import settings
-from ddp_tutorial.exercises.core import BEGIN, END, Exercise, Record, find, not_started
+from ddp_tutorial.exercises.core import (
+    BEGIN,
+    END,
+    Exercise,
+    Record,
+    find,
+    not_started,
+    your_code_blocks,
+)
 from ddp_tutorial.harness.launch import Launch, start
 from ddp_tutorial.harness.runs import default_run_dir
 from ddp_tutorial.records import read_rank_records
@@ -153,15 +161,22 @@ LUCKY = ("DDP124",)  # k.lstrip("module."): "0.weight" survives it, "layer.weigh
 
 
 def by_luck(ex: Exercise, path: Path) -> str | None:
-    """A passing file that holds a mistake the check's data happen to hide (the keys of its
-    model start with a digit, so ``k.lstrip("module.")`` leaves them whole)."""
+    """A passing file that holds a mistake the check's runs happen to hide: a lint finding
+    (the keys of its model start with a digit, so ``k.lstrip("module.")`` leaves them whole),
+    or one of the exercise's ``hidden`` patterns in the learner's own lines."""
     from ddp_tutorial.harness.lint import lint_source
 
-    found = [f for f in lint_source(path.read_text(), str(path)) if f.code in LUCKY]
-    if not found:
-        return None
-    return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
-                   f"{found[0].message}")  # fmt: skip
+    text = path.read_text()
+    found = [f for f in lint_source(text, str(path)) if f.code in LUCKY]
+    if found:
+        return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
+                       f"{found[0].message}")  # fmt: skip
+    code = "\n".join(line.split("#", 1)[0] for block in your_code_blocks(text)
+                     for line in block.splitlines())  # fmt: skip
+    for pattern, mistake in ex.hidden:
+        if re.search(pattern, code):
+            return ex.hint(f"right in this check's run only: {mistake}")
+    return None
 
 
 def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
