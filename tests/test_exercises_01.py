@@ -71,6 +71,23 @@ CASES = register([
                  "    gathered = [padded.clone() if r == dist.get_rank() else torch.empty_like("
                  "padded) for r in range(world)]\n"
                  "    for r in range(world):\n        dist.broadcast(gathered[r], src=r)\n"),)),
+    # from a third learner review
+    Case(RING, "send-buffer-refilled-before-the-wait", "changed the tensor of an isend",
+         edits=(("        request.wait()\n        total += recv_buf\n"
+                 "        send_buf = recv_buf.clone()",
+                 "        total += recv_buf\n        send_buf.copy_(recv_buf)\n"
+                 "        request.wait()"),)),
+    Case(GATHER, "values-as-a-list-through-all-gather-object", "all_gather_object sent a list",
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+                 "    dist.all_gather(gathered, padded)\n",
+                 "    objects = [None] * world\n"
+                 "    dist.all_gather_object(objects, padded.tolist())\n"
+                 "    gathered = [torch.tensor(o, dtype=tensor.dtype) for o in objects]\n"),)),
+    Case(GATHER, "tensors-through-all-gather-object", "all_gather_object sent a Tensor",
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+                 "    dist.all_gather(gathered, padded)\n",
+                 "    gathered = [None] * world\n"
+                 "    dist.all_gather_object(gathered, padded)\n"),)),
     Case(GATHER, "lengths-with-all-gather-object", None,  # right: a few ints may go that way
          edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]\n"
                  "    dist.all_gather(lengths, length)\n",

@@ -89,6 +89,16 @@ CASES = register(
         Case(BUCKETS, "divided-before-the-wait", "before its work.wait()",  # a race: named
              edits=(("            work.wait()\n            flat /= self.world_size\n",
                      "            flat /= self.world_size\n            work.wait()\n"),)),
+        # from a third learner review
+        Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
+             edits=(("        for p in model.parameters():\n"
+                     "            p.register_post_accumulate_grad_hook(self._grad_ready)\n",
+                     "        for m in model.modules():\n            for p in m.parameters():\n"
+                     "                p.register_post_accumulate_grad_hook(self._grad_ready)\n"),)),
+        Case(HOOKS, "divided-before-the-wait", "p.grad was changed (divided?)",
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        work = dist.all_reduce(p.grad, async_op=True)\n"
+                     "        p.grad /= world\n        work.wait()\n"),)),
         Case(HOOKS, "async-never-waited", "were never waited on before optimizer.step()",
              edits=(("        dist.all_reduce(p.grad)\n",
                      "        dist.all_reduce(p.grad, async_op=True)\n"),)),

@@ -44,19 +44,31 @@ def _check_peer(name: str, peer: Any, tensor: Any, sending: set[int]) -> None:
                          "yet): receive into a buffer of its own (torch.empty_like)")  # fmt: skip
 
 
+def _object_kind(obj: Any) -> str:
+    """What an all_gather_object sent: "length" for one number (an int, or a sequence of one
+    int: a length, a shape), else its type's name (a Tensor, a list of values: the data)."""
+    one = obj[0] if isinstance(obj, list | tuple) and len(obj) == 1 else obj
+    if isinstance(one, int) or (isinstance(one, torch.Tensor) and one.numel() == 1):
+        return "length"
+    return type(obj).__name__
+
+
 @contextmanager
 def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str] | None = None,
-            asyncs: list[str] | None = None) -> Iterator[None]:  # fmt: skip
+            asyncs: list[str] | None = None,
+            touched: list[str] | None = None) -> Iterator[None]:  # fmt: skip
     """Record each collective and send/recv that the learner's ``module`` makes: (name, peer)
     for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None);
-    ``asyncs``: the name of each collective called with async_op=True."""
+    ``asyncs``: the name of each collective called with async_op=True; ``touched``: of each
+    isend/irecv whose tensor was changed in place before its wait."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
         info = {"all_reduce": lambda: reduce_op(args, kwargs),  # the op, or what was gathered
-                "all_gather_object": lambda: type(args[1] if len(args) > 1 else kwargs.get("obj")
-                                                  ).__name__}.get(name, lambda: None)()  # fmt: skip
+                "all_gather_object": lambda: _object_kind(args[1] if len(args) > 1
+                                                          else kwargs.get("obj"))
+                }.get(name, lambda: None)()  # fmt: skip
         calls.append((name, peer if name in POINT_TO_POINT else info))
         if asyncs is not None and name == "all_reduce" and is_async(args, kwargs):
             asyncs.append(name)
@@ -74,7 +86,8 @@ def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str]
         return lambda: sending.discard(ptr)
 
     with (spying(COLLECTIVES, note, module),
-          spying(POINT_TO_POINT, note, module, also=(c10d,), dropped=dropped)):  # fmt: skip
+          spying(POINT_TO_POINT, note, module, also=(c10d,), dropped=dropped,
+                 touched=touched)):  # fmt: skip
         yield
 
 
@@ -100,15 +113,16 @@ def ring_input(rank: int) -> torch.Tensor:
 def run_ring(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     dropped: list[str] = []  # isend/irecv Works let go of unwaited
+    touched: list[str] = []  # ... whose tensor was changed before the wait
     mine = ring_input(ctx.rank)
     try:
-        with watched(calls, module, dropped):
+        with watched(calls, module, dropped, touched=touched):
             got = module.ring_average(mine.clone())
     except Exception as exc:
         if dropped:  # named: the hang it causes would say only "a peer that never came"
             raise RuntimeError(DROPPED.format(dropped[0])) from exc
         raise
-    return {"got": _values(got), "calls": calls, "dropped": dropped}
+    return {"got": _values(got), "calls": calls, "dropped": dropped, "touched": touched}
 
 
 def judge_ring(records: list[Record]) -> str | None:
@@ -127,6 +141,10 @@ def judge_ring(records: list[Record]) -> str | None:
         if far:
             return (f"rank {rank} talked to rank {far[0]}: in a ring, rank r sends only to "
                     "(r + 1) % world_size and receives only from (r - 1) % world_size")  # fmt: skip
+        if rec.get("touched"):  # a race: right or wrong by luck, so named before the numbers
+            return (f"rank {rank} changed the tensor of an {rec['touched'][0]} before its .wait(): "
+                    "the neighbour may get the old values or the new - wait on it before "
+                    "reusing its buffer (or send from a buffer of its own)")  # fmt: skip
         got = rec["got"]
         if not isinstance(got, list) or len(got) != len(mean):
             return (
@@ -178,9 +196,11 @@ def judge_gather(records: list[Record]) -> str | None:
     n = len(records)
     want = [uneven_input(r).tolist() for r in range(n)]
     for rank, rec in enumerate(records):
-        if "Tensor" in rec["objects"]:  # the lengths, a few ints, may go that way
-            return ("all_gather_object pickles on the CPU (and copies through the GPU on nccl): "
-                    "gather the tensors with dist.all_gather")  # fmt: skip
+        data = [kind for kind in rec["objects"] if kind != "length"]
+        if data:  # the lengths, one number each, may go that way; the values may not
+            return (f"all_gather_object sent a {data[0]}: it pickles on the CPU (and copies "
+                    "through the GPU on nccl) - gather the tensors with dist.all_gather "
+                    "(all_gather_object: for the lengths only, one number each)")  # fmt: skip
         got = rec["got"]
         if not isinstance(got, list) or len(got) != n:
             return f"rank {rank} returned {got!r}: expected a list of {n} tensors, one per rank"

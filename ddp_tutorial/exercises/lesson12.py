@@ -123,6 +123,9 @@ def quickest_steps(
     return mine_s, ddp_s
 
 
+HOOKED_TWICE = "hooks registered more than once"
+
+
 def busy_host() -> bool:
     """Whether the host is so loaded that a sub-millisecond step measures its run queue: each
     bucket's wait hands over to gloo's thread and back, each hand-over waiting for a core (a
@@ -140,6 +143,9 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         if bucketed:
             mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
             finish = mine.finish_gradient_sync
+            hooked = [len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) for p in params]
+            if max(hooked, default=0) > 1:  # each would count the gradient again: named here
+                raise RuntimeError(f"{HOOKED_TWICE}: {max(hooked)} on one parameter")
         else:
             module.broadcast_parameters(model)
             module.add_gradient_hooks(model)
@@ -267,6 +273,12 @@ def judge_hooks(records: list[Record]) -> str | None:
                     f"{rec['nparams']} gradients: some were reduced more than once - is a hook "
                     "registered twice (model.modules() yields a parameter once for every module "
                     'that holds it)? (lesson 12, "Your turn")')  # fmt: skip
+        if rec.get("touched"):  # a race: the weights would be right or wrong by luck
+            return (f"on rank {rank}, p.grad was changed (divided?) after its all_reduce(..., "
+                    "async_op=True) and before the .wait() on what it returned: gloo reads and "
+                    "writes it in the background, so the mean depends on which came first - "
+                    "wait, then divide (or call all_reduce without async_op) "
+                    '(lesson 12, "Your turn")')  # fmt: skip
         first = next((e for e in rec["events"] if e["kind"] == "step" and e["unwaited"]), None)
         if first:
             return (

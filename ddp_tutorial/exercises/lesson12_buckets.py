@@ -18,6 +18,7 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.lesson12 import (
     BUCKET_CAP_BYTES,
     GROSS_SLOWDOWN,
+    HOOKED_TWICE,
     STEPS,
     judge_start,
     judge_weights,
@@ -196,6 +197,12 @@ _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when 
           "launch it when all of its parameters are ready (ready == len(bucket))")  # fmt: skip
 
 
+_TWICE = (HOOKED_TWICE, "a parameter has its hook registered more than once, so each of its "
+          "gradients is counted again and its bucket is launched before the others have "
+          "arrived: register once per parameter - model.modules() yields a parameter once for "
+          "every module that holds it; loop over model.parameters()")  # fmt: skip
+
+
 _NO_BUCKET = ("a parameter has no bucket: is every parameter in one - the last bucket closed "
               "after the walk, even below the cap - and bucket_of filled for each?")  # fmt: skip
 
@@ -211,7 +218,7 @@ EXERCISES = [
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_NO_WORK, _EARLY, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
+        errors=(_TWICE, _NO_WORK, _EARLY, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
         proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
         "waited on before the step; the weights equal DistributedDataParallel's",
         report=timed,

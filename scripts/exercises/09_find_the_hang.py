@@ -61,7 +61,8 @@ def main() -> None:
     shard = list(range(rank, len(train_set), world_size))  # every world_size-th sample ...
     shard = [i for i in shard if labels[i] >= 0]  # ... that has a label
     # YOUR CODE: if the ranks hang at the end of an epoch, change `shard` here
-    # (hint: lesson 09, "7 · Uneven inputs": what must be the same on every rank?)
+    # (hint: lesson 09, "7 · Uneven inputs": what must be the same on every rank - for any
+    # number of samples and any batch size, not only for this run's?)
     # END YOUR CODE
     loader = DataLoader(Subset(train_set, shard), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(rank))  # fmt: skip
