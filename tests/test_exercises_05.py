@@ -65,7 +65,7 @@ CASES = register([
          edits=(("        os.replace(tmp, path)\n",
                  "        if path.exists():\n            path.unlink()  # make room\n"
                  "        os.rename(tmp, path)\n"),)),
-    Case(SNAP, "barrier-on-rank-0-only", "is the dist.barrier() inside",
+    Case(SNAP, "barrier-on-rank-0-only", "is the dist.barrier() under an `if`",
          edits=(("        os.replace(tmp, path)\n    dist.barrier()\n",
                  "        os.replace(tmp, path)\n        dist.barrier()\n"),)),
     Case(RESUME, "rank-0-loads-and-broadcasts", None,  # right: the check's cuda:0 tag is on files
@@ -79,6 +79,19 @@ CASES = register([
                  "        start_epoch = args.stop_after_epoch + 1  # where the job stopped\n"),)),
     Case(RESUME, "epoch-hard-coded", "start_epoch was set to a number",
          edits=(('        start_epoch = state["epoch"] + 1\n', "        start_epoch = 2\n"),)),
+    # from a fourth learner review: waits that do not wait for this save; an fdatasync
+    Case(SNAP, "polls-for-the-file", "not by polling for the file",
+         edits=(("    dist.barrier()\n",
+                 "    else:\n        while not path.exists():\n"
+                 "            __import__(\"time\").sleep(0.05)\n"),)),
+    Case(SNAP, "barrier-before-the-rename", "after the rename - not before it",
+         edits=(("        os.replace(tmp, path)\n    dist.barrier()\n",
+                 "    dist.barrier()\n    if dist.get_rank() == 0:\n"
+                 "        os.replace(tmp, path)\n"),)),
+    Case(SNAP, "barrier-in-the-else", "or its `else`",
+         edits=(("    dist.barrier()\n", "    else:\n        dist.barrier()\n"),)),
+    Case(SNAP, "fdatasync", None,  # right: the data and the size, all a rename needs
+         edits=(("os.fsync(f.fileno())", "os.fdatasync(f.fileno())"),)),
 ])  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Lesson 05's first exercise: a rank-0 atomic snapshot (the second: ``lesson05_resume``).
 
-``05_atomic_snapshot`` (functions): the learner's ``save_snapshot`` is called on every rank
-while the check slows rank 0's write down (a rank that returns before the file exists did not
-wait), then once more on rank 0 with ``torch.save`` killed halfway through (the old snapshot
+``05_atomic_snapshot`` (functions): the learner's ``save_snapshot`` is called on every rank,
+over an older snapshot, while the check slows rank 0's write and rename down (a rank that
+returns before the new file is in place did not wait: polling, or a barrier before the
+rename), then once more on rank 0 with ``torch.save`` killed halfway through (the old snapshot
 must survive); ``load_snapshot`` reads a file whose tensors say "cuda:0", as rank 0 of a GPU
 job writes them, on ranks that have no GPU (only ``map_location`` makes that load work).
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -67,30 +69,42 @@ def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
 
 
 @contextmanager
-def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]]
-              ) -> Iterator[None]:  # fmt: skip
+def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]],
+              hold: Callable[[], None] | None = None) -> Iterator[None]:  # fmt: skip
     """Renames (source, target, whether the source's bytes were all fsynced before), and
-    fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes)."""
-    real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
+    fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes;
+    fdatasync counts: it writes the data and the size, all a rename needs). ``hold``: called
+    before each rename (a rank that returns before it did not wait for the file)."""
+    real_replace, real_rename = os.replace, os.rename
+    real_syncs = {"fsync": os.fsync, "fdatasync": getattr(os, "fdatasync", None)}
 
     def spy(real: Callable[..., Any]) -> Callable[..., Any]:
         def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
             st = os.stat(src)
             synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
             replaced.append((str(src), str(dst), synced))
+            if hold is not None:
+                hold()
             return real(src, dst, *args, **kwargs)
 
         return move
 
-    def fsync(fd: Any) -> Any:
-        number = fd if isinstance(fd, int) else fd.fileno()
-        st = os.fstat(number)
-        fsyncs.append((st.st_ino, st.st_size))
-        return real_fsync(fd)
+    def noted(real: Callable[..., Any]) -> Callable[..., Any]:
+        def sync(fd: Any) -> Any:
+            number = fd if isinstance(fd, int) else fd.fileno()
+            st = os.fstat(number)
+            fsyncs.append((st.st_ino, st.st_size))
+            return real(fd)
 
+        return sync
+
+    syncs = [mock.patch.object(os, name, noted(real)) for name, real in real_syncs.items()
+             if real is not None]  # fmt: skip
     with mock.patch.object(os, "replace", spy(real_replace)), \
          mock.patch.object(os, "rename", spy(real_rename)), \
-         mock.patch.object(os, "fsync", fsync):  # fmt: skip
+         ExitStack() as stack:  # fmt: skip
+        for patch in syncs:
+            stack.enter_context(patch)
         yield
 
 
@@ -128,14 +142,22 @@ def _save_phase(
     module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
 ) -> None:
     folder = path.parent
-    # 1. every rank saves; rank 0's write waits until the other ranks have returned (a rank
-    # that returns before the file exists did not wait for it), or DELAY_S at most
+    # 1. every rank saves over an older snapshot (epoch EPOCH - 1: a rank that finds a file
+    # there has not found this save's); rank 0's write and its rename wait until the other
+    # ranks have returned (a rank that returns before the new file is in place did not wait
+    # for it), DELAY_S at most in all
+    if ctx.rank == 0:
+        torch.save({"model": model.module.state_dict(), "epoch": EPOCH - 1}, path)
+    meet(ctx, "05-old-snapshot")
     store, returned = agent_store(), f"{ctx.out.name}/05-returned"
+    deadline: list[float] = []
 
     def hold() -> None:
+        deadline[:] = deadline or [time.monotonic() + DELAY_S]
+        left = deadline[0] - time.monotonic()
         try:
             store.wait([f"{returned}/{r}" for r in range(1, ctx.world_size)],
-                       datetime.timedelta(seconds=DELAY_S))  # fmt: skip
+                       datetime.timedelta(seconds=max(left, 0.001)))  # fmt: skip
         except Exception:  # they are waiting for this write, as they should: go on
             pass
 
@@ -145,14 +167,15 @@ def _save_phase(
     try:
         with (
             _spied_save(calls, hold if ctx.rank == 0 else None),
-            _spied_os(replaced, fsyncs),
+            _spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None),
             mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
         ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:
         record["save_error"] = _error(exc)
+    found = _read(path) if path.is_file() else {}
     record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs),
-                  there_on_return=path.is_file())  # fmt: skip
+                  there_on_return=found.get("epoch") == EPOCH)  # fmt: skip
     store.set(f"{returned}/{ctx.rank}", "")
     meet(ctx, "05-saved")
     record["saved"] = _read(path) if path.is_file() else None
@@ -281,9 +304,9 @@ def _judge_writes(records: list[Record]) -> str | None:
     for r in records:
         error = r.get("save_error", "")
         if "Timed out" in error:
-            return (f"rank {r['rank']} waited in save_snapshot for ranks that never came "
-                    f"({error[:60]}...): is the dist.barrier() inside `if rank == 0`? Every rank "
-                    'must reach it (lesson 05, "The lines you write")')  # fmt: skip
+            return (f"rank {r['rank']} waited in save_snapshot for ranks that never came: is "
+                    "the dist.barrier() under an `if` (or its `else`) on the rank? Every rank "
+                    'must reach the same barrier (lesson 05, "The lines you write")')  # fmt: skip
         if "cross-device link" in error:
             return ("the temporary file was on another file system than the snapshot, and "
                     "os.replace cannot move a file across: write it beside the snapshot "
@@ -295,10 +318,11 @@ def _judge_writes(records: list[Record]) -> str | None:
     late = [r["rank"] for r in records if not r["there_on_return"]]
     if late:
         return (
-            f"rank {late[0]} returned from save_snapshot before rank 0's file was in place "
-            f"(rank 0 was still writing it): every rank must wait at "
-            "dist.barrier() after the write, so that no rank reads a file that is not there "
-            '(lesson 05, "The lines you write")'
+            f"rank {late[0]} returned from save_snapshot before rank 0's new file was in "
+            "place (rank 0 was still writing or renaming it; the folder held an older "
+            "snapshot): every rank must wait at dist.barrier() after the rename - not before "
+            "it, not by polling for the file - so that no rank reads a file that is not this "
+            'save\'s (lesson 05, "The lines you write")'
         )
     saved = first["saved"]
     if "error" in saved:
