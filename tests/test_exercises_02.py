@@ -90,6 +90,16 @@ CASES = register(
                      "    work = dist.all_reduce(counts, async_op=True)  #"),
                     ("    score = per_class.mean().item()\n",
                      "    score = per_class.mean().item()\n    work.wait()\n"))),
+        # from a fifth learner review: a collective per batch; an async sum never waited on
+        Case(ACC, "all-reduce-per-batch", "a collective per batch",
+             edits=(("            sums += torch.stack([right, torch.tensor(len(y))])\n"
+                     "    dist.all_reduce(sums)",
+                     "            batch = torch.stack([right, torch.tensor(len(y))])\n"
+                     "            dist.all_reduce(batch)\n            sums += batch\n"
+                     "    pass"),)),
+        Case(ACC, "async-sum-never-waited", "was not waited on before the counts were read",
+             edits=(("    dist.all_reduce(sums)",
+                     "    work = dist.all_reduce(sums, async_op=True)"),)),
         Case(F1, "int64-counts", None,  # right: float32 F1s from integer counts
              edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
                      "counts = torch.zeros(3, num_classes, dtype=torch.int64)"),)),

@@ -83,6 +83,11 @@ def _judge_orders(reports: list[Record]) -> str | None:
     """Each epoch's samples on each rank, against the DistributedSampler's for --seed."""
     n = len(reports)
     for epoch in range(EPOCHS):
+        stale = [r["rank"] for r in reports if epoch and r["seen"][epoch] == r["seen"][0]]
+        if 0 < len(stale) < n:  # the others reshuffled: their shares now overlap this one's
+            return (f"rank {stale[0]} trained epoch {epoch} in epoch 0's order while the others "
+                    "reshuffled: every rank calls sampler.set_epoch(epoch), not only rank 0 "
+                    "(the shares then overlap)")  # fmt: skip
         shards = [r["seen"][epoch] for r in reports]
         if len(set(shards[0]) & set(shards[1])) == len(shards[0]):
             return ("rank 1 trained on the same samples as rank 0: the DataLoader has no "
@@ -164,6 +169,9 @@ def judge_convert(records: list[Record]) -> str | None:
     if len(writers) != 1:
         return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
                 "(`if rank == 0`); concurrent writers corrupt the file")  # fmt: skip
+    if writers != [0]:
+        return (f"rank {writers[0]} wrote model.pt: rank 0 writes it (`if rank == 0`), the one "
+                "rank every job has, whatever its size")  # fmt: skip
     if first["saved"] is None:
         return "no model.pt was written"
     if mistake := _judge_saved(first, n):
@@ -188,6 +196,15 @@ EXERCISES = [
         judge=judge_convert, title="a single-process training loop, turned into DDP",
         args=("--seed", str(SEED)),
         teaches='lesson 00, "Every changed line, once"', collective_timeout_s=20.0, errors=ERRORS,
+        hidden=(
+            (r"LOCAL_WORLD_SIZE", "world_size came from LOCAL_WORLD_SIZE, the processes of "
+             "this machine: on two machines each would think it holds the whole job - "
+             "WORLD_SIZE (or dist.get_world_size())"),
+            (r"(?m)^\s*rank\s*(?:,\s*\w+\s*)*=\s*int\(\s*os\.environ(?:\.get\(|\[)\s*.LOCAL_RANK",
+             "rank came from LOCAL_RANK, the rank on this machine: on two machines both would "
+             "have a rank 0 (two writers, the same shares) - RANK (or dist.get_rank()); "
+             "LOCAL_RANK picks the GPU"),
+        ),
         proves=(
             "every process reported its rank; each epoch dealt every sample once, in the "
             "DistributedSampler's order for --seed, a new order each epoch; the weights equal one"

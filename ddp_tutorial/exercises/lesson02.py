@@ -23,6 +23,8 @@ from ddp_tutorial.exercises.lesson01 import watched
 
 VAL_LENGTH = 11  # odd: 2 ranks cannot split it evenly, so a padded sampler repeats one sample
 FEATURES = 3
+LATE_S = 0.3  # the other ranks start this late (both exercises)
+EVAL_BATCH = 5  # the ranks' 6 and 5 samples make 2 and 1 batches: a collective per batch hangs
 
 
 def val_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,15 +70,19 @@ def _number(x: Any) -> Any:
 
 def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
+    asyncs: list[str] = []
     data = WatchedSet()
-    with watched(calls, module):
-        got = module.exact_accuracy(predictor(), data)
+    if ctx.rank > 0:  # rank 0's sum cannot arrive early: a read before its wait reads its own
+        time.sleep(LATE_S)
+    with watched(calls, module, asyncs=asyncs):  # batches of 5: 6 and 5 samples, 2 and 1 batches
+        got = module.exact_accuracy(predictor(), data, batch_size=EVAL_BATCH)
     if isinstance(got, tuple | list) and len(got) == 2:
         got = [_number(v) for v in got]
     else:
         got = repr(got)
     ops = [op for name, op in calls if name == "all_reduce"]
-    return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops}
+    return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops,
+            "async": len(asyncs)}  # fmt: skip
 
 
 def truth_correct() -> int:
@@ -142,6 +148,10 @@ def judge_accuracy(records: list[Record]) -> str | None:
         return mistake
     called = {"all_reduce", "all_gather"} & set(records[0]["calls"])
     if len({tuple(g) for g in got}) > 1:
+        if called and any(rec.get("async") for rec in records):
+            return (f"the ranks returned different results {got}: the all_reduce(..., "
+                    "async_op=True) was not waited on before the counts were read - call "
+                    ".wait() on what it returns first (or call it without async_op)")  # fmt: skip
         if called:
             return (f"the ranks returned different results {got}, though they called "
                     f"dist.{sorted(called)[0]}: add the totals once every batch is counted, "
@@ -172,7 +182,6 @@ SHARDS = (
 )
 CLASSES = 4
 F1_TOL = 1e-6  # float32 arithmetic (int64 counts divided) is right too
-LATE_S = 0.3  # the other ranks call macro_f1 this late
 
 
 def f1_counts(pred: list[int], target: list[int]) -> torch.Tensor:

@@ -94,8 +94,11 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
             f"{waits}, for a peer that never came"
             + (f" (rank {others[0]} had finished)" if others else "")
             + ": every rank must call the same collectives, and each send needs its recv, in "
-            "the same order - is one under `if rank == ...`, or do the ranks pass tensors of "
-            "different shapes" + (f" ({ex.shapes_hint})" if ex.shapes_hint else "") + "?"
+            "the same order - is one under `if rank == ...`, or in a loop that runs more "
+            "times on one rank (a collective per batch, over shares of different sizes), or "
+            "do the ranks pass tensors of different shapes"
+            + (f" ({ex.shapes_hint})" if ex.shapes_hint else "")
+            + "?"
         )
     where = f" at {first['where']}" if first.get("where") else ""
     error = ANSI.sub("", first["error"]).splitlines()[0]  # torch's bold in its own messages
