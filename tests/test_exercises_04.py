@@ -107,6 +107,25 @@ CASES = register(
                      "                buffer /= world"),)),
         Case(BUFFERS, "parameters-not-buffers", "the statistics are buffers",
              edits=(("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
+        # from a fifth learner review: k fitted to one call; every forward first
+        Case(ACCUM, "k-hard-coded", "k is len(micro_batches), counted at each call",
+             edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
+                     "(loss_fn(model(x), y) / 3).backward()  # outside"),
+                    ("            (loss_fn(model(x), y) / k).backward()",
+                     "            (loss_fn(model(x), y) / 3).backward()"))),
+        Case(ACCUM, "every-forward-first", "run each micro-batch's forward and backward together",
+             edits=(("    for x, y in micro_batches[:-1]:\n"
+                     "        with model.no_sync():  # forward and backward in here: the gradients "
+                     "add up, unsent\n"
+                     "            (loss_fn(model(x), y) / k).backward()\n"
+                     "    x, y = micro_batches[-1]\n"
+                     "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the "
+                     "accumulated sum\n",
+                     "    losses = []\n    with model.no_sync():\n"
+                     "        for x, y in micro_batches[:-1]:\n"
+                     "            losses.append(loss_fn(model(x), y) / k)\n"
+                     "    x, y = micro_batches[-1]\n    losses.append(loss_fn(model(x), y) / k)\n"
+                     "    for loss in losses:\n        loss.backward()\n"),)),
         # from a learner review: async sends, each tensor divided before its wait (a race
         # that passed one check in two); the same sends waited on first are right
         Case(BUFFERS, "divided-before-the-wait", "before the .wait()",

@@ -30,6 +30,7 @@ ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted a
 BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
 
 K, MICRO, STEPS, LR, FEATURES, CLASSES = 3, 4, 2, 0.5, 8, 3
+KS = (K, 2)  # micro-batches per step: k is len(micro_batches), not a number fitted to one call
 
 
 @contextmanager
@@ -57,9 +58,10 @@ def _mlp() -> nn.Module:
 
 
 def _global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's global batch, the same on every rank: world x K micro-batches of MICRO rows."""
+    """The step's global batch, the same on every rank: world x KS[step] micro-batches of MICRO
+    rows."""
     gen = torch.Generator().manual_seed(40 + step)
-    x = torch.randn(world * K * MICRO, FEATURES, generator=gen)
+    x = torch.randn(world * KS[step] * MICRO, FEATURES, generator=gen)
     return x, torch.randint(0, CLASSES, (x.shape[0],), generator=gen)
 
 
@@ -81,19 +83,29 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     forwards: list[int] = []  # through the wrapper (model(x), not model.module(x))
     backwards: list[int] = []  # backward passes: the first layer's weight gets its gradient
     reduced_at: list[int] = []  # for each all_reduce: the forwards run before it
+    started: list[int] = []  # backward passes begun (the model's output got its gradient)
+    in_backward: list[int] = []  # for each all_reduce: which backward it ran in (1, 2, ...)
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    model.module.register_full_backward_pre_hook(lambda *_: started.append(1))
     model.module[0].weight.register_post_accumulate_grad_hook(lambda _: backwards.append(1))
     for step in range(STEPS):
         x, y = _global_batch(step, ctx.world_size)
-        rows = slice(ctx.rank * K * MICRO, (ctx.rank + 1) * K * MICRO)  # this rank's shard
+        k = KS[step]
+        rows = slice(ctx.rank * k * MICRO, (ctx.rank + 1) * k * MICRO)  # this rank's shard
         micro = list(zip(x[rows].split(MICRO), y[rows].split(MICRO), strict=True))
         calls: list[str] = []
-        at = spying(("all_reduce",), lambda *_: reduced_at.append(len(forwards)), module)
+        at = spying(
+            ("all_reduce",),
+            lambda *_: (reduced_at.append(len(forwards)), in_backward.append(len(started)))[-1],
+            module,
+        )
         with counted(("all_reduce",), calls, module), at:
             module.accumulation_step(model, optimizer, micro, F.cross_entropy)
-        passes.append({"forwards": len(forwards), "backwards": len(backwards),
-                       "reduced_at": list(reduced_at)})  # fmt: skip
-        forwards.clear(), backwards.clear(), reduced_at.clear()
+        passes.append({"forwards": len(forwards), "backwards": len(backwards), "k": k,
+                       "reduced_at": list(reduced_at),
+                       "in_backward": list(in_backward)})  # fmt: skip
+        forwards.clear(), backwards.clear(), reduced_at.clear(), started.clear()
+        in_backward.clear()
         calls_per_step.append(len(calls))
         steps_per_call.append(len(stepped))
         stepped.clear()
@@ -110,19 +122,25 @@ def _judge_passes(records: list[Record]) -> str | None:
     """The forwards, backwards and all_reduces of each accumulation step, on each rank."""
     for rank, rec in enumerate(records):
         for one in rec["passes"]:
-            if one["forwards"] < K:
-                return (f"rank {rank} ran {one['forwards']} of its {K} forwards through the DDP "
+            k = one["k"]
+            if one["forwards"] < k:
+                return (f"rank {rank} ran {one['forwards']} of its {k} forwards through the DDP "
                         "wrapper: model.module(x) bypasses DDP, which decides in its forward "
                         "whether this backward sends - call model(x) "
                         '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
-            if one["backwards"] == 1 and K > 1:
-                return (f"rank {rank} ran one backward for its {K} micro-batches: every "
+            if one["backwards"] == 1 and k > 1:
+                return (f"rank {rank} ran one backward for its {k} micro-batches: every "
                         "micro-batch's graph was kept until then, which accumulation exists "
                         "to avoid - backward each micro-batch's loss / k after its "
                         "forward")  # fmt: skip
-            if len(one["reduced_at"]) == 1 and one["reduced_at"] != [K]:
+            if len(one["reduced_at"]) == 1 and one["reduced_at"] == [k] != one["in_backward"]:
+                return (f"rank {rank}'s all_reduce ran in backward {one['in_backward'][0]} of "
+                        f"{k}, though the last forward was outside no_sync(): DDP prepares the "
+                        "sending in a forward for the next backward - run each micro-batch's "
+                        "forward and backward together, then the next")  # fmt: skip
+            if len(one["reduced_at"]) == 1 and one["reduced_at"] != [k]:
                 return (f"rank {rank}'s all_reduce ran in the backward of micro-batch "
-                        f"{one['reduced_at'][0]} of {K}, not the last: model.no_sync() around "
+                        f"{one['reduced_at'][0]} of {k}, not the last: model.no_sync() around "
                         "every micro-batch but the last, so that the last one's all_reduce "
                         "carries the sum of them all")  # fmt: skip
     return None
@@ -165,7 +183,7 @@ def judge_accumulate(records: list[Record]) -> str | None:
     stepped = max(max(r["steps_per_call"]) for r in records)
     if stepped > 1:
         return (
-            f"optimizer.step() ran {stepped} times in one accumulation_step of {K} "
+            f"optimizer.step() ran {stepped} times in one accumulation_step of {K} or fewer "
             "micro-batches: step once, after the last micro-batch's backward - until then the "
             "gradients only add up (and inside no_sync() each rank's are its own)"
         )
@@ -185,6 +203,11 @@ def judge_accumulate(records: list[Record]) -> str | None:
     if misscaled:
         return misscaled
     gap = (T(first["params"][-1]) - ref[-1]).abs().max().item()
+    first_right = torch.allclose(T(first["params"][1]), ref[1], rtol=1e-4, atol=1e-5)
+    if first_right and not torch.allclose(T(first["params"][-1]), ref[-1], rtol=1e-4, atol=1e-5):
+        return (f"the first step ({KS[0]} micro-batches) was right, the second ({KS[1]}) was "
+                "not: k is len(micro_batches), counted at each call - a number that fits one "
+                "call is wrong for the next")  # fmt: skip
     if not torch.allclose(T(first["params"][-1]), ref[-1], rtol=1e-4, atol=1e-5):
         return (
             f"after {STEPS} steps the weights differ from one process trained on the global "
