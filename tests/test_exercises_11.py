@@ -56,6 +56,13 @@ CASES = register([
                  "    scaler.update()\n    scaler.step(optimizer)\n"))),
     Case(AMP, "loss-times-the-scale", "did not run on scaler.scale(loss)",
          edits=(("to_backward = scaler.scale(loss)", "to_backward = loss * scaler.get_scale()"),)),
+    # from a sixth learner review: answers fitted to one call
+    Case(AMP, "no-sync-on-the-first-only", "all but the last run under model.no_sync()",
+         edits=(("        sync = nullcontext() if last else model.no_sync()",
+                 "        sync = model.no_sync() if i == 0 else nullcontext()"),)),
+    Case(AMP, "float16-whatever-the-dtype", "not in the bfloat16 asked for",
+         edits=(("torch.autocast(x.device.type, dtype=dtype)",
+                 "torch.autocast(x.device.type, dtype=torch.float16)"),)),
     Case(EX, "future-not-chained", "whose value is a list [tensor]",
          edits=(("    future = work.get_future().then(decompress)",
                  "    future = work.get_future()"),)),

@@ -30,6 +30,9 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.spies import is_async, spying
 
 AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale; float16 vs 32
+# step 0: 4 micro-batches in float16; step 1 (an inf, skipped): 2 in bfloat16 - an answer that
+# fits one call (no_sync on micro-batch 0 alone, float16 whatever the dtype) shows in the other
+AMP_MICRO, AMP_DTYPES = (4, 2), (torch.float16, torch.bfloat16)
 
 STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
@@ -235,10 +238,11 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     def step(n: int) -> None:
         x, y = amp_batch(n, ctx.world_size)
         mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))
-        micro = list(zip(x[mine].chunk(2), y[mine].chunk(2), strict=True))
+        k = AMP_MICRO[n]
+        micro = list(zip(x[mine].chunk(k), y[mine].chunk(k), strict=True))
         watch.reset()
         with noting_clips(scaler, module, calls):
-            module.amp_step(model, micro, optimizer, scaler, torch.float16)
+            module.amp_step(model, micro, optimizer, scaler, AMP_DTYPES[n])
         record["allreduces"].append(len(watch.after))
         record["allreduce_after"].append(list(watch.after))
         record["dtypes"].append(sorted(watch.dtypes))
@@ -287,19 +291,31 @@ def judge_amp(records: list[Record]) -> str | None:
         if rec["ratio"] == 0:
             return ("the weights never moved: after the micro-batches, scaler.step(optimizer), "
                     "then scaler.update()")  # fmt: skip
+        k, after = AMP_MICRO[0], rec["allreduce_after"][0]
+        if k not in after and len(after) > 1:
+            return (f"DDP all-reduced in the backward of micro-batches "
+                    f"{', '.join(map(str, after))} of {k}, not the last: model.no_sync() on "
+                    "every micro-batch but the last (not around the last one), so that one "
+                    "all_reduce carries their sum")  # fmt: skip
         if rec["allreduces"][0] != 1:
-            return (f"DDP all-reduced {rec['allreduces'][0]} times in one step of 2 micro-batches: "
-                    "all but the last run under model.no_sync(), so that one all_reduce carries "
-                    "their sum")  # fmt: skip
-        if rec["allreduce_after"][0] != [2]:
+            return (f"DDP all-reduced {rec['allreduces'][0]} times in one step of {k} "
+                    "micro-batches: all but the last run under model.no_sync(), so that one "
+                    "all_reduce carries their sum")  # fmt: skip
+        if rec["allreduce_after"][0] != [k]:
             return (f"DDP's all_reduce ran in the backward of micro-batch "
-                    f"{rec['allreduce_after'][0][0]} of 2, not the last: model.no_sync() on "
+                    f"{rec['allreduce_after'][0][0]} of {k}, not the last: model.no_sync() on "
                     "every micro-batch but the last, so that the last one's all_reduce carries "
                     "the sum of them all")  # fmt: skip
-        if rec["dtypes"][0] != ["torch.float16"]:
-            return (f"the forward ran in {', '.join(rec['dtypes'][0]) or 'nothing'}, not in the "
-                    "float16 asked for: forward and loss under torch.autocast(x.device.type, "
-                    "dtype=dtype)")  # fmt: skip
+        for n, dtype in enumerate(AMP_DTYPES):
+            want = str(dtype).removeprefix("torch.")
+            if rec["dtypes"][n] != [str(dtype)]:
+                return (f"the forward of step {n} ran in {', '.join(rec['dtypes'][n]) or 'nothing'}"
+                        f", not in the {want} asked for: forward and loss under "
+                        "torch.autocast(x.device.type, dtype=dtype)")  # fmt: skip
+        if rec["allreduces"][1] != 1:
+            return (f"DDP all-reduced {rec['allreduces'][1]} times in step 1, of "
+                    f"{AMP_MICRO[1]} micro-batches: all but the last under model.no_sync() - "
+                    "whatever their number")  # fmt: skip
         if rec["inf_moved"]:
             return (f"rank {rank} stepped although rank 1's gradient held an inf: the scaler "
                     "must see the gradients after DDP's all_reduce: one scaler.step, after the "
@@ -317,7 +333,7 @@ def _judge_step(rec: Record) -> str | None:
         return (f"clip_grad_norm_ saw the scaled gradients ({AMP_SCALE:g} times too large): call "
                 "scaler.unscale_(optimizer) before clipping "
                 '(lesson 06, "Three things every real loop needs")')  # fmt: skip
-    if abs(rec["ratio"] / 2 - 1) < 0.1:
+    if abs(rec["ratio"] / AMP_MICRO[0] - 1) < 0.1:
         return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: "
                 "divide each micro-batch's loss by their number (accum)")  # fmt: skip
     if abs(rec["ratio"] * 2 - 1) < 0.1:
@@ -367,7 +383,8 @@ EXERCISES = [
         title="a mixed-precision step with accumulation: autocast, GradScaler, no_sync",
         teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
         proves=(
-            "a float16 forward, one all_reduce on the last micro-batch, the inf step skipped by "
+            "the forward in the dtype asked for (float16, then bfloat16), one all_reduce on the "
+            "last micro-batch of 4 and of 2, the inf step skipped by "
             "the scaler and its scale halved, the step equal to float32's on the global batch, "
             "the same on every rank"
         ),

@@ -5,9 +5,10 @@ Lesson 11, "1 · Mixed precision under DDP": forward and loss under autocast (th
 small gradients stay above 0); `accum` micro-batches per optimizer step, DDP's all_reduce on the
 last one only (`model.no_sync()` on the others); then the step through the scaler, which
 unscales the gradients and skips the step if one is inf or nan, and the scaler's update. The
-check runs your `amp_step` on 2 gloo ranks in float16 with a GradScaler, counts DDP's
-all_reduces, compares the step with float32 on the global batch, and puts an inf into one
-rank's gradient: every rank must skip that step and halve its scale.
+check runs your `amp_step` on 2 gloo ranks with a GradScaler: a step of 4 micro-batches in
+float16, compared with float32 on the global batch, then one of 2 micro-batches in bfloat16
+with an inf in one rank's gradient: every rank must skip that step and halve its scale. DDP's
+all_reduces are counted in both.
 
 Check it:
 
