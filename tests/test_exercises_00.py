@@ -51,12 +51,15 @@ CASES = register([
     Case(EX, "prefix-lstripped", "right on this check's model only",
          edits=(("rank == 0, model.module.state_dict()",
                  'rank == 0, {k.lstrip("module."): v for k, v in model.state_dict().items()}'),)),
-    # from a fifth learner review: one machine's variables; set_epoch and the save on one rank
-    Case(EX, "local-variables-for-the-job", "world_size came from LOCAL_WORLD_SIZE",
+    # from a fifth learner review: one machine's variables (each rank runs as if on a machine
+    # of its own); set_epoch and the save on one rank
+    Case(EX, "local-variables-for-the-job", "LOCAL_RANK",
          edits=((IDS,
                  'int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])'),)),
-    Case(EX, "rank-from-local-rank", "rank came from LOCAL_RANK",
+    Case(EX, "rank-from-local-rank", "LOCAL_RANK",
          edits=((IDS, 'int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])'),)),
+    Case(EX, "world-size-from-local-world-size", "not LOCAL_RANK or LOCAL_WORLD_SIZE",
+         edits=((IDS, 'int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])'),)),
     Case(EX, "set-epoch-on-rank-0-only", "not only rank 0",
          edits=(("        sampler.set_epoch(epoch)\n",
                  "        if rank == 0:\n            sampler.set_epoch(epoch)\n"),)),

@@ -56,6 +56,10 @@ CASES = register(
         Case(TIMING, "rank-0-times-alone", "every rank times its own steps",
              edits=(("        if i >= warmup:", "        if i >= warmup and dist.get_rank() == 0:"),)),  # noqa: E501
         # from a sixth learner review: the MAX on rank 0 alone
+        Case(TIMING, "reduce-then-broadcast", None,  # right: the MAX sent on from dst
+             edits=(("    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)",
+                     "    dist.reduce(slowest, dst=0, op=dist.ReduceOp.MAX)\n"
+                     "    dist.broadcast(slowest, src=0)"),)),
         Case(TIMING, "reduce-not-all-reduce", "dist.reduce leaves the result on its dst rank",
              edits=(("    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)",
                      "    dist.reduce(slowest, dst=0, op=dist.ReduceOp.MAX)"),)),

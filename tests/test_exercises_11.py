@@ -122,12 +122,16 @@ def test_a_bucket_copied_before_the_sum_arrived_is_named():
     sent = [[("bfloat16", 6, True)]] * STEPS
     records = [{"plain": plain, "alone": alone, "hooked": [[g / 2 for g in alone[0]]] * STEPS,
                 "sent": sent, "bytes_fp32": 12, "buckets": [1] * STEPS,
-                "returned": [[True]] * STEPS}  # the placeholder: complete, as returned
+                # the placeholder: complete as returned, from a hook entered at 0.0, before
+                # the other rank's backward began (1.0)
+                "returned": [[(True, 0.0)]] * STEPS, "started": [1.0] * STEPS}
                for _ in range(2)]  # fmt: skip
     assert "copied back before the sum arrived" in judge_hook(records)
     records = [{**r, "hooked": plain} for r in records]
     assert "the hook waited inside" in judge_hook(records)
-    records = [{**r, "returned": [[False]] * STEPS} for r in records]
+    late = [{**r, "returned": [[(True, 2.0)]] * STEPS} for r in records]  # rank 0 was late
+    assert judge_hook(late) is None, "no verdict where the sum may have come in time"
+    records = [{**r, "returned": [[(False, 0.0)]] * STEPS} for r in records]
     assert judge_hook(records) is None
 
 

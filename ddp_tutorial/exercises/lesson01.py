@@ -55,12 +55,13 @@ def _object_kind(obj: Any) -> str:
 
 @contextmanager
 def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str] | None = None,
-            asyncs: list[str] | None = None,
-            touched: list[str] | None = None) -> Iterator[None]:  # fmt: skip
+            asyncs: list[str] | None = None, touched: list[str] | None = None,
+            unwaited: list[int] | None = None) -> Iterator[None]:  # fmt: skip
     """Record each collective and send/recv that the learner's ``module`` makes: (name, peer)
     for a send or a recv, (name, op) for an all_reduce ("SUM", "AVG", ...), else (name, None);
     ``asyncs``: the name of each collective called with async_op=True; ``touched``: of each
-    isend/irecv whose tensor was changed in place before its wait."""
+    isend/irecv whose tensor was changed in place before its wait; ``unwaited``: a mark for
+    each async all_reduce, taken off at its first wait."""
     sending: set[int] = set()  # the tensors of isends not waited on yet
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
@@ -70,8 +71,12 @@ def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str]
                                                           else kwargs.get("obj"))
                 }.get(name, lambda: None)()  # fmt: skip
         calls.append((name, peer if name in POINT_TO_POINT else info))
-        if asyncs is not None and name == "all_reduce" and is_async(args, kwargs):
-            asyncs.append(name)
+        if name == "all_reduce" and is_async(args, kwargs):
+            if asyncs is not None:
+                asyncs.append(name)
+            if unwaited is not None:
+                unwaited.append(mark := len(calls))
+                return lambda: mark in unwaited and unwaited.remove(mark)  # type: ignore[func-returns-value]
         if name not in POINT_TO_POINT:
             return None
         tensor = args[0] if args else kwargs.get("tensor")

@@ -70,11 +70,11 @@ def _number(x: Any) -> Any:
 
 def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
-    asyncs: list[str] = []
+    unwaited: list[int] = []
     data = WatchedSet()
     if ctx.rank > 0:  # rank 0's sum cannot arrive early: a read before its wait reads its own
         time.sleep(LATE_S)
-    with watched(calls, module, asyncs=asyncs):  # batches of 5: 6 and 5 samples, 2 and 1 batches
+    with watched(calls, module, unwaited=unwaited):  # batches of 5: 6 and 5 samples: 2 and 1
         got = module.exact_accuracy(predictor(), data, batch_size=EVAL_BATCH)
     if isinstance(got, tuple | list) and len(got) == 2:
         got = [_number(v) for v in got]
@@ -82,7 +82,7 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
         got = repr(got)
     ops = [op for name, op in calls if name == "all_reduce"]
     return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops,
-            "async": len(asyncs)}  # fmt: skip
+            "unwaited": len(unwaited)}  # fmt: skip
 
 
 def truth_correct() -> int:
@@ -148,7 +148,7 @@ def judge_accuracy(records: list[Record]) -> str | None:
         return mistake
     called = {"all_reduce", "all_gather"} & set(records[0]["calls"])
     if len({tuple(g) for g in got}) > 1:
-        if called and any(rec.get("async") for rec in records):
+        if called and any(rec.get("unwaited") for rec in records):
             return (f"the ranks returned different results {got}: the all_reduce(..., "
                     "async_op=True) was not waited on before the counts were read - call "
                     ".wait() on what it returns first (or call it without async_op)")  # fmt: skip

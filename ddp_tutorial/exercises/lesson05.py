@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch import nn
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.runner import agent_store, meet
 
-DELAY_S = 1.5  # the longest rank 0's first torch.save waits for the other ranks to return
+DELAY_S = 1.5  # the longest rank 0's first save (write, then rename) waits for the others
 EPOCH, STEP = 3, 120  # what the first save is asked to store
 
 
@@ -150,14 +149,11 @@ def _save_phase(
         torch.save({"model": model.module.state_dict(), "epoch": EPOCH - 1}, path)
     meet(ctx, "05-old-snapshot")
     store, returned = agent_store(), f"{ctx.out.name}/05-returned"
-    deadline: list[float] = []
 
-    def hold() -> None:
-        deadline[:] = deadline or [time.monotonic() + DELAY_S]
-        left = deadline[0] - time.monotonic()
+    def hold() -> None:  # each its own half: a rename after a barrier waits for the reads too
         try:
             store.wait([f"{returned}/{r}" for r in range(1, ctx.world_size)],
-                       datetime.timedelta(seconds=max(left, 0.001)))  # fmt: skip
+                       datetime.timedelta(seconds=DELAY_S / 2))  # fmt: skip
         except Exception:  # they are waiting for this write, as they should: go on
             pass
 

@@ -63,8 +63,8 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> Callable[[], None] | None:  # fmt: skip
-        if name == "reduce":  # reduce(tensor, dst, op): the result on dst alone
-            notes["reduce"] += 1
+        if name in ("reduce", "broadcast"):  # reduce: the result on dst alone, unless sent on
+            notes[name] += 1
             return None
         notes["ops"].append(reduce_op(args, kwargs))
         tensor = args[0] if args else kwargs.get("tensor")
@@ -85,7 +85,7 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
     for place, attr, name in places:
         setattr(place, attr, clock(name))
     try:
-        with spying(("all_reduce", "reduce"), note, module):
+        with spying(("all_reduce", "reduce", "broadcast"), note, module):
             yield
     finally:
         for place, attr, name in places:
@@ -95,7 +95,7 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 def run_timing(module: ModuleType, ctx: Context) -> Record:
     device = QueuedDevice(ctx.rank)
     notes: dict[str, Any] = {"ops": [], "async": 0, "waits": 0, "cpu_clock": None, "sent": [],
-                             "reduce": 0}  # fmt: skip
+                             "reduce": 0, "broadcast": 0}  # fmt: skip
     with noted_calls(notes, module):
         got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
     try:
@@ -183,10 +183,11 @@ def judge_timing(records: list[Record]) -> str | None:
                     f"calls, then {STEPS} timed ones")  # fmt: skip
     if mistake := _judge_habits(records):
         return mistake
-    if any(rec.get("reduce") for rec in records):
-        return ("dist.reduce leaves the result on its dst rank alone (the others keep their own "
-                "time, and here the slowest rank was not dst): every rank must return the "
-                "slowest time - dist.all_reduce(..., op=ReduceOp.MAX)")  # fmt: skip
+    if any(rec.get("reduce") and not rec.get("broadcast") for rec in records):
+        return ("dist.reduce leaves the result on its dst rank alone, and the other ranks keep "
+                "their own time: every rank must return the slowest time - "
+                "dist.all_reduce(..., op=ReduceOp.MAX) (or broadcast it from dst after the "
+                "reduce)")  # fmt: skip
     idle = [rank for rank, rec in enumerate(records) if rec["sent"] and rec["sent"][-1] == 0]
     if idle and len(idle) < n:  # what a rank handed to the all_reduce: it timed nothing
         return (f"rank {idle[0]} timed no step (it reduced 0 s): every rank times its own "

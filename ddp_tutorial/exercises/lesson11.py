@@ -63,13 +63,15 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     buckets: list[int] = []  # the hook's calls, one per bucket, in this step
 
-    done_at_return: list[bool] = []  # whether the Future the hook returned had its sum
+    # per call: (whether the Future the hook returned had its sum, when the hook was entered)
+    done_at_return: list[tuple[bool, float]] = []
 
     @functools.wraps(module.bf16_compress_hook)  # DDP checks the learner's signature
     def hook(state, bucket):  # type: ignore[no-untyped-def]
         buckets.append(1)
+        entered = time.monotonic()  # one clock for every process of this machine
         future = module.bf16_compress_hook(state, bucket)
-        done_at_return.append(bool(getattr(future, "done", lambda: False)()))
+        done_at_return.append((bool(getattr(future, "done", lambda: False)()), entered))
         return future
 
     hooked.register_comm_hook(None, hook)
@@ -82,7 +84,7 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
     record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
-                      "buckets": []}  # fmt: skip
+                      "buckets": [], "started": []}  # fmt: skip
     for _ in range(STEPS):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
@@ -91,6 +93,7 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
             if name == "hooked":  # what the learner's hook hands to the backend
                 if ctx.rank == 1:  # so rank 0's hook cannot have the sum before it returns
                     time.sleep(LATE_S)
+                record["started"].append(time.monotonic())
                 with spying(("all_reduce",), note, module):
                     loss.backward()
             else:
@@ -104,6 +107,20 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         done_at_return.clear()
     record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
     return record
+
+
+def _waited_inside(records: list[Record], step: int) -> str | None:
+    """Rank 0's hook returned a Future already complete although it began before rank 1's
+    backward (LATE_S late on purpose): its sum could not be there unless the hook waited. A
+    host that delayed rank 0 by LATE_S: no verdict."""
+    late = records[1]["started"][step] if len(records) > 1 else 0.0
+    if not any(done and entered < late for done, entered in records[0]["returned"][step]):
+        return None
+    return (f"rank 0's hook returned in step {step} with the sum already in, though rank 1 "
+            f"started its backward {LATE_S:g} s late on purpose: the hook waited inside "
+            "(work.wait(), or .wait() on its future) and backward stopped at the bucket until "
+            "the sum arrived - return work.get_future().then(fn) without waiting; DDP waits on "
+            "it after backward")  # fmt: skip
 
 
 def judge_hook(records: list[Record]) -> str | None:
@@ -153,13 +170,8 @@ def judge_hook(records: list[Record]) -> str | None:
                 return (f"rank {rank}'s gradients differ from DDP's by {gap:.2g} of the largest "
                         f"(more than bf16's rounding, {TOLERANCE:g}) in step {step}: copy the "
                         "all-reduced sum back into the bucket and return it")  # fmt: skip
-            if rank == 0 and any(rec["returned"][step]):
-                return (f"rank 0's hook returned in step {step} with the sum already in, "
-                        f"though rank 1 started its backward {LATE_S:g} s late on purpose: the "
-                        "hook waited inside (work.wait(), or .wait() on its future) and backward "
-                        "stopped at the bucket until the sum arrived - return "
-                        "work.get_future().then(fn) without waiting; DDP waits on it after "
-                        "backward")  # fmt: skip
+            if rank == 0 and (mistake := _waited_inside(records, step)):
+                return mistake
     hooked = [rec["hooked"] for rec in records]
     if any(h != hooked[0] for h in hooked):
         return "the ranks ended with different gradients: every rank must use the same sum"

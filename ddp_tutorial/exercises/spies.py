@@ -53,6 +53,15 @@ class NotedWork:
         return getattr(self._work, name)
 
 
+def watchable(tensor: Any) -> bool:
+    """Whether a change to ``tensor`` shows in its own version counter alone: a tensor that
+    owns all of its storage. Views of one buffer share one counter (a write to another slice
+    would look like a write to this one), and an inference tensor keeps none."""
+    if not isinstance(tensor, torch.Tensor) or tensor.is_inference() or tensor._base is not None:
+        return False
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def is_async(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """``async_op`` of a call to ``all_reduce(tensor, op, group, async_op)``."""
     return bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))
@@ -85,7 +94,7 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
                 return work
             on_drop = None if dropped is None else (lambda: dropped.append(name))
             tensor = args[0] if args else kwargs.get("tensor")
-            if touched is None or not isinstance(tensor, torch.Tensor):
+            if touched is None or not watchable(tensor):
                 return NotedWork(work, on_wait, on_drop)
             return NotedWork(work, on_wait, on_drop, tensor, lambda: touched.append(name))
 

@@ -109,11 +109,12 @@ def stop_kernel(km: KernelManager) -> None:
     killed by its timeout leaves its launches running in sessions of their own:
     kill the kernel's descendants first, then the kernel.
     """
-    from ddp_tutorial.harness.processes import kill_tree
+    from ddp_tutorial.harness.processes import kill_tree, tree_root
 
-    pid = getattr(getattr(km, "provisioner", None), "pid", None)
-    try:  # taken while the kernel runs: after its shutdown, its pid may be anyone's
-        kernel = psutil.Process(pid) if pid else None
+    # the kernel's Popen, if it was not reaped yet: after that, its pid may be anyone's
+    popen = getattr(getattr(km, "provisioner", None), "process", None)
+    kernel = tree_root(popen) if popen is not None and popen.poll() is None else None
+    try:
         children = kernel.children() if kernel else []
     except psutil.NoSuchProcess:
         kernel, children = None, []

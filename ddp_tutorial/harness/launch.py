@@ -197,6 +197,7 @@ class Launch:
         self._ended_at: float | None = None
         self.deadline = self.start_time + spec.timeout
         self.proc = processes.spawn(self.command, env, with_stdin=spec.stdin is not None)
+        self._tree = processes.tree_root(self.proc)  # now, while its pid is surely its own
         self._sampler = None
         try:
             if spec.stdin is not None:  # e.g. pdb commands for torch.distributed.breakpoint()
@@ -270,7 +271,7 @@ class Launch:
 
     def kill(self) -> None:
         """Terminate the launch and every process it started."""
-        processes.kill_tree(self.proc)
+        processes.kill_tree(self._tree or self.proc)
 
     def wait(self) -> RunResult:
         """Stream output until the launch ends (or times out), then build its result.

@@ -37,6 +37,15 @@ def spawn(command: list[str], env: Mapping[str, str], with_stdin: bool) -> subpr
     )
 
 
+def tree_root(proc: subprocess.Popen[str]) -> psutil.Process | None:
+    """``proc`` as psutil sees it, taken while this process has not reaped it (right after
+    the spawn): psutil then checks at each signal that the pid is still the same process."""
+    try:
+        return psutil.Process(proc.pid)
+    except psutil.NoSuchProcess:  # reaped meanwhile by another thread's wait()
+        return None
+
+
 def kill_tree(root: subprocess.Popen[str] | psutil.Process, grace_s: float = 5.0) -> list[int]:
     """Terminate ``root`` and every descendant; SIGKILL whatever outlives ``grace_s``.
 
@@ -54,8 +63,8 @@ def kill_tree(root: subprocess.Popen[str] | psutil.Process, grace_s: float = 5.0
     if isinstance(root, subprocess.Popen):
         if root.poll() is not None:  # reaped: its children, if any, were reparented already
             return []
-        root = psutil.Process(root.pid)  # unreaped: the pid stays ours, even as a zombie
-    if not root.is_running():  # gone, or its pid reused since it was taken
+        root = tree_root(root)  # unreaped: the pid stays ours, even as a zombie
+    if root is None or not root.is_running():  # gone, or its pid reused since it was taken
         return []
     procs = [root]
     try:
