@@ -90,6 +90,11 @@ CASES = register([
                  "        os.replace(tmp, path)\n"),)),
     Case(SNAP, "barrier-in-the-else", "or its `else`",
          edits=(("    dist.barrier()\n", "    else:\n        dist.barrier()\n"),)),
+    Case(SNAP, "keeps-a-copy-of-the-previous-snapshot", None,  # right: a backup on purpose
+         edits=(('        tmp = path.with_name(path.name + ".tmp")\n',
+                 "        if path.exists():\n"
+                 '            __import__("shutil").copy2(path, path.with_suffix(".prev"))\n'
+                 '        tmp = path.with_name(path.name + ".tmp")\n'),)),
     Case(SNAP, "fdatasync", None,  # right: the data and the size, all a rename needs
          edits=(("os.fsync(f.fileno())", "os.fdatasync(f.fileno())"),)),
 ])  # fmt: skip

@@ -175,7 +175,10 @@ def _save_phase(
     store.set(f"{returned}/{ctx.rank}", "")
     meet(ctx, "05-saved")
     record["saved"] = _read(path) if path.is_file() else None
-    record["left_in_folder"] = sorted(p.name for p in folder.iterdir() if p.name != path.name)
+    written = {Path(target).name for target in calls}  # what torch.save wrote: a temporary
+    # file still there was never renamed; a copy the learner keeps on purpose is not judged
+    record["left_in_folder"] = sorted(p.name for p in folder.iterdir()
+                                      if p.name != path.name and p.name in written)  # fmt: skip
     meet(ctx, "05-read")
 
 
@@ -380,7 +383,9 @@ def _judge_crash_safety(first: Record) -> str | None:
             'or too late (lesson 05, "2 · Killed in the middle of a save")'
         )
     if first["left_in_folder"]:
-        return f"files left beside the snapshot after a save: {first['left_in_folder']}"
+        return (f"files written by torch.save left beside the snapshot after a save: "
+                f"{first['left_in_folder']} - rename the temporary file over the snapshot "
+                "(os.replace), so that none is left")  # fmt: skip
     return None
 
 
