@@ -21,6 +21,13 @@ ASYNC_LOOP = (
     "    stats = [b for b in model.buffers() if b.is_floating_point()]\n"
     "    works = [dist.all_reduce(b, async_op=True) for b in stats]\n" + WAITS + DIVIDE
 )
+ACCUMULATE_LOOP = (  # the solution's loop, as the edits that replace it whole quote it
+    "    for x, y in micro_batches[:-1]:\n"
+    "        with model.no_sync():  # forward and backward in here: the gradients add up, unsent\n"
+    "            (loss_fn(model(x), y) / k).backward()\n"
+    "    x, y = micro_batches[-1]\n"
+    "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum\n"
+)
 LAST = "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum"
 
 CASES = register(
@@ -94,13 +101,7 @@ CASES = register(
                     ("    (loss_fn(model(x), y) / k).backward()  # outside",
                      "    with model.no_sync():\n        (loss_fn(model(x), y) / k).backward()  #"))),  # noqa: E501
         Case(ACCUM, "one-backward-for-all", "ran one backward for its",
-             edits=(("    for x, y in micro_batches[:-1]:\n"
-                     "        with model.no_sync():  # forward and backward in here: the gradients "
-                     "add up, unsent\n"
-                     "            (loss_fn(model(x), y) / k).backward()\n"
-                     "    x, y = micro_batches[-1]\n"
-                     "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the "
-                     "accumulated sum\n",
+             edits=((ACCUMULATE_LOOP,
                      "    (sum(loss_fn(model(x), y) for x, y in micro_batches) / k).backward()\n"),)),  # noqa: E501
         Case(BUFFERS, "only-rank-0-divides", "every rank divides by the world size",
              edits=(("            buffer /= world", "            if dist.get_rank() == 0:\n"
@@ -114,13 +115,7 @@ CASES = register(
                     ("            (loss_fn(model(x), y) / k).backward()",
                      "            (loss_fn(model(x), y) / 3).backward()"))),
         Case(ACCUM, "every-forward-first", "run each micro-batch's forward and backward together",
-             edits=(("    for x, y in micro_batches[:-1]:\n"
-                     "        with model.no_sync():  # forward and backward in here: the gradients "
-                     "add up, unsent\n"
-                     "            (loss_fn(model(x), y) / k).backward()\n"
-                     "    x, y = micro_batches[-1]\n"
-                     "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the "
-                     "accumulated sum\n",
+             edits=((ACCUMULATE_LOOP,
                      "    losses = []\n    with model.no_sync():\n"
                      "        for x, y in micro_batches[:-1]:\n"
                      "            losses.append(loss_fn(model(x), y) / k)\n"
