@@ -262,6 +262,14 @@ def codes(source: str) -> list[str]:
     return [f.code for f in lint_source(HEAD + textwrap.dedent(source), "case.py")]
 
 
+def test_the_linters_wrapper_prefixes_are_the_sidecars():
+    """lint repeats ddp_kit's WRAPPER_PREFIXES (it never imports torch): kept equal here."""
+    from ddp_tutorial._kit import kit
+    from ddp_tutorial.harness.lint_rules import WRAPPER_PREFIXES
+
+    assert WRAPPER_PREFIXES == kit.WRAPPER_PREFIXES
+
+
 def test_every_rule_has_a_case_and_names_a_lesson_that_exists():
     assert set(RULE_CASES) == set(RULES)
     lessons = {p.name[:2] for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}

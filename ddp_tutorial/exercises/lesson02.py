@@ -68,12 +68,18 @@ def _number(x: Any) -> Any:
     return repr(x)
 
 
+def start_late(ctx: Context) -> None:
+    """Every rank but 0 calls the learner's function LATE_S late: rank 0's sum cannot arrive
+    before it reads its tensor, so a read before the wait reads its own counts, every time."""
+    if ctx.rank > 0:
+        time.sleep(LATE_S)
+
+
 def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     unwaited: list[int] = []
     data = WatchedSet()
-    if ctx.rank > 0:  # rank 0's sum cannot arrive early: a read before its wait reads its own
-        time.sleep(LATE_S)
+    start_late(ctx)
     with watched(calls, module, unwaited=unwaited):  # batches of 5: 6 and 5 samples: 2 and 1
         got = module.exact_accuracy(predictor(), data, batch_size=EVAL_BATCH)
     if isinstance(got, tuple | list) and len(got) == 2:
@@ -216,8 +222,7 @@ def run_f1(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     asyncs: list[str] = []
     pred, target = (torch.tensor(v) for v in _shard(ctx.rank))
-    if ctx.rank > 0:  # rank 0's sum cannot arrive early: a read before its wait reads its own
-        time.sleep(LATE_S)
+    start_late(ctx)
     with watched(calls, module, asyncs=asyncs):
         got = module.macro_f1(pred.clone(), target.clone(), CLASSES)
     return {"got": _number(got), "calls": [name for name, _ in calls], "async": len(asyncs)}
