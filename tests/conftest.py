@@ -530,6 +530,9 @@ def own_signal_handlers():
         signal.signal(sig, handler)
 
 
+PER_LAUNCH = 150
+
+
 @pytest.fixture(scope="session")
 def exercise_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Every registered exercise case (tests/exercise_cases.py), checked in one batch.
@@ -543,5 +546,7 @@ def exercise_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, obj
 
     folder = tmp_path_factory.mktemp("exercises")
     pairs = [(case.spec, case.write(folder)) for case in REGISTERED]
-    verdicts = check_files(pairs, force=True)
+    # two launches side by side (about 150 candidates each): the batch mostly waits (hangs'
+    # timeouts, the checks' late starts), so the second halves its time for one more start-up
+    verdicts = check_files(pairs, force=True, per_launch=PER_LAUNCH)
     return {str(case): v for case, v in zip(REGISTERED, verdicts, strict=True)}

@@ -26,7 +26,7 @@ from ddp_tutorial.exercises.core import (
     not_started,
     your_code_blocks,
 )
-from ddp_tutorial.harness.launch import Launch, start
+from ddp_tutorial.harness.launch import Launch, RunResult, start
 from ddp_tutorial.harness.runs import default_run_dir
 from ddp_tutorial.records import read_rank_records
 
@@ -182,13 +182,38 @@ def by_luck(ex: Exercise, path: Path) -> str | None:
     return None
 
 
+def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_dir: Path,
+                result: RunResult, verdicts: dict[int, ExerciseVerdict]) -> int:  # fmt: skip
+    """The verdicts of one ended launch's candidates (``indexes`` into ``pairs``, in the order
+    it ran them), into ``verdicts``; how many it judged (the rest run again)."""
+    ran = 0
+    for c, i in enumerate(indexes):
+        records = read_rank_records(run_dir / f"c{c}", "status-rank*.json")
+        if not records:
+            break  # the batch stopped before this one: launch the rest again
+        ex, path = pairs[i]
+        passed, message = judge(ex, records, result.output)
+        if passed and (luck := by_luck(ex, path)):
+            passed, message = False, luck
+        verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=result.seconds)
+        ran += 1
+    if ran == 0:  # the launch died before the first candidate's records
+        ex, path = pairs[indexes[0]]
+        verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, seconds=result.seconds,
+                                               message=died(ex, path, result.output))  # fmt: skip
+        ran = 1
+    return ran
+
+
 def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
-                force: bool = False) -> list[ExerciseVerdict]:  # fmt: skip
+                force: bool = False, per_launch: int = 0) -> list[ExerciseVerdict]:  # fmt: skip
     """Verdicts for (exercise, file) pairs, in order; untouched stubs without a launch
     (``force``: launch them too - the tests prove that every stub runs). One launch per world
-    size, side by side (lesson 01's 3-rank ring and 2-rank gather: one wait, not two)."""
+    size, side by side (lesson 01's 3-rank ring and 2-rank gather: one wait, not two);
+    ``per_launch``: at most that many candidates in one, the rest in more launches beside it
+    (the tests' batch of hundreds mostly waits: on hangs' timeouts, on deliberate late starts)."""
     verdicts: dict[int, ExerciseVerdict] = {}
-    todo: dict[int, list[int]] = {}  # world size -> indexes still to run
+    sizes: dict[int, list[int]] = {}  # world size -> indexes to launch
     for i, (ex, path) in enumerate(pairs):
         if not path.is_file():
             verdicts[i] = ExerciseVerdict(ex, path, False, f"no such file: {path}")
@@ -197,37 +222,29 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
                 f"not started yet: write your lines between `{BEGIN}` and `{END}` in {path}, "
                 f"then run `ddp-tutorial check {ex.lesson}` ({ex.teaches})"))  # fmt: skip
         else:
-            todo.setdefault(ex.nproc, []).append(i)
-    while todo:
-        launches: dict[int, tuple[Launch, Path]] = {}
-        try:
-            for n, indexes in todo.items():
-                launches[n] = _start([pairs[i] for i in indexes], echo)
-            results = {n: launch.wait() for n, (launch, _) in launches.items()}
-        except BaseException:  # an interrupt (Ctrl-C in a cell): no launch outlives the check
-            for launch, _ in launches.values():
-                launch.kill()
-            raise
-        for n, (_, run_dir) in launches.items():
-            output, seconds = results[n].output, results[n].seconds
-            indexes, ran = todo[n], 0
-            for c, i in enumerate(indexes):
-                records = read_rank_records(run_dir / f"c{c}", "status-rank*.json")
-                if not records:
-                    break  # the batch stopped before this one: launch the rest again
-                ex, path = pairs[i]
-                passed, message = judge(ex, records, output)
-                if passed and (luck := by_luck(ex, path)):
-                    passed, message = False, luck
-                verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=seconds)
-                ran += 1
-            if ran == 0:  # the launch died before the first candidate's records
-                ex, path = pairs[indexes[0]]
-                verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, seconds=seconds,
-                                                       message=died(ex, path, output))  # fmt: skip
-                ran = 1
-            todo[n] = indexes[ran:]
-        todo = {n: indexes for n, indexes in todo.items() if indexes}
+            sizes.setdefault(ex.nproc, []).append(i)
+    todo: dict[tuple[int, int], list[int]] = {}  # (world size, share) -> indexes still to run
+    for n, indexes in sizes.items():
+        shares = -(-len(indexes) // per_launch) if per_launch else 1
+        todo.update(((n, k), indexes[k::shares]) for k in range(shares))
+    launches: dict[tuple[int, int], tuple[Launch, Path]] = {}
+    try:
+        while todo:  # a launch that ended early starts again at once with what it left
+            for key, indexes in todo.items():
+                if key not in launches:
+                    launches[key] = _start([pairs[i] for i in indexes], echo)
+            while not (ended := [key for key, (launch, _) in launches.items() if launch.done]):
+                for launch, _ in launches.values():
+                    launch.poll(block_s=0.05)
+            for key in ended:
+                launch, run_dir = launches.pop(key)
+                ran = _read_batch(pairs, todo[key], run_dir, launch.wait(), verdicts)
+                todo[key] = todo[key][ran:]
+            todo = {key: indexes for key, indexes in todo.items() if indexes}
+    except BaseException:  # an interrupt (Ctrl-C in a cell): no launch outlives the check
+        for launch, _ in launches.values():
+            launch.kill()
+        raise
     return [verdicts[i] for i in range(len(pairs))]
 
 
