@@ -9,10 +9,14 @@ that sets what it needs through ``monkeypatch`` must pass, whatever the guards a
 from __future__ import annotations
 
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch._inductor.config  # noqa: F401  (see below)
+
+from conftest import KEPT, drop_here
 
 # The inner runs happen in this process, and pytester drops the modules they import when
 # they end: torch.use_deterministic_algorithms imports torch._inductor, which registers a
@@ -107,3 +111,41 @@ def test_renamed_fixtures_change_nothing(pytester, names):
     run_inner(pytester, renamed, CLEAN).assert_outcomes(passed=3)
     failed = run_inner(pytester, renamed, LEAKS["env"])
     failed.assert_outcomes(passed=1, errors=1)  # a guard fails a test at its teardown
+
+
+class _Freed:
+    """Records the thread that frees it (as a process group's destructor runs where its last
+    reference goes)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def __del__(self) -> None:
+        self.log.append(f"freed on {threading.current_thread().name}")
+
+
+def test_drop_here_frees_on_this_thread_after_another_thread_lets_go():
+    """world_of_one's teardown: gloo's worker thread still holds the group (PowerSGD's
+    callbacks) for a moment after the test's last step; freed there, the process aborts."""
+    log: list[str] = []
+    box = [_Freed(log)]  # the worker thread's reference
+    holder = [box[0]]  # the fixture's
+
+    def worker() -> None:
+        time.sleep(0.2)
+        log.append("worker let go")
+        box.clear()
+
+    thread = threading.Thread(target=worker, name="worker")
+    thread.start()
+    assert drop_here(holder) and not holder
+    thread.join()
+    assert log == ["worker let go", f"freed on {threading.current_thread().name}"], log
+
+
+def test_drop_here_keeps_what_is_still_held_instead_of_waiting_forever():
+    log: list[str] = []
+    held = _Freed(log)
+    assert not drop_here([held], timeout_s=0.05), "someone still holds it: not freed"
+    assert KEPT[-1] is held and not log
+    KEPT.pop()  # (this test's own object: nothing to keep)
