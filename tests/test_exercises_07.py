@@ -29,6 +29,8 @@ CASES = register(
                      "        if i >= warmup:\n            synchronize()\n"))),
         Case(TIMING, "one-timed-step-short", "an off-by-one",
              edits=(("        if i >= warmup:", "        if i > warmup:"),)),
+        Case(TIMING, "one-timed-step-too-many", "the warm-up was timed",  # the second call's
+             edits=(("        if i >= warmup:", "        if i >= warmup - 1:"),)),  # rebuild
         Case(TIMING, "cpu-time-clock", "time.perf_counter()",
              edits=(("        start = time.perf_counter()\n",
                      "        start = time.process_time()\n"),
