@@ -43,6 +43,9 @@ CASES = register(
         Case(GPU, "physical-id-from-rank-without-a-list", "without CUDA_VISIBLE_DEVICES",
              edits=((PHYSICAL, 'physical = int(env["RANK"]) if listed is None else '
                                'int(listed.split(",")[local_rank])'),)),
+        Case(GPU, "rank-minus-node-offset", "RANK - GROUP_RANK x LOCAL_WORLD_SIZE",
+             edits=((LOCAL, 'local_rank = int(env["RANK"]) - int(env.get("GROUP_RANK", 0)) '
+                            '* int(env["LOCAL_WORLD_SIZE"])'),)),
     ]
 )  # fmt: skip
 

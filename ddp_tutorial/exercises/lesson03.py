@@ -144,9 +144,10 @@ def judge_gpu(records: list[Record]) -> str | None:
                     )
                 if a["index"] == global_ % int(env["LOCAL_WORLD_SIZE"]):
                     return (
-                        f"{where}: you picked cuda:{a['index']}, RANK % LOCAL_WORLD_SIZE; that "
-                        "is the local rank only when every node runs as many ranks - read "
-                        "LOCAL_RANK, which torchrun sets on every node "
+                        f"{where}: you picked cuda:{a['index']}, the local rank worked out "
+                        "from RANK (RANK % LOCAL_WORLD_SIZE, or RANK - GROUP_RANK x "
+                        "LOCAL_WORLD_SIZE): that holds only when every node runs as many ranks "
+                        "- read LOCAL_RANK, which torchrun sets on every node "
                         '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
                     )
                 if a["index"] == rank:  # torchrun's LOCAL_RANK here: one node, rank = local
