@@ -43,6 +43,11 @@ def exact_accuracy(model, dataset, batch_size=4):
 
 CASES = register(
     [
+        # the check's own number of ranks written in (passes its 2-rank run)
+        Case(ACC, "world-size-written-as-2", "use dist.get_world_size()",
+             edits=((SPLIT, "shard = Subset(dataset, range(rank, len(dataset), 2))"),)),
+        Case(ACC, "world-set-to-2", "use dist.get_world_size()",
+             edits=((SPLIT, "world = 2\n    " + SPLIT),)),
         Case(ACC, "padded-sampler-counts-a-sample-twice", "evaluated twice",
              edits=((SPLIT, PADDED),)),
         Case(ACC, "drop-last-skips-the-remainder", "never evaluated",
