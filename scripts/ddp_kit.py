@@ -850,9 +850,12 @@ class Verdict:
 class StopCheck:
     """A signal, a loss gone inf/nan, a timed save: noticed by one rank, acted on by all.
 
-    The signal handler only sets a flag; every ``every`` steps (or ``force``: before a
-    save or an evaluation) one small all_reduce makes it every rank's decision, so every
-    rank saves (or stops) at the same step. ``clock``: seconds, monotonic (tests pass one)."""
+    The signal handler only sets a flag; at agreed steps (or ``force``: before a save or an
+    evaluation) one small all_reduce makes it every rank's decision, so every rank saves (or
+    stops) at the same step. The first step agrees, then every ``every`` steps, or fewer
+    when steps are slow: the all_reduce carries the seconds a step took, and the next
+    agreement comes within ``within_s`` of this one (a SIGTERM must be saved inside the
+    scheduler's grace, 30 s for torchrun and SLURM). ``clock``: seconds, monotonic."""
 
     def __init__(
         self,
@@ -860,11 +863,15 @@ class StopCheck:
         every: int = 10,
         save_minutes: float = 0.0,
         clock: Any = time.monotonic,
+        within_s: float = 5.0,
     ):
         self.device, self.every, self.save_s, self.clock = device, every, save_minutes * 60, clock
+        self.within_s = within_s
         self.received: int | None = None
         self.first_bad = torch.full((), math.inf, dtype=torch.float64, device=device)
         self.last_save = clock()
+        self.next_step = 0  # the first step agrees: it measures a step (set-up included)
+        self.last: tuple[int | None, float] = (None, clock())  # (step, time) of the last one
         for name in SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
 
@@ -884,18 +891,24 @@ class StopCheck:
     def check(
         self, step: int, force: bool = False, params: Iterable[torch.Tensor] | None = None
     ) -> Verdict:
-        """Every ``every`` steps (or ``force``), agree across ranks; ``params``: weights
+        """At the agreed step (or ``force``), agree across ranks; ``params``: weights
         checked too. Raises :class:`DivergedError` on every rank at once."""
-        if not force and step % self.every:
+        if not force and step < self.next_step:
             return Verdict(False, False)
         if params is not None and not nn.utils.get_total_norm(list(params)).isfinite():
             self.first_bad.fill_(min(float(step), self.first_bad.item()))
-        due = self.save_s > 0 and self.clock() - self.last_save >= self.save_s
-        mine = torch.tensor([self.received or 0, due], dtype=torch.float64, device=self.device)
-        flags = torch.cat([mine, -self.first_bad.reshape(1)])
+        now = self.clock()
+        due = self.save_s > 0 and now - self.last_save >= self.save_s
+        since, then = self.last
+        step_s = (now - then) / (1 if since is None else max(step - since, 1))
+        mine = [self.received or 0, due, step_s]
+        flags = torch.cat([torch.tensor(mine, dtype=torch.float64, device=self.device),
+                           -self.first_bad.reshape(1)])  # fmt: skip
         if group_active() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        received, due_any, bad = flags.tolist()
+        received, due_any, step_s, bad = flags.tolist()  # the same numbers on every rank
+        fits = int(self.within_s / step_s) if step_s > 0 else self.every
+        self.next_step, self.last = step + max(1, min(self.every, fits)), (step, now)
         if math.isfinite(bad):
             raise DivergedError(
                 f"the loss or the weights stopped being finite at step {int(-bad)}: every rank "

@@ -499,7 +499,7 @@ def train(
                     kit.set_collective_timeout(args.timeout)
                 log.step(step, loss_sum, lr, norm)  # every --log-every: an all_reduce, a sync
                 bar.update()
-                verdict = checks.check(step)  # every 10 steps: one tiny all_reduce (signals, nan)
+                verdict = checks.check(step)  # every 10 steps, fewer if slow: a tiny all_reduce
                 if verdict.stop:  # preempted: save first, within torchrun's grace period
                     pause(save_snapshot)
                 if args.eval_every and step % args.eval_every == 0:

@@ -92,6 +92,26 @@ def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
     assert stopped.value.code == 2, "a restart stops at once, before training anything"
 
 
+@pytest.mark.parametrize(("step_s", "acted_at"), [(0.01, 11), (4.0, 3)], ids=["fast", "4 s"])
+def test_a_signal_is_acted_on_within_seconds_however_slow_the_steps(kit, step_s, acted_at):
+    """A SIGTERM after step 2: fast steps agree at step 1, then every 10 steps (step 11); steps
+    of 4 s agree at every step, so the save starts 4 s after the signal, not 40 s (torchrun's
+    grace is 30 s: with a check every 10 steps, such a job was killed with nothing saved)."""
+    now = [0.0]
+    checks = kit.StopCheck(torch.device("cpu"), clock=lambda: now[0])
+    try:
+        for step in range(1, 30):
+            now[0] += step_s
+            if step == 3:
+                checks._handle(signal.SIGTERM, None)  # the signal, between steps 2 and 3
+            if checks.check(step).stop:
+                break
+        assert step == acted_at, f"acted on at step {step}"
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
 def test_the_loss_check_alone_stops_a_divergence(kit):
     """No weights given (the weight check off): a non-finite loss seen at step 3 stops the
     run at the next agreement, naming step 3."""
@@ -122,21 +142,22 @@ def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_p
 def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     template, kit, tmp_path, one_rank, monkeypatch
 ):
-    """--save-minutes 1 with a clock that moves 61 s at every reading: every agreement (each
-    10 steps) saves. Without --checkpoint-dir nothing could be saved: no timed save at all."""
+    """--save-minutes 1 with a clock that moves 61 s at every reading: every agreement (the
+    first step, then each 10 steps: within_s is set so that these steps count as fast) saves.
+    Without --checkpoint-dir nothing could be saved: no timed save at all."""
     made = []
 
     class Clocked(kit.StopCheck):
-        def __init__(self, device, every=10, save_minutes=0.0, clock=None):
+        def __init__(self, device, every=10, save_minutes=0.0, clock=None, within_s=0.0):
             ticks = iter(range(0, 10**6, 61))
-            super().__init__(device, every, save_minutes, clock=lambda: next(ticks))
+            super().__init__(device, every, save_minutes, lambda: next(ticks), within_s=1e9)
             made.append(self)
 
     monkeypatch.setattr(kit, "StopCheck", Clocked)
     base = [*TINY, "--num-samples", "256", "--batch-size", "8", "--epochs", "1",
             "--save-minutes", "1", "--keep", "9"]  # 32 steps  # fmt: skip
     template.main([*base, "--checkpoint-dir", str(tmp_path)])
-    assert snapshot_steps(kit, tmp_path) == [10, 20, 30, 32], "timed: 10, 20, 30; the epoch: 32"
+    assert snapshot_steps(kit, tmp_path) == [1, 11, 21, 31, 32], "timed: 1, 11, ...; the epoch"
     template.main(base)
     assert made[-1].save_s == 0, "no folder: the timed save is off"
 
