@@ -58,6 +58,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and the problem."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file that cannot be read back (cut short, damaged): an older one may do."""
+
+
 class DataError(ValueError):
     """The data cannot be used; the message names the flag or file and what to do."""
 
@@ -183,7 +187,7 @@ def stale_temp_files(directory: PathLike) -> list[Path]:
 
 
 def _corrupt(path: Path, size: int, detail: str) -> CheckpointError:
-    return CheckpointError(
+    return CorruptCheckpointError(
         f"checkpoint {path} ({size} bytes) is truncated or corrupt — typically a process killed "
         f"while writing it, or several processes writing it at once (save from global rank 0 "
         f"only, atomically). torch says: {detail}"
@@ -225,7 +229,7 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
             f"re-save it that way."
         ) from None
     except EOFError:
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"checkpoint {path} is empty ({size} bytes): the writer was killed "
             f"right after opening it, or it is still being written"
         ) from None
@@ -550,6 +554,52 @@ def resume_point(directory: PathLike | None) -> Path | None:
         for stale in stale_temp_files(directory):
             stale.unlink(missing_ok=True)
     return agreed_latest_snapshot(directory)
+
+
+def load_resume_point(
+    directory: PathLike | None, map_location: Any
+) -> tuple[Path, Any, list[Path]] | None:
+    """(path, state, the newer snapshots set aside): the newest snapshot every rank can load,
+    loaded (a collective); None: nothing to resume.
+
+    A snapshot cut short or damaged on disk (not by the atomic save: by a copy onto a full
+    disk, a filesystem fault) is passed over for the one before it, and once one loads, rank 0
+    renames the passed-over ones ``*.corrupt`` (kept to look at, never tried or pruned again):
+    a restart loses a save interval instead of being refused until someone steps in. Any other
+    failure (a file that would run code, one it cannot read), or no older snapshot that loads:
+    every rank raises the newest one's error, and nothing is renamed.
+    """
+    if resume_point(directory) is None:  # rank 0 cleared killed saves' temps; all see it
+        return None
+    rank, world = _rank_world()
+    names = [[p.name for _, p in reversed(list_snapshots(directory))] if rank == 0 else []]
+    if group_active() and world > 1:
+        dist.broadcast_object_list(names, src=0)
+    candidates = [Path(directory) / name for name in names[0]]  # newest first
+    errors: list[tuple[int, str]] = []
+    for i, path in enumerate(candidates):
+        state, mine = None, (0, "")
+        try:
+            state = load_checkpoint(path, map_location)
+        except CheckpointError as exc:  # 1: damaged, try the one before; 2: stop
+            mine = (1 if isinstance(exc, CorruptCheckpointError) else 2, str(exc))
+        every = [mine]
+        if group_active() and world > 1:
+            every = [(0, "")] * world
+            dist.all_gather_object(every, mine)
+        worst = max(every)
+        if worst[0] == 0:
+            if rank == 0:
+                for passed in candidates[:i]:
+                    passed.rename(passed.with_name(passed.name + ".corrupt"))
+            return path, state, candidates[:i]
+        errors.append(worst)
+        if worst[0] == 2:
+            break
+    kind, message = errors[0]
+    if len(errors) > 1:
+        message += f" (and the {len(errors) - 1} older snapshot(s) could not be loaded either)"
+    raise (CorruptCheckpointError if kind == 1 else CheckpointError)(message)
 
 
 def schedule_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

@@ -7,7 +7,8 @@ the model and the data. torch (+ torchvision for its images, numpy, tqdm) is all
     python train.py --max-steps 5          # a world of one: step through it in a debugger
 
 Every DDP step is written out below, numbered, in the order it happens on every rank. Rerun
-with the same --checkpoint-dir to resume from the newest snapshot, on any number of ranks.
+with the same --checkpoint-dir to resume from the newest snapshot, on any number of ranks
+(a damaged one is renamed *.corrupt and the one before it used: --keep 2 or more).
 What a scheduler sees: on SIGTERM or SIGUSR1 (torchrun forwards SIGUSR1 only when
 --signals-to-handle lists it) every rank saves the current step and exits 75, but torchrun,
 signalled too, re-raises the signal and exits 1: the job script requeues the job itself
@@ -90,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
     add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
     add("--save-minutes", type=float, default=30, help="and a snapshot this often (0: off)")
-    add("--keep", type=positive, default=2, help="snapshots kept (the newest)")
+    add("--keep", type=positive, default=2, help="snapshots kept (>= 2: one to fall back to)")
     add("--eval-every", type=int, default=0, help="steps between evaluations (0: epoch ends)")
     add("--max-steps", type=positive, help="stop early (the LR schedule still spans --epochs)")
     add("--log-every", type=positive, default=50, help="steps between log lines (a host sync)")
@@ -339,8 +340,15 @@ def train(
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
     epoch, step, consumed, samples_seen, totals, history, resumed = 0, 0, 0, 0, [0.0, 0.0], [], None
     best = -1.0  # the best validation accuracy so far (best.pt)
-    if (path := kit.resume_point(ckpt)) is not None:  # rank 0 first clears killed saves' temps
-        state = kit.load_checkpoint(path, map_location=device)  # weights_only: runs no code
+    try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
+        found = kit.load_resume_point(ckpt, map_location=device)
+    except kit.CheckpointError as exc:  # a restart would only repeat it
+        stopped_for_good(exc, ckpt, rank, step)
+        raise
+    if found is not None:
+        path, state, passed_over = found
+        for bad in passed_over:
+            say(f"WARNING: {bad.name} could not be loaded: renamed {bad.name}.corrupt")
         same_world = state["world_size"] == world_size
         where = kit.restore_training_state(state, ddp, optimizer, scaler, same_world)
         if not same_world:  # other ranks now: fresh random streams, still reproducible
@@ -520,9 +528,7 @@ def train(
             stop = stop or epoch >= args.epochs
             pause(save_snapshot)
     except (kit.DivergedError, kit.CheckpointError) as exc:  # a restart would only repeat it
-        if rank == 0 and ckpt is not None:
-            with contextlib.suppress(OSError):
-                (ckpt / FAILED).write_text(json.dumps({"step": step, "error": str(exc)}))
+        stopped_for_good(exc, ckpt, rank, step)
         raise
     finally:
         bar.close()
@@ -538,6 +544,13 @@ def train(
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
+
+
+def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) -> None:
+    """failed.json (rank 0): why the run stopped, so that every restart stops at once."""
+    if rank == 0 and ckpt is not None:
+        with contextlib.suppress(OSError):
+            (ckpt / FAILED).write_text(json.dumps({"step": step, "error": str(exc)}))
 
 
 def instruments(args: argparse.Namespace, *who: Any) -> Any:

@@ -293,3 +293,45 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     assert stopped.value.code == kit.PREEMPTED_EXIT, out
     assert "SIGTERM: saved step 15" in out and "val accuracy" not in out, out
     assert snapshot_steps(kit, tmp_path / "c") == [15]
+
+
+def _cut(path: Path) -> None:
+    """Half of the file: what a copy onto a full disk leaves (the atomic save never does)."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_newest_snapshot_is_passed_over_for_the_one_before(
+    template, kit, tmp_path, one_rank, capsys
+):
+    """Snapshots at steps 2 and 4, the newest cut in half: the rerun warns, renames it
+    .corrupt and resumes from step 2, to end where an uninterrupted run ends, bitwise."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--save-every", "2"]  # 8 steps  # fmt: skip
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "straight")])
+    job = tmp_path / "job"
+    template.main([*argv, "--checkpoint-dir", str(job), "--max-steps", "4"])
+    assert snapshot_steps(kit, job) == [2, 4]
+    _cut(kit.snapshot_path(job, 4))
+    capsys.readouterr()
+    template.main([*argv, "--checkpoint-dir", str(job)])
+    out = capsys.readouterr().out
+    assert "WARNING: snapshot-000000004.pt could not be loaded" in out, out
+    assert "resumed from snapshot-000000002.pt" in out, out
+    assert (job / "snapshot-000000004.pt.corrupt").is_file(), "kept to look at, never tried again"
+    straight = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    resumed = torch.load(job / "final.pt", weights_only=True)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), "the same run, bitwise"
+
+
+def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, tmp_path, one_rank):
+    """Nothing older to fall back to: the error, failed.json (a restart would repeat it), and
+    the file left where it was."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "2", "--save-every", "2"])
+    _cut(kit.snapshot_path(tmp_path, 2))
+    with pytest.raises(kit.CheckpointError, match="truncated or corrupt"):
+        template.main(argv)
+    assert snapshot_steps(kit, tmp_path) == [2], "not renamed: nothing else to resume from"
+    assert "truncated or corrupt" in json.loads((tmp_path / "failed.json").read_text())["error"]
