@@ -361,7 +361,13 @@ def train(
             f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
             f"(written by {state['world_size']} ranks, now {world_size})"
         )
-        if changed := kit.schedule_changes(extra["config"], vars(args)):
+        changed = kit.schedule_changes(extra["config"], vars(args))
+        if not same_world:  # the global batch follows the ranks, and the peak LR follows it
+            saved = extra["config"]
+            was = state["world_size"] * saved["batch_size"] * saved["grad_accum"]
+            changed.append(f"{state['world_size']} -> {world_size} ranks (global batch {was} -> "
+                           f"{global_batch})")  # fmt: skip
+        if changed:
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
         best = extra["best"]
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
