@@ -1,5 +1,7 @@
 """The DDP training template: copy it and ddp_kit.py (its sidecar) into your project, change
-the model and the data. torch (+ torchvision for its images, numpy, tqdm) is all they need.
+the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
+do nothing). It trains a classifier: for another task, change loss_fn and what
+ddp_kit.distributed_evaluate counts. torch (+ torchvision, numpy, tqdm) is all they need.
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
     torchrun --standalone --nproc-per-node 8 --max-restarts 3 train.py --model resnet18 --amp \\
