@@ -303,8 +303,8 @@ EXERCISES = [
         hidden=(  # the check runs 2 ranks: a 2 written for the number of ranks passes there
             (r"range\(.*,\s*2\s*\)|::\s*2\s*\]|num_replicas\s*=\s*2\b|"
              r"\bworld(?:_size)?\s*=\s*2\b", "the number of ranks is written as 2, this "
-             "check's: on 4 or 8 GPUs the ranks' shares overlap, samples counted twice or "
-             "more - use dist.get_world_size() (`world`)"),
+             "check's: on 4 or 8 GPUs the ranks' shares overlap (samples counted twice or more) "
+             "or a sampler refuses rank 2 - use dist.get_world_size() (`world`)"),
         ),
         proves=(
             "a set that does not divide by the ranks: every sample counted once (none twice, "

@@ -4,7 +4,8 @@
   template's ``steps.jsonl`` shows a given step: a preemption that lands
   mid-epoch, wherever the machine's speed puts the steps.
 * :class:`WhenDone` starts what follows a launch the moment it ends (a requeue);
-  :func:`excerpt` shows a few lines of a file as they are now.
+  :func:`excerpt` shows a few lines of a file as they are now; :func:`agreement_steps`
+  when the template's ranks agree on a signal, for a given step time.
 * :func:`worker_resume_check` runs the template's own ``data_loader`` with
   DataLoader workers and random augmentation, and reports what a resume keeps
   exactly (run it in a subprocess: ``python -m ddp_tutorial.lessons.faults
@@ -126,6 +127,29 @@ def excerpt(source: str, first: str, last: str) -> str:
     if end is None:
         raise ValueError(f"{last!r} does not follow {first!r} in the source any more")
     return textwrap.dedent("\n".join(lines[start : end + 1]))
+
+
+def agreement_steps(step_s: float, steps: int = 30) -> list[int]:
+    """The steps at which the template's ``StopCheck`` agrees across ranks (its all_reduce),
+    for steps of ``step_s`` seconds on a clock that only moves with them (no launch, no group:
+    the same decisions, made alone). Its SIGTERM/SIGUSR1 handlers are put back afterwards."""
+    from ddp_tutorial.stopping import StopCheck
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    now = [0.0]
+    try:
+        checks = StopCheck(torch.device("cpu"), clock=lambda: now[0])
+        agreed = []
+        for step in range(1, steps + 1):
+            now[0] += step_s
+            before = checks.next_step
+            checks.check(step)
+            if checks.next_step != before:
+                agreed.append(step)
+        return agreed
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def load_template() -> ModuleType:
