@@ -1015,12 +1015,13 @@ class EvalResult:
     correct: int
     count: int
     local_count: int
+    interrupted: bool = False  # ``stop`` said so on some rank: partial sums, not a score
 
 
 @torch.no_grad()
 def local_sums(
     model: nn.Module,
-    loader: DataLoader,
+    loader: Iterable[Any],
     device: torch.device,
     amp: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -1058,10 +1059,14 @@ def distributed_evaluate(
     pin_memory: bool = False,
     amp: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
-    ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice."""
+    ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice.
+    ``stop``: asked before each batch (a SIGTERM's flag): a rank that sees it stops early and
+    the result says ``interrupted`` on every rank (the same all_reduce), so that a long
+    evaluation never eats the preemption's grace period before the snapshot."""
     from torch.utils.data.distributed import DistributedSampler
 
     device, (rank, world) = torch.device(device), _rank_world()
@@ -1080,11 +1085,20 @@ def distributed_evaluate(
         multiprocessing_context=worker_context(num_workers),
         generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone
     )
-    sums = local_sums(model, loader, device, amp, loss_fn)
+    stopped = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def batches() -> Iterator[Any]:
+        for batch in loader:
+            if stop is not None and stop():
+                stopped.fill_(1)
+                return
+            yield batch
+
+    sums = torch.cat([local_sums(model, batches(), device, amp, loss_fn), stopped])
     local_count = int(sums[1])
     if group_active():
         dist.all_reduce(sums)
-    correct, count, loss_sum = (float(v) for v in sums.cpu())
+    correct, count, loss_sum, interrupted = (float(v) for v in sums.cpu())
     nan = float("nan")
     return EvalResult(
         correct / count if count else nan,
@@ -1092,6 +1106,7 @@ def distributed_evaluate(
         int(correct),
         int(count),
         local_count,
+        interrupted > 0,
     )
 
 

@@ -436,7 +436,10 @@ def train(
             loss_fn=loss_fn,
             num_workers=args.num_workers,
             pin_memory=cuda,
+            stop=lambda: checks.received is not None,  # a SIGTERM meanwhile: stop, save, exit
         )
+        if result.interrupted:  # partial sums: scored nowhere, logged nowhere
+            save_snapshot()
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append(
             {

@@ -295,6 +295,34 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     assert snapshot_steps(kit, tmp_path / "c") == [15]
 
 
+def test_a_signal_during_a_long_evaluation_stops_it_and_saves(template, kit, tmp_path, one_rank,
+                                                              monkeypatch, capsys):  # fmt: skip
+    """SIGTERM lands during the epoch's evaluation, in its 3rd of 32 batches: the evaluation
+    stops there, nothing is scored (no "val accuracy", no best.pt), the step is saved and the
+    job exits 75. (Without the flag asked inside the evaluation all 32 batches run first: on a
+    large validation set, past torchrun's 30 s grace, and the snapshot is never written.)"""
+    forward, evaluated = kit.MLP.forward, []
+
+    def forward_then_signal(self, x):  # the scheduler's SIGTERM, in a known validation batch
+        if not self.training:
+            evaluated.append(len(x))
+            if len(evaluated) == 3:
+                signal.raise_signal(signal.SIGTERM)
+        return forward(self, x)
+
+    monkeypatch.setattr(kit.MLP, "forward", forward_then_signal)
+    argv = [*TINY, "--num-val", "256", "--num-samples", "64", "--batch-size", "4", "--epochs",
+            "1", "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    out = capsys.readouterr().out
+    assert stopped.value.code == kit.PREEMPTED_EXIT, out
+    assert evaluated == [8, 8, 8], f"the evaluation went on after the signal: {evaluated}"
+    assert "SIGTERM: saved step 16" in out and "val accuracy" not in out, out
+    assert snapshot_steps(kit, tmp_path / "c") == [16]
+    assert not (tmp_path / "c" / "best.pt").exists(), "a partial evaluation scored nothing"
+
+
 def _cut(path: Path) -> None:
     """Half of the file: what a copy onto a full disk leaves (the atomic save never does)."""
     data = path.read_bytes()
