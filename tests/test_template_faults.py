@@ -300,13 +300,15 @@ def test_a_signal_during_a_long_evaluation_stops_it_and_saves(template, kit, tmp
     """SIGTERM lands during the epoch's evaluation, in its 3rd of 32 batches: the evaluation
     stops there, nothing is scored (no "val accuracy", no best.pt), the step is saved and the
     job exits 75. (Without the flag asked inside the evaluation all 32 batches run first: on a
-    large validation set, past torchrun's 30 s grace, and the snapshot is never written.)"""
-    forward, evaluated = kit.MLP.forward, []
+    large validation set, past torchrun's 30 s grace, and the snapshot is never written.) The
+    rerun resumes at that step and evaluates it again, whole."""
+    forward, evaluated, signalled = kit.MLP.forward, [], []
 
     def forward_then_signal(self, x):  # the scheduler's SIGTERM, in a known validation batch
         if not self.training:
             evaluated.append(len(x))
-            if len(evaluated) == 3:
+            if len(evaluated) == 3 and not signalled:
+                signalled.append(signal.SIGTERM)
                 signal.raise_signal(signal.SIGTERM)
         return forward(self, x)
 
@@ -321,6 +323,11 @@ def test_a_signal_during_a_long_evaluation_stops_it_and_saves(template, kit, tmp
     assert "SIGTERM: saved step 16" in out and "val accuracy" not in out, out
     assert snapshot_steps(kit, tmp_path / "c") == [16]
     assert not (tmp_path / "c" / "best.pt").exists(), "a partial evaluation scored nothing"
+    evaluated.clear()
+    template.main(argv)  # the rerun: no signal this time
+    out = capsys.readouterr().out
+    assert "resumed from snapshot-000000016.pt" in out and "epoch 0: step 16" in out, out
+    assert evaluated == [8] * 32 and (tmp_path / "c" / "best.pt").is_file(), evaluated
 
 
 def _cut(path: Path) -> None:
