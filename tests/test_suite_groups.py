@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import REPO, group_order, suite_group
 
 
@@ -35,3 +37,43 @@ def test_the_long_groups_go_first_and_the_quick_files_last():
     ordered = sorted(groups, key=lambda g: group_order(g, g in launches))
     assert ordered == ["notebooks 07-12", "exercises", "notebooks 00-06", files["training"],
                        files["launch"], files["samplers"], files["data"]]  # fmt: skip
+
+
+CRASHING = """
+import os
+
+
+def test_crash():
+    os._exit(1)  # the worker's process dies with the test
+
+
+def test_after():
+    pass
+"""
+
+
+@pytest.mark.torchrun  # no torchrun, but a process of its own: not in test-fast
+def test_a_test_that_kills_its_worker_fails_once_and_the_rest_of_its_group_runs(tmp_path):
+    """The suite's scheduler under a real xdist worker that dies: one failure, one worker
+    replaced, and the test after it in the same group still runs (xdist's own scope
+    scheduler starts the dead test again on every replacement: "5 failed", and never runs
+    the one after it)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_dies.py").write_text(CRASHING)
+    suite = str(REPO / "tests" / "conftest.py")
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\nimport pytest\n"
+        f"spec = importlib.util.spec_from_file_location('suite', {suite!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n\n\n"
+        "@pytest.hookimpl(optionalhook=True)\n"
+        "def pytest_xdist_make_scheduler(config, log):\n"
+        "    return suite.group_scheduling()(config, log)\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-q", "-p", "no:cacheprovider",
+                          "-o", "addopts=", "test_dies.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
+    assert out.count("node down") == 1, out[-3000:]  # one worker died, not one per retry
