@@ -1048,6 +1048,37 @@ def local_sums(
     return sums
 
 
+def agreed_batches(
+    loader: Iterable[Any],
+    stop: Callable[[], bool],
+    shared: int,
+    stopped: torch.Tensor,
+    every: int = 10,
+    within_s: float = 5.0,
+) -> Iterator[Any]:
+    """``loader``'s batches until ``stop()`` is true on any rank: one small all_reduce (MAX)
+    before batch 0, 1, then every ``every`` batches or sooner, so that the next comes within
+    ``within_s`` (it carries a batch's seconds, the same on every rank); only among the first
+    ``shared`` batches, which every rank has (an uneven split leaves some ranks one more). A
+    stop sets ``stopped`` and ends every rank's batches at the same one: a rank that stopped
+    alone would wait in the next collective while the others evaluate on."""
+    next_at, since, then = 0, 0, time.monotonic()
+    for i, batch in enumerate(loader):
+        if i == next_at and i < shared:
+            now = time.monotonic()
+            mine = [float(stop()), (now - then) / max(i - since, 1) if i else 0.0]
+            flags = torch.tensor(mine, dtype=torch.float64, device=stopped.device)
+            if group_active() and dist.get_world_size() > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            stop_any, batch_s = flags.tolist()
+            if stop_any:
+                stopped.fill_(1)
+                return
+            fits = int(within_s / batch_s) if batch_s > 0 else 1  # batch 0: measure one
+            next_at, since, then = i + max(1, min(every, fits)), i, now
+        yield batch
+
+
 def distributed_evaluate(
     model: nn.Module,
     dataset: Dataset,
@@ -1064,9 +1095,10 @@ def distributed_evaluate(
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
     ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice.
-    ``stop``: asked before each batch (a SIGTERM's flag): a rank that sees it stops early and
-    the result says ``interrupted`` on every rank (the same all_reduce), so that a long
-    evaluation never eats the preemption's grace period before the snapshot."""
+    ``stop`` (given on every rank, or on none): a SIGTERM's flag, agreed on as training's
+    :class:`StopCheck` does (:func:`agreed_batches`): every rank stops at the same batch and the
+    result says ``interrupted``, so that a long evaluation never eats the preemption's grace
+    period before the snapshot."""
     from torch.utils.data.distributed import DistributedSampler
 
     device, (rank, world) = torch.device(device), _rank_world()
@@ -1086,15 +1118,9 @@ def distributed_evaluate(
         generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone
     )
     stopped = torch.zeros(1, dtype=torch.float64, device=device)
-
-    def batches() -> Iterator[Any]:
-        for batch in loader:
-            if stop is not None and stop():
-                stopped.fill_(1)
-                return
-            yield batch
-
-    sums = torch.cat([local_sums(model, batches(), device, amp, loss_fn), stopped])
+    shared = -(-(len(dataset) // world if exact else len(sampler)) // batch_size)  # every rank's
+    batches = loader if stop is None else agreed_batches(loader, stop, shared, stopped)
+    sums = torch.cat([local_sums(model, batches, device, amp, loss_fn), stopped])
     local_count = int(sums[1])
     if group_active():
         dist.all_reduce(sums)

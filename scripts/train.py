@@ -341,7 +341,7 @@ def train(
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
     epoch, step, consumed, samples_seen, totals, history, resumed = 0, 0, 0, 0, [0.0, 0.0], [], None
-    best = -1.0  # the best validation accuracy so far (best.pt)
+    best, owed = -1.0, False  # the best validation accuracy so far (best.pt); owed: below
     try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
         found = kit.load_resume_point(ckpt, map_location=device)
     except kit.CheckpointError as exc:  # a restart would only repeat it
@@ -371,7 +371,7 @@ def train(
                            f"{global_batch})")  # fmt: skip
         if changed:
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
-        best = extra["best"]
+        best, owed = extra["best"], extra.get("eval_owed", False)
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
         best = max(best, json.loads((ckpt / "best.json").read_text())["val_accuracy"])
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
@@ -404,6 +404,7 @@ def train(
                 "consumed": consumed,
                 "samples_seen": samples_seen,
                 "best": best,
+                "eval_owed": owed,  # this step's evaluation was stopped: the rerun's first act
                 "history": history,
                 "loss_totals": global_totals.tolist(),
                 "config": {k: v for k, v in vars(args).items() if k != "hook_argv"},
@@ -419,7 +420,7 @@ def train(
             sys.exit(kit.PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
-        nonlocal best
+        nonlocal best, owed
         if checks.check(step, True, ddp.parameters()).stop:  # inf/nan raises: never scored
             save_snapshot()  # preempted: save (and exit) before a long evaluation
         mean = loss_sum.clone()
@@ -439,7 +440,9 @@ def train(
             stop=lambda: checks.received is not None,  # a SIGTERM meanwhile: stop, save, exit
         )
         if result.interrupted:  # partial sums: scored nowhere, logged nowhere
+            owed = True
             save_snapshot()
+        owed = False
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append(
             {
@@ -466,6 +469,8 @@ def train(
         what(*args)
         log.resume()
 
+    if owed:  # the snapshot was saved inside an evaluation that a signal stopped: do it now
+        pause(evaluate)
     total_samples = args.epochs * len(train_set)
     planned = len(sampler) // args.batch_size // args.grad_accum * args.epochs
     finished = args.max_steps is not None and step >= args.max_steps or epoch >= args.epochs

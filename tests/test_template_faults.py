@@ -295,13 +295,20 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     assert snapshot_steps(kit, tmp_path / "c") == [15]
 
 
-def test_a_signal_during_a_long_evaluation_stops_it_and_saves(template, kit, tmp_path, one_rank,
-                                                              monkeypatch, capsys):  # fmt: skip
-    """SIGTERM lands during the epoch's evaluation, in its 3rd of 32 batches: the evaluation
-    stops there, nothing is scored (no "val accuracy", no best.pt), the step is saved and the
-    job exits 75. (Without the flag asked inside the evaluation all 32 batches run first: on a
-    large validation set, past torchrun's 30 s grace, and the snapshot is never written.) The
-    rerun resumes at that step and evaluates it again, whole."""
+@pytest.mark.parametrize(
+    ("flags", "at"),
+    [([], 16), (["--max-steps", "8"], 8), (["--eval-every", "8"], 8)],
+    ids=["end of epoch", "--max-steps", "--eval-every"],
+)
+def test_a_signal_during_a_long_evaluation_stops_it_and_saves(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys, flags, at
+):
+    """SIGTERM lands during an evaluation, in its 3rd of 32 batches: the evaluation stops at the
+    next agreement (batch 11: 0, 1, then every 10 when batches are fast), nothing is scored (no
+    "val accuracy", no best.pt), the step is saved and the job exits 75. (Without the flag asked
+    inside the evaluation all 32 batches run first: on a large validation set, past torchrun's
+    30 s grace.) The rerun evaluates that step first, whole, wherever the evaluation was: at an
+    epoch's end, after --max-steps (the rerun has nothing left to train), mid-epoch."""
     forward, evaluated, signalled = kit.MLP.forward, [], []
 
     def forward_then_signal(self, x):  # the scheduler's SIGTERM, in a known validation batch
@@ -314,20 +321,20 @@ def test_a_signal_during_a_long_evaluation_stops_it_and_saves(template, kit, tmp
 
     monkeypatch.setattr(kit.MLP, "forward", forward_then_signal)
     argv = [*TINY, "--num-val", "256", "--num-samples", "64", "--batch-size", "4", "--epochs",
-            "1", "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+            "1", "--checkpoint-dir", str(tmp_path / "c"), *flags]  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
         template.main(argv)
     out = capsys.readouterr().out
     assert stopped.value.code == kit.PREEMPTED_EXIT, out
-    assert evaluated == [8, 8, 8], f"the evaluation went on after the signal: {evaluated}"
-    assert "SIGTERM: saved step 16" in out and "val accuracy" not in out, out
-    assert snapshot_steps(kit, tmp_path / "c") == [16]
+    assert evaluated == [8] * 11, f"the evaluation went on after the signal: {len(evaluated)}"
+    assert f"SIGTERM: saved step {at}" in out and "val accuracy" not in out, out
+    assert snapshot_steps(kit, tmp_path / "c") == [at]
     assert not (tmp_path / "c" / "best.pt").exists(), "a partial evaluation scored nothing"
     evaluated.clear()
     template.main(argv)  # the rerun: no signal this time
     out = capsys.readouterr().out
-    assert "resumed from snapshot-000000016.pt" in out and "epoch 0: step 16" in out, out
-    assert evaluated == [8] * 32 and (tmp_path / "c" / "best.pt").is_file(), evaluated
+    assert f"resumed from snapshot-{at:09d}.pt" in out and f"epoch 0: step {at}," in out, out
+    assert evaluated[:32] == [8] * 32 and (tmp_path / "c" / "best.pt").is_file(), evaluated
 
 
 def _cut(path: Path) -> None:

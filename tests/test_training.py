@@ -201,6 +201,7 @@ FILE_SIZE_LIMIT = 100_000  # bytes: a snapshot of the MLP (~230 KB) cannot be wr
 BUFFERS = """
 import sys, torch
 from torch import nn
+from ddp_tutorial.data import distributed_evaluate
 from ddp_tutorial.distributed import average_buffers, process_group
 from ddp_tutorial.records import write_rank_record
 
@@ -219,7 +220,18 @@ with process_group(backend="gloo") as info:
     model.norm.running_mean.fill_(info.rank)
     model.norm.num_batches_tracked.fill_(10 + info.rank)
     moved = average_buffers(model)
+    # a stop asked on rank 1 only, from its 25th batch of 334/333/333 (1000 samples, batch 1)
+    torch.manual_seed(0)  # the same samples and weights on every rank
+    data = torch.utils.data.TensorDataset(torch.randn(1000, 2), torch.arange(1000) % 3)
+    net, seen = nn.Linear(2, 3), []
+    net.register_forward_hook(lambda *args: seen.append(1))
+    plain = distributed_evaluate(net, data, 1)
+    never = distributed_evaluate(net, data, 1, stop=lambda: False)
+    seen.clear()
+    stopped = distributed_evaluate(net, data, 1, stop=lambda: info.rank == 1 and len(seen) >= 25)
     write_rank_record(sys.argv[-1], {
+        "eval": [plain.correct, plain.count, never.correct, never.count, never.interrupted],
+        "stopped": [stopped.interrupted, len(seen)],
         "constant_kept": torch.equal(model.inv_freq, constant), "mine": model.mine.tolist(),
         "running_mean": model.norm.running_mean.tolist(),
         "count": int(model.norm.num_batches_tracked), "moved": moved})
@@ -420,6 +432,19 @@ def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
         assert r["mine"] == [float(r["rank"])] * 2, "_ddp_params_and_buffers_to_ignore: left alone"
         assert r["running_mean"] == [1.0] * 4 and r["count"] == 10, r
     assert [r["moved"] for r in records] == [1.0, 1.0, 2.0], "the largest change on each rank"
+
+
+@pytest.mark.torchrun
+def test_an_evaluation_stopped_on_one_rank_stops_on_every_rank_at_the_same_batch(runs):
+    """distributed_evaluate(stop=...) on 3 ranks, 334/333/333 batches: asked only on rank 1 from
+    its 25th batch, every rank stops at the agreement of batch 31 (0, 1, then every 10 when
+    batches are fast) and says interrupted; no rank waits alone in the sums' all_reduce while
+    the others evaluate on. A stop never asked changes nothing: each sample counted once."""
+    records = runs["buffers"].records
+    for r in records:
+        correct, count, same, also, interrupted = r["eval"]
+        assert (count, also, same, interrupted) == (1000, 1000, correct, False), r["eval"]
+    assert [r["stopped"] for r in records] == [[True, 31]] * 3
 
 
 @pytest.fixture
