@@ -39,3 +39,4 @@ SIGNALS = kit.SIGNALS
 DivergedError = kit.DivergedError
 Verdict = kit.Verdict
 StopCheck = kit.StopCheck
+agreed_batches = kit.agreed_batches  # the same agreement between an evaluation's batches
