@@ -897,6 +897,14 @@ class Verdict:
     signal: str | None = None
 
 
+def next_agreement(at: int, seconds: float, every: int, within_s: float) -> int:
+    """The next step (or batch) at which the ranks agree, after agreeing at ``at``: ``every``
+    later at most, and soon enough to come within ``within_s`` when each takes ``seconds``
+    (the same numbers on every rank: they come out of the agreement's all_reduce)."""
+    fits = int(within_s / seconds) if seconds > 0 else every
+    return at + max(1, min(every, fits))
+
+
 class StopCheck:
     """A signal, a loss gone inf/nan, a timed save: noticed by one rank, acted on by all.
 
@@ -957,8 +965,8 @@ class StopCheck:
         if group_active() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         received, due_any, step_s, bad = flags.tolist()  # the same numbers on every rank
-        fits = int(self.within_s / step_s) if step_s > 0 else self.every
-        self.next_step, self.last = step + max(1, min(self.every, fits)), (step, now)
+        self.next_step = next_agreement(step, step_s, self.every, self.within_s)
+        self.last = (step, now)
         if math.isfinite(bad):
             raise DivergedError(
                 f"the loss or the weights stopped being finite at step {int(-bad)}: every rank "
@@ -1074,8 +1082,8 @@ def agreed_batches(
             if stop_any:
                 stopped.fill_(1)
                 return
-            fits = int(within_s / batch_s) if batch_s > 0 else 1  # batch 0: measure one
-            next_at, since, then = i + max(1, min(every, fits)), i, now
+            nxt = next_agreement(i, batch_s, every, within_s) if i else 1  # 0: measure one
+            next_at, since, then = nxt, i, now
         yield batch
 
 

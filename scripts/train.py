@@ -441,7 +441,7 @@ def train(
         )
         if result.interrupted:  # partial sums: scored nowhere, logged nowhere
             owed = True
-            save_snapshot()
+            save_snapshot()  # exits: the lines below see whole evaluations only
         owed = False
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         history.append(
