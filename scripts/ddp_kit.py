@@ -1083,7 +1083,7 @@ def agreed_batches(
                 stopped.fill_(1)
                 return
             nxt = next_agreement(i, batch_s, every, within_s) if i else 1  # 0: measure one
-            next_at, since, then = nxt, i, now
+            next_at, since, then = nxt, i, time.monotonic()  # batches only: not a peer's lag
         yield batch
 
 
