@@ -210,7 +210,11 @@ def test_workers_count_for_their_rank_and_dead_or_restarted_ranks_are_followed()
         rank0 = start(["sh", "-c", "sleep 60 & sleep 60 & wait"], 0)  # a rank, two workers
         rank1 = start(["sleep", "60"], 1)
         deadline = time.monotonic() + 10
-        while len(_tree(rank0.pid)) < 3 and time.monotonic() < deadline:
+        # until both have exec'd: before its exec a child still shows the parent's environment
+        # (no RANK), so a first sample taken then misses it (seen on a loaded host: ids [0])
+        while not (len(_tree(rank0.pid)) == 3 and _tree(rank1.pid)[0].name() == "sleep"):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.02)
         mon = Monitor(env={"CUDA_VISIBLE_DEVICES": ""})
         rows = {r["id"]: r for r in mon.sample_once()}
