@@ -706,20 +706,27 @@ def loader_generator(seed: int, rank: int, epoch: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(rank_seed(seed, rank, epoch, 1))
 
 
-def worker_context(num_workers: int) -> multiprocessing.context.BaseContext | None:
+def worker_context(
+    num_workers: int, dataset: object = None
+) -> multiprocessing.context.BaseContext | None:
     """How DataLoader workers start: from a fork server, not forked from the rank.
 
     A rank has threads (gloo's, the previous loader's queue feeders); a fork taken while one
     of them holds a lock of the interpreter leaves the child stuck in ``os.fork()`` forever:
     on CPython 3.11 about 1 run in 50 of a two-worker job hung so on a loaded host, its rank
-    waiting for the batch. The server is a fresh process that imports torch and this file
-    once, so each worker still starts in milliseconds (a plain forkserver would import
-    torch per worker). Each worker receives the dataset pickled: tensors travel as shared
-    memory, anything else (a list, a numpy array) is copied into every worker."""
+    waiting for the batch. The server is a fresh process that imports torch, this file and
+    the module of ``dataset``'s class once (torchvision's for an ImageFolder or CIFAR10), so
+    each worker still starts in milliseconds; a plain forkserver would import them in every
+    worker, at every epoch (about a second each for torchvision). The first call starts the
+    server: give it the training set. Each worker receives the dataset pickled: tensors
+    travel as shared memory, anything else (a list, a numpy array) is copied into every
+    worker."""
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", __name__])
+    wrapped = getattr(dataset, "dataset", None)  # a Subset's, a wrapper's own dataset
+    found = {type(d).__module__ for d in (dataset, wrapped) if d is not None} - {"__main__"}
+    context.set_forkserver_preload(["torch", __name__, *sorted(found)])
     # A preemption signals the whole process group, the server too: killed, its workers
     # would end and fail the rank before it saves. Started with the signals blocked (a
     # mask kept through fork and exec), it ends with its rank instead. Its resource tracker
@@ -1122,7 +1129,7 @@ def distributed_evaluate(
         num_workers=num_workers,
         pin_memory=pin_memory,
         worker_init_fn=seed_worker,
-        multiprocessing_context=worker_context(num_workers),
+        multiprocessing_context=worker_context(num_workers, dataset),
         generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone
     )
     stopped = torch.zeros(1, dtype=torch.float64, device=device)

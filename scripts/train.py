@@ -222,7 +222,7 @@ def data_loader(
         # Not persistent: workers then take each epoch's seed (loop below), so a
         # resume at an epoch's start is exact; mid-epoch their draws are not saved.
         persistent_workers=False,
-        multiprocessing_context=kit.worker_context(args.num_workers),
+        multiprocessing_context=kit.worker_context(args.num_workers, train_set),
         worker_init_fn=kit.seed_worker,
         generator=kit.loader_generator(args.seed, rank),
     )
