@@ -27,7 +27,7 @@ def _notebook(path, *cells):
 
 @pytest.mark.notebook
 def test_the_course_command_runs_lessons_into_the_output_dir_and_names_the_failing_cell(
-    tmp_path, capsys
+    tmp_path, capfd
 ):
     """``ddp-tutorial course`` (make run) on two tiny lessons, one that fails."""
     from ddp_tutorial.harness.cli import main
@@ -47,8 +47,9 @@ def test_the_course_command_runs_lessons_into_the_output_dir_and_names_the_faili
     )
     out = tmp_path / "out"
     assert main(["course", str(good), str(bad), "--output-dir", str(out), "--timeout", "60"]) == 1
-    printed = capsys.readouterr().out
+    printed, stderr = capfd.readouterr()  # the kernels' own stderr too
     assert "AssertionError" in printed and "size is 3" in printed, "the error, in the log"
+    assert "without encryption" not in stderr, "kernels on Unix sockets: no TCP warning"
     table = printed.split("00_good.ipynb", 1)[-1]  # the table after the progress lines
     assert "FAILED (cell 2)" in table and "01_bad.ipynb" in table
     for name in ("00_good", "01_bad"):  # failed or not: executed copy and HTML to read

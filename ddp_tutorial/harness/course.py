@@ -102,6 +102,15 @@ def _failing_cell(nb: nbformat.NotebookNode) -> int | None:
     return None
 
 
+def local_kernel(sockets: Path) -> KernelManager:
+    """A kernel on this interpreter that talks over Unix sockets in ``sockets`` (a private
+    folder): nothing listens on a TCP port, and ipykernel (>= 7.4) has no plain-text TCP to
+    warn about at every lesson of `make run`."""
+    return KernelManager(
+        kernel_spec_manager=_ThisInterpreter(), transport="ipc", ip=str(sockets / "kernel")
+    )
+
+
 def stop_kernel(km: KernelManager) -> None:
     """End the kernel and every process it started (torchrun trees a timed-out cell left).
 
@@ -161,7 +170,8 @@ def run_notebook(
     path = Path(path).resolve()
     nb = nbformat.read(path, as_version=4)
     inject_parameters(nb, parameters or {})
-    km = KernelManager(kernel_spec_manager=_ThisInterpreter())
+    sockets = Path(tempfile.mkdtemp(prefix="ddp-tutorial-kernel-"))
+    km = local_kernel(sockets)
     client = NotebookClient(
         nb,
         km=km,
@@ -185,6 +195,7 @@ def run_notebook(
         ok, error = False, f"{type(exc).__name__}: {exc}"
     finally:
         stop_kernel(km)  # with every launch a cell left running: nothing outlives the lesson
+        shutil.rmtree(sockets, ignore_errors=True)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - start
