@@ -101,9 +101,10 @@ def test_where_each_rank_failed_is_its_last_line_of_its_own_code():
 [rank0]:     inputs = self._pre_forward(x)
 [rank0]: RuntimeError: [gloo] Timed out waiting 3000ms for send operation to complete
 [rank1]:   File "/job/train.py", line 60, in train
+[rank1]: rank 1: Flight Recorder dumped to /tmp/pytorch_fr_1
 [rank1]:     dist.barrier()
 [rank1]: RuntimeError: [gloo] Timed out waiting 3000ms for recv operation to complete"""
-    lines = log.splitlines()
+    lines = log.splitlines()  # rank 1's dump message (another thread) landed amid its frame
     teed = [f"[default{line[5]}]:{line}" for line in lines]  # torchrun --tee adds the role
     assert where_ranks_failed(teed) == where_ranks_failed(lines)
     assert where_ranks_failed(lines) == {

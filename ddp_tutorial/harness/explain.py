@@ -321,16 +321,24 @@ def find_known(lines: list[str]) -> list[Hit]:
 
 
 def where_ranks_failed(lines: list[str]) -> dict[int, str]:
-    """Each rank's last frame of its own code, with its line ('train.py:52 in f: y = m(x)')."""
+    """Each rank's last frame of its own code, with its line ('train.py:52 in f: y = m(x)').
+
+    The code is the rank's next line indented as Python indents a frame's source; a line
+    another thread of the rank printed in between (torch's "Flight Recorder dumped to ...",
+    seen on a loaded host) is not it."""
     frames: dict[int, str] = {}
-    pending: dict[int, bool] = {}  # the rank's next line is the code of its last own frame
+    pending: dict[int, bool] = {}  # the rank's next indented line is its last own frame's code
     for line in lines:
         rank = rank_of(line)
         if rank is None:
             continue
         m = FRAME.search(line)
-        if m is None and pending.pop(rank, False):
-            code = RANK_PREFIX.sub("", line).strip()
+        if m is None and pending.get(rank, False):
+            text = RANK_PREFIX.sub("", line)
+            if not text.startswith("    "):  # not the frame's source: another thread's line
+                continue
+            del pending[rank]
+            code = text.strip()
             if code and not set(code) <= set("^~ "):
                 frames[rank] += f": {code}"
             continue
