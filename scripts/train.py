@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before init: see lesson 09 (torch <= 2.14)
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -289,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
+    except (kit.DivergedError, kit.CheckpointError) as exc:  # expected: a line, not a traceback
+        get_error_handler().record_exception(exc)  # torchrun's summary keeps the traceback
+        print(f"train.py: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         dist.destroy_process_group()  # on every exit path (seed 001 never calls it)
 

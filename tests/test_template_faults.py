@@ -52,8 +52,18 @@ def snapshot_steps(kit, folder: Path) -> list[int]:
     return [step for step, _ in kit.list_snapshots(folder)]
 
 
+def stops_with(template, argv: list[str], capsys, error: str, says: str) -> None:
+    """main() stops with exit 1 and one line naming ``error`` and saying ``says`` (an expected
+    stop: no traceback on the rank; torchrun's summary gets it from the error file)."""
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "Traceback" not in err, err[-3000:]
+    assert f"train.py: error: {error}: " in err and says in err, err[-3000:]
+
+
 def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
-    template, kit, tmp_path, one_rank, monkeypatch
+    template, kit, tmp_path, one_rank, monkeypatch, capsys
 ):
     """lr 1e12 on 4 steps an epoch: the periodic check (every 10 steps) never runs before the
     epoch's evaluation. The evaluation checks first: no best.pt of non-finite weights; then
@@ -73,8 +83,7 @@ def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
     argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1", "--lr", "1e12",
             "--warmup", "0", "--log-every", "1", "--clip-grad", "0", "--checkpoint-dir",
             str(tmp_path / "c"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
-    with pytest.raises(kit.DivergedError, match="stopped being finite at step"):
-        template.main(argv)
+    stops_with(template, argv, capsys, "DivergedError", "stopped being finite at step")
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "c" / "best.pt").exists(), "a diverged model was scored and kept"
     assert not snapshot_steps(kit, tmp_path / "c")
@@ -173,7 +182,8 @@ class Payload:
 
 
 @pytest.mark.parametrize("where", ["--pretrain", "a snapshot to resume"])
-def test_a_file_that_would_run_code_is_refused_not_run(template, kit, tmp_path, one_rank, where):
+def test_a_file_that_would_run_code_is_refused_not_run(template, kit, tmp_path, one_rank, where,
+                                                       capsys):  # fmt: skip
     marker, ckpt = tmp_path / "code-ran", tmp_path / "ckpt"
     ckpt.mkdir()
     evil = tmp_path / "evil.pt" if where == "--pretrain" else kit.snapshot_path(ckpt, 1)
@@ -182,8 +192,7 @@ def test_a_file_that_would_run_code_is_refused_not_run(template, kit, tmp_path, 
             "--checkpoint-dir", str(ckpt)]  # fmt: skip
     if where == "--pretrain":
         argv += ["--pretrain", str(evil)]
-    with pytest.raises(kit.CheckpointError, match="weights_only=True"):
-        template.main(argv)
+    stops_with(template, argv, capsys, "CheckpointError", "weights_only=True")
     assert not marker.exists(), "the file's code ran"
 
 
@@ -366,14 +375,14 @@ def test_a_damaged_newest_snapshot_is_passed_over_for_the_one_before(
     assert all(torch.equal(straight[k], resumed[k]) for k in straight), "the same run, bitwise"
 
 
-def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, tmp_path, one_rank):
+def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, tmp_path, one_rank,
+                                                                 capsys):  # fmt: skip
     """Nothing older to fall back to: the error, failed.json (a restart would repeat it), and
     the file left where it was."""
     argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
             "--checkpoint-dir", str(tmp_path)]  # fmt: skip
     template.main([*argv, "--max-steps", "2", "--save-every", "2"])
     _cut(kit.snapshot_path(tmp_path, 2))
-    with pytest.raises(kit.CheckpointError, match="truncated or corrupt"):
-        template.main(argv)
+    stops_with(template, argv, capsys, "CorruptCheckpointError", "truncated or corrupt")
     assert snapshot_steps(kit, tmp_path) == [2], "not renamed: nothing else to resume from"
     assert "truncated or corrupt" in json.loads((tmp_path / "failed.json").read_text())["error"]
