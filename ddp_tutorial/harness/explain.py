@@ -321,32 +321,25 @@ def find_known(lines: list[str]) -> list[Hit]:
 
 
 def where_ranks_failed(lines: list[str]) -> dict[int, str]:
-    """Each rank's last frame of its own code, with its line ('train.py:52 in f: y = m(x)').
-
-    The code is the rank's next line indented as Python indents a frame's source; a line
-    another thread of the rank printed in between (torch's "Flight Recorder dumped to ...",
-    seen on a loaded host) is not it."""
+    """Each rank's last frame of its own code, with its line ('train.py:52 in f: y = m(x)'):
+    the rank's next line indented as a frame's source (not a line another thread printed in
+    between, such as torch's "Flight Recorder dumped to ...", seen on a loaded host)."""
     frames: dict[int, str] = {}
-    pending: dict[int, bool] = {}  # the rank's next indented line is its last own frame's code
+    pending: set[int] = set()  # ranks whose next indented line is their last own frame's code
     for line in lines:
-        rank = rank_of(line)
-        if rank is None:
+        if (rank := rank_of(line)) is None:
             continue
-        m = FRAME.search(line)
-        if m is None and pending.get(rank, False):
-            text = RANK_PREFIX.sub("", line)
-            if not text.startswith("    "):  # not the frame's source: another thread's line
-                continue
-            del pending[rank]
-            code = text.strip()
-            if code and not set(code) <= set("^~ "):
-                frames[rank] += f": {code}"
-            continue
-        if m is None or LIBRARY.search(m["file"]):
-            pending.pop(rank, None)
-            continue
-        frames[rank] = f"{Path(m['file']).name}:{m['line']} in {m['func']}"
-        pending[rank] = True
+        m, text = FRAME.search(line), RANK_PREFIX.sub("", line)
+        if m is None and rank in pending:
+            if text.startswith("    "):  # else another thread's line, not the frame's source
+                pending.discard(rank)
+                if (code := text.strip()) and not set(code) <= set("^~ "):
+                    frames[rank] += f": {code}"
+        elif m is None or LIBRARY.search(m["file"]):
+            pending.discard(rank)
+        else:
+            frames[rank] = f"{Path(m['file']).name}:{m['line']} in {m['func']}"
+            pending.add(rank)
     return frames
 
 
@@ -402,9 +395,7 @@ def root_cause(text: str) -> str | None:
 def explain_log(text: str) -> str:
     """The report for one log: each known message with cause, fix and lesson; then where
     the ranks were. An empty string when nothing in the log is known."""
-    lines = text.splitlines()
-    hits = find_known(lines)
-    if not hits:
+    if not (hits := find_known(lines := text.splitlines())):
         return ""
     out = []
     for hit in hits:
