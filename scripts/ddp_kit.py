@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import signal
+import site
 import sys
 import time
 import uuid
@@ -706,6 +707,14 @@ def loader_generator(seed: int, rank: int, epoch: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(rank_seed(seed, rank, epoch, 1))
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` was imported from site-packages (found there from any folder)."""
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return file is not None and any(
+        Path(file).is_relative_to(folder) for folder in site.getsitepackages()
+    )
+
+
 def worker_context(
     num_workers: int, dataset: object = None
 ) -> multiprocessing.context.BaseContext | None:
@@ -715,18 +724,20 @@ def worker_context(
     of them holds a lock of the interpreter leaves the child stuck in ``os.fork()`` forever:
     on CPython 3.11 about 1 run in 50 of a two-worker job hung so on a loaded host, its rank
     waiting for the batch. The server is a fresh process that imports torch, this file and
-    the module of ``dataset``'s class once (torchvision's for an ImageFolder or CIFAR10), so
-    each worker still starts in milliseconds; a plain forkserver would import them in every
-    worker, at every epoch (about a second each for torchvision). The first call starts the
-    server: give it the training set. Each worker receives the dataset pickled: tensors
-    travel as shared memory, anything else (a list, a numpy array) is copied into every
-    worker."""
+    the installed package of ``dataset``'s class once (torchvision's for an ImageFolder or
+    CIFAR10), so each worker still starts in milliseconds; a plain forkserver would import
+    them in every worker, at every epoch (about a second each for torchvision). Your own
+    modules are not preloaded: the server looks names up in the folder it was started from,
+    not the script's (Python <= 3.13 ignores the path it is given), where a module of the
+    same name could stand. The first call starts the server: give it the training set. Each
+    worker receives the dataset pickled: tensors travel as shared memory, anything else (a
+    list, a numpy array) is copied into every worker."""
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
     wrapped = getattr(dataset, "dataset", None)  # a Subset's, a wrapper's own dataset
-    found = {type(d).__module__ for d in (dataset, wrapped) if d is not None} - {"__main__"}
-    context.set_forkserver_preload(["torch", __name__, *sorted(found)])
+    installed = [m for d in (dataset, wrapped) if _installed(m := type(d).__module__)]
+    context.set_forkserver_preload(["torch", __name__, *sorted(set(installed))])
     # A preemption signals the whole process group, the server too: killed, its workers
     # would end and fail the rank before it saves. Started with the signals blocked (a
     # mask kept through fork and exec), it ends with its rank instead. Its resource tracker

@@ -159,3 +159,22 @@ def test_workers_start_from_a_fork_server_that_outlives_a_preemption_signal(tmp_
     assert out.stdout.split() == ["forkserver", "True", "True"], out.stdout
     train = (SCRIPTS / "train.py").read_text()
     assert "multiprocessing_context=kit.worker_context(args.num_workers, train_set)" in train
+    # your own dataset module is not preloaded: the server would look its name up from the
+    # folder it started in (a module of that name on PYTHONPATH, here, shadows yours)
+    (folder / "mydata.py").write_text(
+        "import torch\nclass Squares(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 4\n    def __getitem__(self, i): return i * i\n"
+    )
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "mydata.py").write_text("raise SystemExit('the other mydata')\n")
+    (folder / "own.py").write_text(
+        "import ddp_kit, mydata\nfrom torch.utils.data import DataLoader\n"
+        "if __name__ == '__main__':\n    data = mydata.Squares()\n"
+        "    context = ddp_kit.worker_context(2, data)\n"
+        "    print(next(iter(DataLoader(data, 4, num_workers=2,"
+        " multiprocessing_context=context))).tolist())\n"
+    )
+    env["PYTHONPATH"] = f"{tmp_path / 'shadow'}{os.pathsep}{env['PYTHONPATH']}"
+    out = subprocess.run([sys.executable, str(folder / "own.py")], cwd=tmp_path, env=env,
+                         text=True, capture_output=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.split() == ["[0,", "1,", "4,", "9]"], out.stderr
