@@ -143,3 +143,14 @@ def test_the_html_leaves_out_the_setup_cell_and_lab_shows_it_collapsed(tmp_path)
     page = notebook_html(nb)
     assert "LESSON_CODE" in page
     assert SETUP_CELL.splitlines()[0][2:] not in page, "the setup cell is not in the HTML"
+
+
+def test_kernels_use_unix_sockets_unless_the_path_is_too_long_for_one(tmp_path):
+    """A deep TMPDIR (HPC, CI sandboxes) would make zmq fail "File name too long" and nbclient
+    hang in its cleanup (seen in a review): such a kernel stays on TCP."""
+    from pathlib import Path
+
+    from ddp_tutorial.harness.course import local_kernel
+
+    assert local_kernel(Path("/tmp/k")).transport == "ipc"  # nothing is created
+    assert local_kernel(tmp_path / ("x" * 80)).transport == "tcp"

@@ -102,10 +102,16 @@ def _failing_cell(nb: nbformat.NotebookNode) -> int | None:
     return None
 
 
+SOCKET_PATH_MAX = 100  # bytes in a Unix socket's path: 107 on Linux, 103 on macOS
+
+
 def local_kernel(sockets: Path) -> KernelManager:
     """A kernel on this interpreter that talks over Unix sockets in ``sockets`` (a private
     folder): nothing listens on a TCP port, and ipykernel (>= 7.4) has no plain-text TCP to
-    warn about at every lesson of `make run`."""
+    warn about at every lesson of `make run`. Under a deep TMPDIR (a socket path too long:
+    zmq fails and nbclient then waits forever) it stays on TCP."""
+    if len(os.fsencode(sockets / "kernel-99")) > SOCKET_PATH_MAX:
+        return KernelManager(kernel_spec_manager=_ThisInterpreter())
     return KernelManager(
         kernel_spec_manager=_ThisInterpreter(), transport="ipc", ip=str(sockets / "kernel")
     )
