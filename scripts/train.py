@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
@@ -290,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
     except (kit.DivergedError, kit.CheckpointError) as exc:  # expected: a line, not a traceback
-        get_error_handler().record_exception(exc)  # torchrun's summary keeps the traceback
-        print(f"train.py: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        get_error_handler().record_exception(exc)  # torchrun's summary shows the traceback
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # plain python: no summary, print it
+            traceback.print_exc()
+        print(f"[rank{rank}]: train.py: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)
     finally:
         dist.destroy_process_group()  # on every exit path (seed 001 never calls it)

@@ -52,14 +52,20 @@ def snapshot_steps(kit, folder: Path) -> list[int]:
     return [step for step, _ in kit.list_snapshots(folder)]
 
 
-def stops_with(template, argv: list[str], capsys, error: str, says: str) -> None:
+def stops_with(template, argv: list[str], capsys, error: str, says: str, error_file=None) -> None:
     """main() stops with exit 1 and one line naming ``error`` and saying ``says`` (an expected
-    stop: no traceback on the rank; torchrun's summary gets it from the error file)."""
+    stop). Under torchrun (``error_file``: its TORCHELASTIC_ERROR_FILE) the traceback goes to
+    that file, for torchrun's summary, not to the rank's output; with plain python, no
+    summary: it is printed."""
     with pytest.raises(SystemExit) as stopped:
         template.main(argv)
     err = capsys.readouterr().err
-    assert stopped.value.code == 1 and "Traceback" not in err, err[-3000:]
-    assert f"train.py: error: {error}: " in err and says in err, err[-3000:]
+    assert stopped.value.code == 1 and f"[rank0]: train.py: error: {error}: " in err, err[-3000:]
+    assert says in err and ("Traceback" in err) == (error_file is None), err[-3000:]
+    if error_file is not None:
+        recorded = json.loads(error_file.read_text())["message"]
+        assert recorded["message"].startswith(f"{error}: ") and says in recorded["message"]
+        assert "Traceback" in recorded["extraInfo"]["py_callstack"], recorded
 
 
 def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
@@ -83,7 +89,10 @@ def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
     argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1", "--lr", "1e12",
             "--warmup", "0", "--log-every", "1", "--clip-grad", "0", "--checkpoint-dir",
             str(tmp_path / "c"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
-    stops_with(template, argv, capsys, "DivergedError", "stopped being finite at step")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # torchrun's
+    stops_with(template, argv, capsys, "DivergedError", "stopped being finite at step",
+               error_file=tmp_path / "error.json")  # fmt: skip
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "c" / "best.pt").exists(), "a diverged model was scored and kept"
     assert not snapshot_steps(kit, tmp_path / "c")
