@@ -14,14 +14,8 @@ import io
 import pytest
 
 from conftest import REPO
-from ddp_tutorial.harness.explain import (
-    KNOWN,
-    explain_log,
-    keys,
-    lagging_ranks,
-    main,
-    where_ranks_failed,
-)
+from ddp_tutorial.harness.explain import KNOWN, explain_log, keys, main
+from ddp_tutorial.harness.rank_lines import lagging_ranks, where_ranks_failed
 
 # The watchdog's lines as torch's ProcessGroupNCCL writes them (torchrun adds "[rankN]:"),
 # for 4 ranks of which rank 2 never called the 12th collective. No GPU here to capture one:
@@ -112,6 +106,29 @@ def test_where_each_rank_failed_is_its_last_line_of_its_own_code():
         1: "train.py:60 in train: dist.barrier()",
     }
     assert "different lines: the ranks took different paths" in explain_log(log)
+
+
+def test_a_frame_without_source_and_an_exception_group_are_read_as_python_prints_them():
+    # Python 3.11's own output: rank 0's last own frame has no source line (code compiled
+    # from a string) and its message goes on over an indented line; rank 1 raised an
+    # ExceptionGroup, whose frames are drawn behind "|".
+    log = """[rank0]:   File "/job/train.py", line 6, in <module>
+[rank0]:     ns["train"]((3, 4))
+[rank0]:   File "/job/generated.py", line 2, in train
+[rank0]: ValueError: bad batch
+[rank0]:     shape (3, 4)
+[rank1]:   + Exception Group Traceback (most recent call last):
+[rank1]:   |   File "/job/train.py", line 12, in <module>
+[rank1]:   |     worker()
+[rank1]:   |   File "/job/train.py", line 10, in worker
+[rank1]:   |     raise ExceptionGroup("ranks", [RuntimeError("gloo timed out")])
+[rank1]:   | ExceptionGroup: ranks (1 sub-exception)
+[rank1]:   +-+---------------- 1 ----------------
+[rank1]:     | RuntimeError: gloo timed out"""
+    assert where_ranks_failed(log.splitlines()) == {
+        0: "generated.py:2 in train",
+        1: 'train.py:10 in worker: raise ExceptionGroup("ranks", [RuntimeError("gloo timed out")])',
+    }
 
 
 @pytest.mark.parametrize("known", KNOWN, ids=lambda k: k.key)
