@@ -735,9 +735,11 @@ def worker_context(
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
-    wrapped = getattr(dataset, "dataset", None)  # a Subset's, a wrapper's own dataset
-    installed = [m for d in (dataset, wrapped) if _installed(m := type(d).__module__)]
-    context.set_forkserver_preload(["torch", __name__, *sorted(set(installed))])
+    layers = [dataset]  # and a Subset's, a split's, a wrapper's own dataset, all the way in
+    while (inner := getattr(layers[-1], "dataset", None)) is not None and len(layers) < 10:
+        layers.append(inner)
+    installed = {m for d in layers if _installed(m := type(d).__module__)}
+    context.set_forkserver_preload(["torch", __name__, *sorted(installed)])
     # A preemption signals the whole process group, the server too: killed, its workers
     # would end and fail the rank before it saves. Started with the signals blocked (a
     # mask kept through fork and exec), it ends with its rank instead. Its resource tracker

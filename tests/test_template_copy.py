@@ -144,7 +144,8 @@ def test_workers_start_from_a_fork_server_that_outlives_a_preemption_signal(tmp_
         "import signal, ddp_kit, multiprocessing.forkserver as fs\n"
         "assert ddp_kit.worker_context(0) is None\n"
         f"train, _, _ = ddp_kit.image_folder({str(images)!r}, 8)\n"
-        "context = ddp_kit.worker_context(2, train)\n"
+        "from torch.utils.data import Subset, random_split\n"  # a split, then a subset of it
+        "context = ddp_kit.worker_context(2, Subset(random_split(train, [0.5, 0.5])[0], [0, 1]))\n"
         "print(context.get_start_method())\n"
         "from torch.utils.data import DataLoader\n"  # a batch: the server has preloaded
         "next(iter(DataLoader(train, 2, num_workers=2, multiprocessing_context=context)))\n"
