@@ -111,6 +111,14 @@ CASES = register(
         Case(F1, "classes-nobody-has-left-out", "the mean over the classes that occur",
              edits=(("score = per_class.mean().item()",
                      "score = per_class[(2 * tp + fp + fn) > 0].mean().item()"),)),
+        # from a seventh learner review: FN counted as FP (macro precision); the last class
+        # left out of the loop - both passed while every class had FP == FN and the class on
+        # no rank was the last one
+        Case(F1, "fn-counted-as-fp", "the macro precision",
+             edits=(("counts[2, c] = ((pred != c) & (target == c)).sum()  # FN",
+                     "counts[2, c] = ((pred == c) & (target != c)).sum()  # FN"),)),
+        Case(F1, "last-class-left-out", "the loop must go over range(num_classes)",
+             edits=(("    for c in range(num_classes):", "    for c in range(num_classes - 1):"),)),
         Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw",
              edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
                      "seen = int(max(pred.max(), target.max())) + 1  # the classes this rank saw\n"

@@ -126,6 +126,18 @@ CASES = register(
         Case(BUFFERS, "divided-before-the-wait", "before the .wait()",
              edits=((LOOP, ASYNC_LOOP), (WAITS + DIVIDE, DIVIDE + WAITS))),
         Case(BUFFERS, "async-all-then-wait-then-divide", None, edits=((LOOP, ASYNC_LOOP),)),
+        # from a seventh learner review: waited through futures (right); AVG, then divided
+        Case(BUFFERS, "waited-through-futures", None,
+             edits=((LOOP, ASYNC_LOOP.replace(
+                 WAITS, "    torch.futures.wait_all([w.get_future() for w in works])\n")),
+                 ("import torch.distributed as dist\n",
+                  "import torch\nimport torch.distributed as dist\n"))),
+        Case(BUFFERS, "futures-taken-never-waited", "never waited on",
+             edits=((LOOP, ASYNC_LOOP.replace(
+                 WAITS, "    futures = [w.get_future() for w in works]  # and nothing waits\n")),)),
+        Case(BUFFERS, "averaged-twice", "averaged twice",
+             edits=(("            dist.all_reduce(buffer)  #",
+                     "            dist.all_reduce(buffer, op=dist.ReduceOp.AVG)  #"),)),
     ]
 )  # fmt: skip
 

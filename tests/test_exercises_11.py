@@ -40,6 +40,11 @@ CASES = register([
     Case(AMP, "loss-divided-by-the-world-size-too", "divided once too often",
          edits=(("            to_backward = scaler.scale(loss)",
                  "            to_backward = scaler.scale(loss / 2)"),)),
+    # from a seventh learner review: each named for what it is, not for float16's rounding
+    Case(AMP, "loss-divided-by-accum-twice", "divided by accum twice",
+         edits=(("scaler.scale(loss)  #", "scaler.scale(loss / accum)  #"),)),
+    Case(AMP, "loss-divided-by-len-x", "divided by len(x) too",
+         edits=(("scaler.scale(loss)  #", "scaler.scale(loss / len(x))  #"),)),
     Case(AMP, "clipped-without-unscale", "scaler.unscale_(optimizer) before clipping",
          edits=(("    scaler.step(optimizer)  #",
                  "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"

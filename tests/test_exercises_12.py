@@ -90,6 +90,19 @@ CASES = register(
              edits=(("            work.wait()\n            flat /= self.world_size\n",
                      "            flat /= self.world_size\n            work.wait()\n"),)),
         # from a third learner review
+        # from a seventh learner review: `>` for `>=` (a bucket of exactly the cap exists)
+        Case(BUCKETS, "closed-above-the-cap", "holds at least bucket_cap_bytes",
+             edits=(("            if size >= bucket_cap_bytes:",
+                     "            if size > bucket_cap_bytes:"),)),
+        Case(BUCKETS, "flattened-the-weights", "not of their gradients",
+             edits=(("flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])",
+                     "flat = torch.cat([p.flatten() for p in self.buckets[i]])"),)),
+        Case(BUCKETS, "offset-never-advanced", "advance the offset by p.numel()",
+             edits=(("                offset += p.numel()\n", ""),)),
+        Case(BUCKETS, "waited-through-futures", None,  # right: lesson 11's futures
+             edits=(("        for work, flat, params in self.pending:\n            work.wait()\n",
+                     "        torch.futures.wait_all([work.get_future() for work, _, _ in "
+                     "self.pending])\n        for work, flat, params in self.pending:\n"),)),
         Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
              edits=(("        for p in model.parameters():\n"
                      "            p.register_post_accumulate_grad_hook(self._grad_ready)\n",
@@ -149,6 +162,8 @@ def test_the_buckets_asked_for_are_ddps():
     )
     assert want == [[order[j] for j in bucket] for bucket in torchs]
     assert 1 < len(want) < len(params), "the check's MLP must have several buckets, not one each"
+    closed_above = [[7, 6, 5, 4], [3, 2, 1], [0]]  # a bucket closed once it holds MORE than the cap
+    assert want != closed_above and sum(nbytes[i] for i in want[1]) == lesson12.BUCKET_CAP_BYTES
 
 
 def test_only_a_gross_slowdown_fails_and_it_is_named(tmp_path):

@@ -180,13 +180,16 @@ def judge_accuracy(records: list[Record]) -> str | None:
 
 
 # 02_macro_f1: each rank's shard of predictions and labels (4 classes). The shards differ in
-# size and class mix: class 2 is never predicted or labelled on rank 1, so its F1 there is 0/0,
-# and class 3 is on no rank at all: it scores 0 and still counts in the mean.
+# size and class mix: class 3 is never predicted or labelled on rank 1, so its F1 there is 0/0;
+# class 2 is on no rank at all: it scores 0 and still counts in the mean. A class that is not
+# the last is the absent one, and class 3's FP and FN differ (0 and 1), so that a loop that
+# misses the last class, or precision or recall in F1's place, is seen.
 SHARDS = (
-    ([0, 0, 1, 2, 2, 1, 0, 2], [0, 1, 1, 2, 2, 2, 0, 0]),
+    ([0, 0, 0, 3, 3, 1, 0, 1], [0, 1, 1, 3, 3, 3, 0, 0]),
     ([1, 0, 1, 1, 0], [1, 0, 0, 1, 1]),
 )
 CLASSES = 4
+ABSENT = 2  # the class on no rank
 F1_TOL = 1e-6  # float32 arithmetic (int64 counts divided) is right too
 
 
@@ -234,11 +237,7 @@ def judge_f1(records: list[Record]) -> str | None:
     every = f1_counts([p for s in shards for p in s[0]], [t for s in shards for t in s[1]])
     truth = f1_of(every)
     own = [f1_of(f1_counts(*s)) for s in shards]
-    wrong = {
-        "mean": sum(own) / n,
-        "micro": f1_of(every, macro=False),
-        "present": f1_of(every, present_only=True),
-    }
+    wrong = _wrong_f1s(every, sum(own) / n)
     if "reduce" in records[0]["calls"] and "all_reduce" not in records[0]["calls"]:
         return ("dist.reduce leaves the added counts on its dst rank only; every rank must "
                 "return the F1 - dist.all_reduce the counts")  # fmt: skip
@@ -251,19 +250,13 @@ def judge_f1(records: list[Record]) -> str | None:
         if abs(got - truth) < F1_TOL:
             continue
         if got != got:  # nan
-            return (f"rank {rank} returned nan: class {CLASSES - 1} is on no rank, and 0 / 0 is "
+            return (f"rank {rank} returned nan: class {ABSENT} is on no rank, and 0 / 0 is "
                     "nan - a class with 2·TP + FP + FN = 0 scores 0 (divide by the denominator "
                     "clamped to at least 1)")  # fmt: skip
         if right and abs(own[rank] - got) >= F1_TOL:
             return (f"rank {rank} returned {got:.4f}, rank {right[0]} the F1 of the whole set: "
                     "every rank must compute it from the added counts (is the score under an "
                     "`if rank == 0`?)")  # fmt: skip
-        if abs(got - wrong["mean"]) < F1_TOL:
-            return (
-                f"rank {rank} returned {got:.4f}, the mean of the ranks' own F1s; the F1 of the "
-                f"whole set is {truth:.4f}: F1 is not a sum - all_reduce the per-class TP, FP, FN "
-                "counts, then compute F1 once from the totals"
-            )
         if abs(got - own[rank]) < F1_TOL and rec.get("async"):
             return (f"rank {rank} returned {got:.4f}, the F1 of its own shard, though it called "
                     "all_reduce(..., async_op=True): the counts were read before the .wait() "
@@ -274,19 +267,32 @@ def judge_f1(records: list[Record]) -> str | None:
                 f"rank {rank} returned {got:.4f}, the F1 of its own shard only: add the ranks' "
                 "per-class TP, FP, FN counts (dist.all_reduce) before computing F1"
             )
-        if abs(got - wrong["present"]) < F1_TOL:
-            return (
-                f"rank {rank} returned {got:.4f}, the mean over the classes that occur; a class "
-                "nobody predicted or labelled (2·TP + FP + FN = 0) scores 0 and still counts: "
-                f"the mean over all num_classes, {truth:.4f}"
-            )
-        if abs(got - wrong["micro"]) < F1_TOL:
-            return (
-                f"rank {rank} returned {got:.4f}, the micro F1 (counts summed over classes "
-                f"first); macro F1 is the mean of the per-class F1s: {truth:.4f}"
-            )
+        for value, what in wrong:
+            if abs(got - value) < F1_TOL:
+                return f"rank {rank} returned {got:.4f}, {what}; the macro F1 is {truth:.4f}"
         return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth!r}"
     return None
+
+
+def _wrong_f1s(every: torch.Tensor, mean_of_own: float) -> list[tuple[float, str]]:
+    """The numbers plausible mistakes return, each with its name (checked in this order)."""
+    tp, fp, fn = every
+    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)
+    return [
+        (mean_of_own, "the mean of the ranks' own F1s: F1 is not a sum - all_reduce the "
+         "per-class TP, FP, FN counts, then compute F1 once from the totals"),
+        (f1_of(every, present_only=True), "the mean over the classes that occur; a class nobody "
+         "predicted or labelled (2·TP + FP + FN = 0) scores 0 and still counts: the mean is over "
+         "all num_classes"),
+        (f1_of(every, macro=False), "the micro F1 (counts summed over classes first); macro F1 "
+         "is the mean of the per-class F1s"),
+        ((tp / (tp + fp).clamp(min=1)).mean().item(), "the macro precision, TP / (TP + FP) (is "
+         "FN counted as FP: (pred != c) & (target == c)?); F1 = 2·TP / (2·TP + FP + FN)"),
+        ((tp / (tp + fn).clamp(min=1)).mean().item(), "the macro recall, TP / (TP + FN) (is FP "
+         "counted as FN: (pred == c) & (target != c)?); F1 = 2·TP / (2·TP + FP + FN)"),
+        (per_class[:-1].sum().item() / CLASSES, f"as if the last class ({CLASSES - 1}) were "
+         "never counted: the loop must go over range(num_classes), every class"),
+    ]  # fmt: skip
 
 
 _COUNTS_ERRORS = (

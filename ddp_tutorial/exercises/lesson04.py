@@ -298,9 +298,35 @@ def _raced(records: list[Record]) -> str | None:
     return None
 
 
+def _judge_means(records: list[Record], stats: list[str]) -> str | None:
+    """Each statistic, the same on every rank: the mean over the ranks, or which wrong one."""
+    T, n = torch.tensor, len(records)
+    for name in stats:
+        before = torch.stack([T(r["before"][name]["values"]) for r in records])
+        after = T(records[0]["after"][name]["values"])
+        if torch.allclose(after, before.mean(0), rtol=1e-5, atol=1e-6):
+            continue
+        if torch.allclose(after, before[0], rtol=1e-6, atol=1e-7):
+            return (f"{name} is rank 0's on every rank (a broadcast): the same everywhere, but "
+                    "computed from rank 0's batches alone - average over the ranks (all_reduce, "
+                    "then divide by the world size), which all ranks' data go into")  # fmt: skip
+        if torch.allclose(after, before.sum(0), rtol=1e-5, atol=1e-6):
+            return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
+                    "world size for the mean, in place (buffer /= world): `buffer = buffer / "
+                    "world` makes a new tensor, which the model never sees")  # fmt: skip
+        if torch.allclose(after, before.mean(0) / n, rtol=1e-5, atol=1e-6):
+            return (f"{name} is the mean over the ranks divided by {n} again: averaged twice - "
+                    "ReduceOp.AVG divides already; with it, no `buffer /= world` (or SUM, then "
+                    "divide once)")  # fmt: skip
+        pooled = " (not a pooled variance: each statistic as it is)" if "var" in name else ""
+        return (f"{name} is the same on every rank but neither the mean over the ranks nor "
+                f"rank 0's: the plain mean of each buffer{pooled} - all_reduce (SUM), wait if "
+                "async, then divide by the world size")  # fmt: skip
+    return None
+
+
 def judge_buffers(records: list[Record]) -> str | None:
     T = torch.tensor
-    n = len(records)
     names = list(records[0]["before"])
     stats = [k for k in names if not k.endswith("num_batches_tracked")]
     if all(r["after"] == r["before"] for r in records):
@@ -334,23 +360,9 @@ def judge_buffers(records: list[Record]) -> str | None:
             "every BatchNorm statistic of every layer must be made the same - running_mean "
             "and running_var (loop over model.buffers() or named_buffers())"
         )
-    for name in stats:
-        before = torch.stack([T(r["before"][name]["values"]) for r in records])
-        after = T(records[0]["after"][name]["values"])
-        if torch.allclose(after, before.mean(0), rtol=1e-5, atol=1e-6):
-            continue
-        if torch.allclose(after, before[0], rtol=1e-6, atol=1e-7):
-            return (f"{name} is rank 0's on every rank (a broadcast): the same everywhere, but "
-                    "computed from rank 0's batches alone - average over the ranks (all_reduce, "
-                    "then divide by the world size), which all ranks' data go into")  # fmt: skip
-        if torch.allclose(after, before.sum(0), rtol=1e-5, atol=1e-6):
-            return (f"{name} is the sum over the {n} ranks: all_reduce adds, so divide by the "
-                    "world size for the mean, in place (buffer /= world): `buffer = buffer / "
-                    "world` makes a new tensor, which the model never sees")  # fmt: skip
-        pooled = " (not a pooled variance: each statistic as it is)" if "var" in name else ""
-        return (f"{name} is the same on every rank but neither the mean over the ranks nor "
-                f"rank 0's: the plain mean of each buffer{pooled} - all_reduce (SUM), wait if "
-                "async, then divide by the world size")  # fmt: skip
+    mistake = _judge_means(records, stats)
+    if mistake:
+        return mistake
     if not all(r["params_unchanged"] for r in records):
         return ("the parameters changed: only the buffers should - DDP keeps the parameters "
                 "equal already")  # fmt: skip

@@ -33,6 +33,9 @@ AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale;
 # step 0: 4 micro-batches in float16; step 1 (an inf, skipped): 2 in bfloat16 - an answer that
 # fits one call (no_sync on micro-batch 0 alone, float16 whatever the dtype) shows in the other
 AMP_MICRO, AMP_DTYPES = (4, 2), (torch.float16, torch.bfloat16)
+# samples per rank and step: micro-batches of 3 and 6, so that a loss divided by len(x) (3) is
+# not taken for one divided by the world size (2)
+AMP_PER_RANK = 12
 
 STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
@@ -179,11 +182,9 @@ def judge_hook(records: list[Record]) -> str | None:
 
 
 def amp_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s global batch: 8 samples per rank."""
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8 * world_size, 16, generator=g), torch.randint(
-        0, 4, (8 * world_size,), generator=g
-    )
+    """Step ``step``'s global batch: AMP_PER_RANK samples per rank."""
+    g, n = torch.Generator().manual_seed(100 + step), AMP_PER_RANK * world_size
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
 def amp_model() -> nn.Module:
@@ -249,7 +250,7 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
 
     def step(n: int) -> None:
         x, y = amp_batch(n, ctx.world_size)
-        mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))
+        mine = slice(AMP_PER_RANK * ctx.rank, AMP_PER_RANK * (ctx.rank + 1))
         k = AMP_MICRO[n]
         micro = list(zip(x[mine].chunk(k), y[mine].chunk(k), strict=True))
         watch.reset()
@@ -348,6 +349,14 @@ def _judge_step(rec: Record) -> str | None:
     if abs(rec["ratio"] / AMP_MICRO[0] - 1) < 0.1:
         return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: "
                 "divide each micro-batch's loss by their number (accum)")  # fmt: skip
+    if abs(rec["ratio"] * AMP_MICRO[0] - 1) < 0.1:
+        return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: the loss "
+                "was divided by accum twice - the loop divides it already (`loss / accum`, "
+                "above your lines): scale that loss as it is")  # fmt: skip
+    if abs(rec["ratio"] * AMP_PER_RANK / AMP_MICRO[0] - 1) < 0.1:
+        return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: the loss "
+                "was divided by len(x) too - cross_entropy averages over the micro-batch's "
+                "samples already (reduction='mean'): divide by accum only")  # fmt: skip
     if abs(rec["ratio"] * 2 - 1) < 0.1:
         return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: the loss "
                 "was divided once too often - by accum only (DDP averages over the ranks "

@@ -20,6 +20,7 @@ from ddp_tutorial.exercises.lesson12 import (
     GROSS_SLOWDOWN,
     HOOKED_TWICE,
     STEPS,
+    TOL,
     judge_start,
     judge_weights,
     run_mine,
@@ -147,6 +148,22 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
     return None
 
 
+def _flat_mistakes(records: list[Record]) -> str | None:
+    """A bucket flattened from the wrong tensors, or copied back from the wrong place."""
+    for rank, rec in enumerate(records):
+        targets = [e["target"] for e in rec["events"] if e["kind"] == "all_reduce"]
+        if any(t.startswith("param values") for t in targets):
+            return (f"rank {rank} all_reduced a flat tensor of the parameters' values, not of "
+                    "their gradients: flatten p.grad (torch.cat([p.grad.flatten() ...])), not "
+                    'p (lesson 12, "Your turn")')  # fmt: skip
+        if rec.get("same_front") and rec["from_ddp"] > TOL:
+            return (f"on rank {rank}, gradients of one bucket all begin with the same numbers: "
+                    "each was copied from the front of the bucket's flat tensor - advance the "
+                    "offset by p.numel() after each copy, so that each parameter gets its own "
+                    'slice (lesson 12, "Your turn")')  # fmt: skip
+    return None
+
+
 def judge_buckets(records: list[Record]) -> str | None:
     mistake = judge_start(records)
     if mistake:
@@ -167,6 +184,9 @@ def judge_buckets(records: list[Record]) -> str | None:
                     "all_reduce(..., async_op=True) and before its work.wait(): gloo reads and "
                     "writes it in the background, so the sum depends on which came first - "
                     'wait, then divide and copy back (lesson 12, "Your turn")')  # fmt: skip
+    mistake = _flat_mistakes(records)
+    if mistake:
+        return mistake
     mistake = judge_weights(records, hint=READ_AFTER_WAIT)
     if mistake:
         return mistake

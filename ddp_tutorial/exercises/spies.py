@@ -38,12 +38,21 @@ class NotedWork:
         self._version = None if tensor is None else tensor._version
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.note_wait()
+        return self._work.wait(*args, **kwargs)
+
+    def note_wait(self) -> None:
+        """A wait on this Work, or on its future (``get_future()``: lesson 11's hooks)."""
         touched = self._tensor is not None and self._tensor._version != self._version
         if touched and not self._waited and self._on_touch is not None:
             self._on_touch()
         self._waited = True
         self._on_wait()
-        return self._work.wait(*args, **kwargs)
+
+    def get_future(self) -> torch.futures.Future:
+        future = self._work.get_future()
+        _FUTURES[id(future)] = (future, [self])
+        return future
 
     def __del__(self) -> None:
         if not self._waited and self._on_drop is not None:
@@ -51,6 +60,61 @@ class NotedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+# A future a NotedWork handed out (or one made from it: collect_all, then) -> the Works that a
+# wait on it waits for. torch's futures are C++ objects: their wait() is patched while a spy
+# is on, and torch.futures.wait_all / collect_all are (they call torch._C directly).
+_FUTURES: dict[int, tuple[Any, list[NotedWork]]] = {}
+_PATCHED: list[int] = [0]  # nested spies patch the futures once
+
+
+def _works(futures: Any) -> list[NotedWork]:
+    return [w for f in futures for w in _FUTURES.get(id(f), (None, []))[1]]
+
+
+@contextmanager
+def _futures_noted() -> Iterator[None]:
+    """While a spy is on: a wait on a future of a NotedWork is a wait on the Work."""
+    if _PATCHED[0]:
+        yield
+        return
+    cls, futures = torch._C.Future, torch.futures
+    reals = {"wait": cls.wait, "then": cls.then, "wait_all": futures.wait_all,
+             "collect_all": futures.collect_all}  # fmt: skip
+
+    def wait(future: Any) -> Any:
+        for work in _works([future]):
+            work.note_wait()
+        return reals["wait"](future)
+
+    def derived(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(first: Any, *args: Any, **kwargs: Any) -> Any:
+            made = real(first, *args, **kwargs)
+            if works := _works(first if isinstance(first, list | tuple) else [first]):
+                _FUTURES[id(made)] = (made, works)
+            return made
+
+        return call
+
+    def wait_all(futures_: list[Any]) -> list[Any]:
+        for work in _works(futures_):
+            work.note_wait()
+        return reals["wait_all"](futures_)
+
+    patches = [(cls, "wait", wait), (cls, "then", derived(reals["then"])),
+               (futures, "collect_all", derived(reals["collect_all"])),
+               (futures, "wait_all", wait_all)]  # fmt: skip
+    _PATCHED[0] = 1
+    for place, attr, value in patches:
+        setattr(place, attr, value)
+    try:
+        yield
+    finally:
+        for place, attr, _ in patches:
+            setattr(place, attr, reals[attr])
+        _PATCHED[0] = 0
+        _FUTURES.clear()
 
 
 def watchable(tensor: Any) -> bool:
@@ -108,7 +172,8 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
     for place, attr, name in places:
         setattr(place, attr, spies[name])
     try:
-        yield
+        with _futures_noted():
+            yield
     finally:
         for place, attr, name in places:
             setattr(place, attr, reals[name])

@@ -28,19 +28,27 @@ class Trace:
         self.events: list[dict[str, Any]] = []
         self.unwaited: set[int] = set()
         self.touched: list[str] = []  # an async call's tensor changed in place before its wait
+        self.same_front = False  # two gradients of one bucket began with the same numbers
 
     def add(self, kind: str, **info: Any) -> None:
         self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
 
     def target(self, tensor: torch.Tensor) -> str:
         """What an all_reduce was given: ``grad i`` or ``param i`` (the model's i-th parameter,
-        by its memory), else ``other`` (a bucket's flat buffer, a copy)."""
+        by its memory), ``param values i`` (a tensor of its own that begins with that
+        parameter's numbers: a bucket flattened from the weights, not from their gradients),
+        else ``other`` (a bucket's flat buffer, a copy)."""
         ptr = tensor.data_ptr()
         for i, p in enumerate(self.params):
             if ptr == p.data_ptr():
                 return f"param {i}"
             if p.grad is not None and ptr == p.grad.data_ptr():
                 return f"grad {i}"
+        flat = tensor.detach().reshape(-1)
+        for i, p in enumerate(self.params):
+            k = min(flat.numel(), p.numel())
+            if k and torch.equal(flat[:k], p.detach().reshape(-1)[:k].to(flat.dtype)):
+                return f"param values {i}"
         return "other"
 
 
