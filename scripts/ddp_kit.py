@@ -46,7 +46,7 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
 TEMP_SUFFIX = ".tmp"
 FORMAT_VERSION = 1
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)\.pt$")
-SCHEDULE_FLAGS = ("epochs", "batch_size", "grad_accum", "lr", "warmup", "optimizer")
+SCHEDULE_FLAGS = ("epochs", "batch_size", "grad_accum", "lr", "warmup")
 MODEL_NAMES = ("mlp", "cnn", "resnet18")
 DATA_KINDS = ("synthetic", "folder", "cifar10")
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -213,6 +213,11 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
         what = "is a directory, not a file" if path.is_dir() else "does not exist."
         raise CheckpointError(f"checkpoint {path} {what}{hint}")
     size = path.stat().st_size
+    with open(path, "rb") as f:  # torch.save writes a zip ("PK"); torch < 1.6 a pickle (0x80),
+        head = f.read(512)  # and the first releases a tar ("ustar" at 257)
+    if head and not head.startswith((b"PK", b"\x80")) and head[257:262] != b"ustar":
+        what = "zeros" if not head.strip(b"\0") else f"bytes {head[:4]!r}"
+        raise _corrupt(path, size, f"not a file torch.save writes: it begins with {what}")
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
@@ -234,7 +239,7 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
             f"checkpoint {path} is empty ({size} bytes): the writer was killed "
             f"right after opening it, or it is still being written"
         ) from None
-    except (RuntimeError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+    except (RuntimeError, KeyError, ValueError, IndexError, zipfile.BadZipFile) as exc:
         text = str(exc)
         if "deserialize object on a CUDA device" in text or (
             "CUDA" in text and "is_available" in text
@@ -253,7 +258,7 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
         if (
             "PytorchStreamReader" in text
             or "does not match expected size" in text
-            or isinstance(exc, KeyError | zipfile.BadZipFile)
+            or isinstance(exc, KeyError | IndexError | zipfile.BadZipFile)
         ):
             raise _corrupt(path, size, _first_line(text) or type(exc).__name__) from None
         raise CheckpointError(f"cannot load checkpoint {path}: {_first_line(text)}") from None
@@ -603,11 +608,14 @@ def load_resume_point(
     raise (CorruptCheckpointError if kind == 1 else CheckpointError)(message)
 
 
-def schedule_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """``["--epochs 3 -> 5", ...]``: flags of a resume that move the LR schedule under it."""
+def schedule_changes(
+    saved: Mapping[str, Any], now: Mapping[str, Any], flags: tuple[str, ...] = SCHEDULE_FLAGS
+) -> list[str]:
+    """``["--epochs 3 -> 5", ...]``: flags of a resume that move the LR schedule under it (or
+    others among ``flags``) since the snapshot's run."""
     return [
         f"--{k.replace('_', '-')} {saved[k]} -> {now.get(k)}"
-        for k in SCHEDULE_FLAGS
+        for k in flags
         if k in saved and saved[k] != now.get(k)
     ]
 
@@ -1478,13 +1486,15 @@ class TrainLog:
     norm, training samples/s (evaluating and saving paused), GPU memory; TensorBoard.
 
     ``sums`` is the loop's own ``[loss sum, steps]`` tensor: the window is what it gained
-    since the last line (or the epoch's start), so a step costs the log nothing but a
-    modulo; a line costs an all_reduce of 2 numbers and a host sync, on every rank."""
+    since the last line (the loop zeroes it at each epoch's end, after :meth:`epoch_end`:
+    a window that spans the end keeps the old epoch's last steps), so a step costs the log
+    nothing but a modulo; a line costs an all_reduce of 2 numbers and a host sync."""
 
     def __init__(self, rank: int, every: int, global_batch: int, directory: str | None = None,
                  sums: torch.Tensor | None = None):  # fmt: skip
         self.main, self.every, self.global_batch = rank == 0, every, global_batch
         self.mark = sums.detach().clone() if sums is not None else torch.zeros(2)
+        self.carry = torch.zeros_like(self.mark)  # the last epoch's steps since the last line
         self.seconds, self.steps, self.last = 0.0, 0, time.perf_counter()
         self.writer: Any = None
         if directory and self.main:
@@ -1499,14 +1509,18 @@ class TrainLog:
     def resume(self) -> None:
         self.last = time.perf_counter()
 
+    def epoch_end(self, sums: torch.Tensor) -> None:
+        """Before the loop zeroes ``sums`` for a new epoch: keep what the window has so far."""
+        self.carry = self.carry.to(sums.device) + sums.detach() - self.mark.to(sums.device)
+        self.mark = torch.zeros_like(self.carry)
+
     def step(self, step: int, sums: torch.Tensor, lr: float, norm: torch.Tensor | None) -> None:
         """After optimizer step ``step``; when due, call it on EVERY rank (an all_reduce)."""
         self.steps += 1
         if step % self.every:
             return
-        mark = self.mark.to(sums.device)
-        window = sums.detach() - (mark if mark[1] <= sums[1] else 0)  # zeroed: a new epoch
-        self.mark = sums.detach().clone()
+        window = self.carry.to(sums.device) + sums.detach() - self.mark.to(sums.device)
+        self.mark, self.carry = sums.detach().clone(), torch.zeros_like(window)
         if group_active():
             dist.all_reduce(window)
         mean = (window[0] / window[1].clamp(min=1)).item()

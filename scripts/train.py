@@ -187,7 +187,10 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         return "--tensorboard needs the tensorboard package: pip install tensorboard"
     if args.checkpoint_dir and (failed := Path(args.checkpoint_dir) / FAILED).is_file():
-        why = json.loads(failed.read_text())["error"]
+        try:
+            why = json.loads(failed.read_text())["error"]
+        except (ValueError, KeyError):  # not the template's (a hand-made or damaged file)
+            why = "(the file says no more)"
         return (
             f"{failed} says the last run stopped for good: {why}. Fix that, delete the file, rerun"
         )
@@ -359,7 +362,16 @@ def train(
         for bad in passed_over:
             say(f"WARNING: {bad.name} could not be loaded: renamed {bad.name}.corrupt")
         same_world = state["world_size"] == world_size
-        where = kit.restore_training_state(state, ddp, optimizer, scaler, same_world)
+        if (was := state["extra"]["config"].get("optimizer", args.optimizer)) != args.optimizer:
+            raise kit.CheckpointError(
+                f"{path} holds {was}'s state, which {args.optimizer} cannot continue: resume "
+                f"with --optimizer {was}, or start a new --checkpoint-dir (--pretrain {path})"
+            )
+        try:
+            where = kit.restore_training_state(state, ddp, optimizer, scaler, same_world)
+        except kit.CheckpointError as exc:  # another model's snapshot: say which file
+            raise kit.CheckpointError(f"{path}: {exc}") from exc
+        optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the flag's, not the file's
         if not same_world:  # other ranks now: fresh random streams, still reproducible
             kit.seed_everything(kit.rank_seed(args.seed, rank, where["step"]))
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
@@ -378,6 +390,8 @@ def train(
                            f"{global_batch})")  # fmt: skip
         if changed:
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
+        if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
+            say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
         best, owed = extra["best"], extra.get("eval_owed", False)
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
         best = max(best, json.loads((ckpt / "best.json").read_text())["val_accuracy"])
@@ -547,6 +561,7 @@ def train(
                 pause(evaluate)
             if done == micro_batches:  # the epoch is complete (also when --max-steps ends on it)
                 epoch, consumed = epoch + 1, 0
+                log.epoch_end(loss_sum)  # a --log-every window may span the epochs' border
                 loss_sum.zero_()
             stop = stop or epoch >= args.epochs
             pause(save_snapshot)
@@ -573,7 +588,9 @@ def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) ->
     """failed.json (rank 0): why the run stopped, so that every restart stops at once."""
     if rank == 0 and ckpt is not None:
         with contextlib.suppress(OSError):
-            (ckpt / FAILED).write_text(json.dumps({"step": step, "error": str(exc)}))
+            temp = ckpt / f"{FAILED}.tmp"  # written aside, then renamed: never half a file
+            temp.write_text(json.dumps({"step": step, "error": str(exc)}))
+            os.replace(temp, ckpt / FAILED)
 
 
 def instruments(args: argparse.Namespace, *who: Any) -> Any:

@@ -216,10 +216,30 @@ def test_truncated_file(tmp_path, keep):
 
 
 def test_garbage_file_and_legacy_formats(tmp_path):
+    """Damaged files are named damaged (the template then falls back to an older snapshot):
+    text, a file of zeros (what some filesystems leave after a crash), random bytes - also
+    ones that begin as a pickle does. A practitioner's review found the zeros called "the tar
+    format of the earliest torch releases", the JSON "a security feature", and random bytes a
+    raw IndexError from inside torch."""
+    from ddp_tutorial._kit import kit
+
+    noise = random.Random(2)
+    damaged = {
+        "text": b"not a checkpoint at all " * 20,
+        "json": b'{"oops": 1}\n',
+        "zeros": bytes(5000),
+        "random": noise.randbytes(5000),
+    }
     garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"not a checkpoint at all " * 20)
-    with pytest.raises(CheckpointError, match="garbage.pt"):
-        load_checkpoint(garbage)
+    for what, data in damaged.items():
+        garbage.write_bytes(data)
+        with pytest.raises(kit.CorruptCheckpointError, match="garbage.pt .* truncated or corrupt"):
+            load_checkpoint(garbage)
+            pytest.fail(f"{what}: loaded")
+    for _ in range(20):  # random bytes after a pickle's first two: a CheckpointError, never a
+        garbage.write_bytes(b"\x80\x02" + noise.randbytes(5000))  # raw IndexError from torch
+        with pytest.raises(CheckpointError, match="garbage.pt"):
+            load_checkpoint(garbage)
     legacy = tmp_path / "legacy.pt"  # the pre-1.6 format: current torch reads it safely
     torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert torch.equal(load_checkpoint(legacy)["w"], torch.ones(2))

@@ -157,6 +157,30 @@ def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_p
     assert (tmp_path / "final.pt").read_bytes() == final, "final.pt left as it was"
 
 
+def test_a_resume_refuses_another_optimizer_and_takes_a_new_weight_decay(
+    template, kit, tmp_path, one_rank, capsys
+):
+    """A practitioner's review: --optimizer sgd on an AdamW snapshot crashed inside torch
+    (KeyError: 'momentum'), and --weight-decay 0.5 was silently the snapshot's 0.05. Now the
+    first is refused naming the file and what to do (no failed.json: the flag is the fix), the
+    second warned and applied (the next snapshot's optimizer holds it); and a snapshot of
+    another model names its file."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--save-every", "2", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "2"])
+    refused = "holds adamw's state, which sgd cannot continue: resume with --optimizer adamw"
+    stops_with(template, [*argv, "--optimizer", "sgd"], capsys, "CheckpointError", refused)
+    assert not (tmp_path / "failed.json").exists()
+    template.main([*argv, "--max-steps", "4", "--weight-decay", "0.5"])
+    assert "WARNING: resumed with --weight-decay 0.05 -> 0.5: it applies from step 2" in (
+        capsys.readouterr().out
+    )
+    state = torch.load(kit.snapshot_path(tmp_path, 4), weights_only=True)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.5, 0.0]
+    stops_with(template, [*argv, "--model", "cnn"], capsys, "CheckpointError",
+               f"{kit.snapshot_path(tmp_path, 4)}: the given state does not fit")  # fmt: skip
+
+
 def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     template, kit, tmp_path, one_rank, monkeypatch
 ):
@@ -278,14 +302,20 @@ def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypat
 
 def test_the_log_line_is_the_windows_mean_and_says_when_clipping_is_off(kit, capsys):
     """Every --log-every steps: the mean loss of the window (not its last step's), and
-    "grad norm off" with --clip-grad 0 (no norm was computed: not "nan")."""
+    "grad norm off" with --clip-grad 0 (no norm was computed: not "nan"). A window that spans
+    an epoch's end (the loop zeroes its sums there) is still its steps' mean: epochs of 3
+    steps, a line every 4 - before, step 8 printed the mean of step 7 and 8 minus step 4's."""
     sums = torch.zeros(2, dtype=torch.float64)
-    log = kit.TrainLog(rank=0, every=2, global_batch=8, sums=sums)
-    for step, loss in ((1, 1.0), (2, 3.0), (3, 10.0), (4, 20.0)):
+    log = kit.TrainLog(rank=0, every=4, global_batch=8, sums=sums)
+    losses = [1.0, 3.0, 10.0, 20.0, 4.0, 6.0, 8.0, 2.0, 7.0]
+    for step, loss in enumerate(losses, 1):
         sums += torch.tensor([loss, 1.0], dtype=torch.float64)
         log.step(step, sums, 0.1, None)
+        if step % 3 == 0:  # the epoch's end, as the template's loop does it
+            log.epoch_end(sums)
+            sums.zero_()
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(",")[0] for line in lines] == ["step 2: loss 2.0000", "step 4: loss 15.0000"]
+    assert [line.split(",")[0] for line in lines] == ["step 4: loss 8.5000", "step 8: loss 5.0000"]
     assert all("grad norm off" in line for line in lines), lines
 
 
@@ -361,18 +391,26 @@ def _cut(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+def _zeroed(path: Path) -> None:
+    """Zeros of the file's size: what some filesystems leave of a file written just before
+    a crash (a practitioner's review: this stopped the job as "the tar format of the earliest
+    torch releases", and failed.json then stopped every rerun)."""
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+@pytest.mark.parametrize("damage", [_cut, _zeroed], ids=["cut", "zeroed"])
 def test_a_damaged_newest_snapshot_is_passed_over_for_the_one_before(
-    template, kit, tmp_path, one_rank, capsys
+    template, kit, tmp_path, one_rank, capsys, damage
 ):
-    """Snapshots at steps 2 and 4, the newest cut in half: the rerun warns, renames it
-    .corrupt and resumes from step 2, to end where an uninterrupted run ends, bitwise."""
+    """Snapshots at steps 2 and 4, the newest cut in half or zeroed: the rerun warns, renames
+    it .corrupt and resumes from step 2, to end where an uninterrupted run ends, bitwise."""
     argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
             "--save-every", "2"]  # 8 steps  # fmt: skip
     template.main([*argv, "--checkpoint-dir", str(tmp_path / "straight")])
     job = tmp_path / "job"
     template.main([*argv, "--checkpoint-dir", str(job), "--max-steps", "4"])
     assert snapshot_steps(kit, job) == [2, 4]
-    _cut(kit.snapshot_path(job, 4))
+    damage(kit.snapshot_path(job, 4))
     capsys.readouterr()
     template.main([*argv, "--checkpoint-dir", str(job)])
     out = capsys.readouterr().out
@@ -395,3 +433,10 @@ def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, 
     stops_with(template, argv, capsys, "CorruptCheckpointError", "truncated or corrupt")
     assert snapshot_steps(kit, tmp_path) == [2], "not renamed: nothing else to resume from"
     assert "truncated or corrupt" in json.loads((tmp_path / "failed.json").read_text())["error"]
+    assert not (tmp_path / "failed.json.tmp").exists(), "written aside, then renamed"
+    (tmp_path / "failed.json").write_text("")  # damaged (a hand edit): still a clear refusal
+    with pytest.raises(SystemExit) as refused:
+        template.main(argv)
+    assert refused.value.code == 2 and "stopped for good: (the file says no more)" in (
+        capsys.readouterr().err
+    )
