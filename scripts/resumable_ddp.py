@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 scripts/resumable_ddp.py --checkpoint-dir ckpt
 
 Run it again with the same --checkpoint-dir and it continues from its newest snapshot, at
-the step it reached, ending with the weights an uninterrupted run ends with. On SIGTERM
-(a preemption; torchrun forwards it to every rank) every rank saves that step and exits 75.
+the step it reached, ending with the weights an uninterrupted run ends with (bitwise on 2
+ranks; on more, to rounding: lesson 08). On SIGTERM (a preemption; torchrun forwards it to
+every rank) every rank saves that step and exits 75.
 Global rank 0 writes every file, atomically. Only torch and the standard library: copy it.
 The middle rung between minimal_ddp.py and the template, train.py.
 """

@@ -1,7 +1,8 @@
 """The DDP training template: copy it and ddp_kit.py (its sidecar) into your project, change
 the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
 do nothing). It trains a classifier: for another task, change loss_fn and what
-ddp_kit.distributed_evaluate counts. torch (+ torchvision, numpy, tqdm) is all they need.
+ddp_kit.distributed_evaluate counts, and keep best.pt by --best-by val_loss (a regression).
+torch (+ torchvision, numpy, tqdm) is all they need.
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
     torchrun --standalone --nproc-per-node 8 --max-restarts 3 train.py --model resnet18 --amp \\
@@ -92,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     add("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     add("--seed", type=int, default=0)
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
+    add("--best-by", choices=("val_accuracy", "val_loss"), default="val_accuracy",
+        help="best.pt: the highest val accuracy, or the lowest val loss")  # fmt: skip
     add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
     add("--save-minutes", type=float, default=30, help="and a snapshot this often (0: off)")
     add("--keep", type=positive, default=2, help="snapshots kept (>= 2: one to fall back to)")
@@ -351,7 +354,7 @@ def train(
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
     epoch, step, consumed, samples_seen, totals, history, resumed = 0, 0, 0, 0, [0.0, 0.0], [], None
-    best, owed = -1.0, False  # the best validation accuracy so far (best.pt); owed: below
+    best, owed = -math.inf, False  # the best score so far (best.pt, --best-by); owed: below
     try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
         found = kit.load_resume_point(ckpt, map_location=device)
     except kit.CheckpointError as exc:  # a restart would only repeat it
@@ -393,8 +396,13 @@ def train(
         if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
             say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
         best, owed = extra["best"], extra.get("eval_owed", False)
+        if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
+            best = -math.inf
+            say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
-        best = max(best, json.loads((ckpt / "best.json").read_text())["val_accuracy"])
+        held = json.loads((ckpt / "best.json").read_text())
+        if held.get("best_by", "val_accuracy") == args.best_by:
+            best = max(best, held.get("score", held["val_accuracy"]))
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
     log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum)
@@ -479,9 +487,12 @@ def train(
             f"val accuracy {result.accuracy:.1%}"
         )
         log.scalars(step, "val", accuracy=result.accuracy, loss=result.loss)
-        if result.accuracy > best and ckpt:  # the same on every rank: a collective save
-            best = result.accuracy
-            save(ddp.module.state_dict(), "best.pt", {"step": step, "val_accuracy": best})
+        score = result.accuracy if args.best_by == "val_accuracy" else -result.loss  # higher
+        if score > best and ckpt:  # the same on every rank: a collective save
+            best = score
+            scores = {"val_accuracy": result.accuracy, "val_loss": result.loss}
+            note = {"step": step, "best_by": args.best_by, "score": best, **scores}
+            save(ddp.module.state_dict(), "best.pt", note)
 
     def pause(what: Any, *args: Any) -> None:  # evaluating and saving are not training
         log.pause()

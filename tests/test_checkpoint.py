@@ -13,6 +13,8 @@ import io
 import os
 import pickle
 import random
+import subprocess
+import sys
 import tarfile
 from collections import OrderedDict
 from dataclasses import replace
@@ -627,3 +629,68 @@ def test_each_rank_loads_rank_0s_file_onto_its_own_device_on_the_cpu(launches):
         assert record["saved_on"] == "cpu" and record["device"] == "cpu"
         assert record["landed"] == {"device": ["cpu"], "dict": ["cpu"], "cpu": ["cpu"]}
         assert record["same_weights_everywhere"], "each rank began with its own weights"
+
+
+REWRAP = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import torch.distributed.nn  # noqa: F401  before init: the group can be freed at exit (lesson 09)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def model():  # an embedding, BatchNorm: gradients arrive out of registration order
+    torch.manual_seed(0)
+    return nn.Sequential(nn.EmbeddingBag(50, 16), nn.Linear(16, 32), nn.BatchNorm1d(32),
+                         nn.ReLU(), nn.Linear(32, 4))
+
+
+def step4_grads(rank, rewrap):
+    net = model()
+    ddp, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randint(0, 50, (64, 5), generator=g), torch.randint(0, 4, (64,), generator=g)
+    for step in range(4):
+        if step == 3 and rewrap:  # a restart: the same weights, a new process's wrapper
+            fresh = model()
+            fresh.load_state_dict(net.state_dict())
+            net, ddp = fresh, DDP(fresh)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[16 * step:16 * (step + 1)]),
+                                    y[16 * step:16 * (step + 1)]).backward()
+        opt.step()
+    return [p.grad for p in net.parameters()]
+
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    same = [torch.equal(a, b) for a, b in zip(step4_grads(rank, False), step4_grads(rank, True))]
+    if rank == 0:
+        print(f"world {world}: {sum(same)} of {len(same)} gradients bitwise equal", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    for world, port in zip((2, 3), sys.argv[1:]):
+        mp.spawn(run, args=(world, int(port)), nprocs=world)
+"""
+
+
+@pytest.mark.torchrun
+def test_a_restarts_first_step_is_bitwise_on_two_gloo_ranks_and_not_on_three(tmp_path):
+    """Lesson 08's "bitwise" has a scope (a practitioner's review found it): DDP sums its first
+    step in one bucket, the parameters in reverse registration order, and later steps in
+    buckets rebuilt in the order backward produced the gradients. A restart's new wrapper
+    sums its first step the first way, the run it continues summed that step the second way.
+    Two ranks add a + b either way; three add in an order that follows the layout, so the
+    step differs in the last bits (and the weights drift apart by rounding from there)."""
+    from ddp_tutorial.distributed import free_port
+
+    script = tmp_path / "rewrap.py"
+    script.write_text(REWRAP)
+    out = subprocess.run([sys.executable, str(script), str(free_port()), str(free_port())],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "world 2: 7 of 7 gradients bitwise equal" in lines, out.stdout
+    assert any(line.startswith("world 3: ") and " 7 of 7 " not in line for line in lines), lines

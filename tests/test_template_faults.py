@@ -261,6 +261,28 @@ def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, 
     assert (tmp_path / "best.pt").read_bytes() == best, "overwritten by a worse model"
 
 
+def test_best_by_val_loss_keeps_the_lowest_loss_for_a_regression(template, kit, tmp_path,
+                                                                  one_rank, capsys):  # fmt: skip
+    """A practitioner's review: with a regression's loss, every accuracy is 0 and best.pt stayed
+    the first evaluation's model. --best-by val_loss keeps the lowest validation loss; a resume
+    with the other choice says best.pt will be replaced, instead of comparing the two scores."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--eval-every", "2",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--epochs", "2", "--best-by", "val_loss"])
+    [(_, path)] = kit.list_snapshots(tmp_path)[-1:]
+    history = torch.load(path, weights_only=True)["extra"]["history"]
+    lowest = min(history, key=lambda h: h["val_loss"])
+    assert len({h["val_loss"] for h in history}) > 1, "the losses differ: the choice matters"
+    held = json.loads((tmp_path / "best.json").read_text())
+    assert (held["step"], held["score"]) == (lowest["step"], -lowest["val_loss"]), history
+    capsys.readouterr()
+    template.main([*argv, "--epochs", "3"])
+    assert "WARNING: --best-by val_accuracy now: the next evaluation replaces" in (
+        capsys.readouterr().out
+    )
+    assert json.loads((tmp_path / "best.json").read_text())["best_by"] == "val_accuracy"
+
+
 def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
     """The file's bytes reach the disk before the name points at them; the rename reaches
     it after (the folder's fsync)."""
