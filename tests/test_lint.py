@@ -435,3 +435,72 @@ def test_the_unwrap_idiom_after_a_conditional_wrap_is_the_plain_model():
     """
     assert "DDP107" not in codes(source)
     assert "DDP107" in codes(source.replace("raw_model.state_dict", "model.state_dict"))
+
+
+def test_the_idioms_a_review_found_flagged_are_not_and_the_mistakes_still_are():
+    """A reviewer's 58 scripts (helper 51): six correct idioms, each common in real code, were
+    flagged with advice that breaks them; each is now quiet, and the mistake it resembles is
+    still found."""
+    rank_0_first = """
+    rank = dist.get_rank()
+    if rank != 0:
+        dist.barrier()  # the others wait while rank 0 prepares the data
+    data = prepare()
+    if rank == 0:
+        dist.barrier()  # rank 0 done: every rank reached exactly one barrier
+    """
+    assert codes(rank_0_first) == []
+    assert codes(rank_0_first.replace("if rank != 0:", "if rank == 1:")) == ["DDP101", "DDP101"]
+    hf_unwrap = """
+    model = DDP(model)
+    model_to_save = model.module if hasattr(model, "module") else model
+    if dist.get_rank() == 0:
+        torch.save(model_to_save.state_dict(), "pytorch_model.bin")
+    """
+    assert codes(hf_unwrap) == []
+    assert codes(hf_unwrap.replace("model_to_save.state_dict", "model.state_dict")) == ["DDP107"]
+    guarded_strip = """
+    state = {k[7:] if k.startswith("module.") else k: v for k, v in sd.items()}
+    for k in list(sd):
+        if k.startswith("module."):
+            sd[k[7:]] = sd.pop(k)
+    """
+    assert codes(guarded_strip) == []
+    assert codes("state = {k[7:]: v for k, v in sd.items()}\n") == ["DDP115"]
+    bar_on_rank_0 = """
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    it = tqdm(loader) if rank == 0 else loader
+    if rank == 0:
+        bar = tqdm(total=100)
+    dist.destroy_process_group()
+    """
+    assert codes(bar_on_rank_0) == []
+    assert codes(bar_on_rank_0.replace("if rank == 0 else loader", "")) == ["DDP118"]
+    layers = """
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.act, self.drop = nn.GELU(), nn.Dropout(0.1)
+            self.act2 = nn.GELU()
+            self.drop2 = nn.Dropout(0.1)
+            self.criterion = nn.CrossEntropyLoss()
+            self.teacher = nn.Linear(2, 2)
+            self.teacher.requires_grad_(False)  # frozen: no gradient for DDP to wait for
+            self.extra = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+    """
+    assert [f.message.split(" ")[0] for f in lint_source(HEAD + textwrap.dedent(layers))] == [
+        "Net.extra"
+    ]
+    last_epoch_too = """
+    for epoch in range(args.epochs):
+        train()
+        if dist.get_rank() == 0 and ((epoch + 1) % k == 0 or epoch == args.epochs - 1):
+            torch.save(model.module.state_dict(), "m.pt")
+    """
+    assert codes(last_epoch_too) == []
+    assert codes(last_epoch_too.replace(" or epoch == args.epochs - 1", "")) == ["DDP123"]

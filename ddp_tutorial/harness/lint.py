@@ -16,6 +16,7 @@ read): it can miss a mistake spread over files, and a line it flags wrongly can 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from ddp_tutorial.harness.lint_ast import (
     env_key,
     is_collective,
     is_none,
+    is_rank_test,
     keyword,
     last_name,
     names_in,
@@ -39,6 +41,14 @@ from ddp_tutorial.harness.lint_rules import RULES, WRAPPER_PREFIXES, LintFinding
 from ddp_tutorial.harness.lint_scopes import ScopeChecks
 
 __all__ = ["RULES", "LintFinding", "lint_paths", "lint_source", "main"]
+
+
+# torch.nn modules that hold no parameters (an activation, dropout, a loss, pooling): unused
+# in forward, they leave DDP no gradient to wait for
+PARAMETER_FREE = re.compile(
+    r"\w*(Loss|Pool[123]d|Dropout\w*|Pad[123]d)|Identity|Flatten|Unflatten|Upsample\w*|"
+    r"(Leaky|R)?ReLU6?|[GS]ELU|[CS]?ELU|SiLU|Mish|Tanh\w*|Sigmoid|Hard\w+|Soft\w+|LogSoftmax"
+)
 
 
 class Linter(ScopeChecks):
@@ -56,8 +66,19 @@ class Linter(ScopeChecks):
 
     # ---------------------------------------------------------------- rules over the file
 
+    def rank_guarded(self) -> set[int]:
+        """The calls that run on some ranks only: under an ``if`` or an ``... if ... else``
+        on the rank (rank 0's progress bar)."""
+        out = set()
+        for owner, scope in self.scopes():
+            for node in ast.walk(owner):
+                if isinstance(node, ast.If | ast.IfExp) and is_rank_test(node.test, scope):
+                    for part in node.body if isinstance(node.body, list) else [node.body]:
+                        out.update(id(c) for c in ast.walk(part) if isinstance(c, ast.Call))
+        return out
+
     def whole_file(self) -> None:
-        names = {last_name(c) for c in self.every}
+        names, guarded = {last_name(c) for c in self.every}, self.rank_guarded()
         for call in self.every:
             name = last_name(call)
             if name == "init_process_group":
@@ -86,7 +107,12 @@ class Linter(ScopeChecks):
                     self.add(call, "DDP114")
             elif name == "DataParallel":
                 self.add(call, "DDP116")
-            elif name == "tqdm" and self.distributed and keyword(call, "disable") is None:
+            elif (
+                name == "tqdm"
+                and self.distributed
+                and keyword(call, "disable") is None
+                and id(call) not in guarded
+            ):
                 self.add(call, "DDP118")
             elif name == "bincount" and unbounded_bincount(call) and self.reaches_collective(call):
                 self.add(call, "DDP120", what="torch.bincount without minlength")
@@ -149,9 +175,19 @@ class Linter(ScopeChecks):
                 first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
                 if isinstance(first, ast.Name):
                     keys.add(first.id)
+        guarded = {  # `k[7:] if k.startswith("module.") else k`, `if k.startswith(...): k[7:]`
+            id(sub)
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.If | ast.IfExp)
+            and isinstance(node.test, ast.Call)
+            and last_name(node.test) == "startswith"
+            for part in (node.body if isinstance(node.body, list) else [node.body])
+            for sub in ast.walk(part)
+        }
         for node in ast.walk(self.tree):
             if (
                 isinstance(node, ast.Subscript)
+                and id(node) not in guarded
                 and isinstance(node.value, ast.Name)
                 and node.value.id in keys
                 and isinstance(node.slice, ast.Slice)
@@ -183,10 +219,20 @@ class Linter(ScopeChecks):
             if init is None or "forward" not in methods:
                 continue
             used = {n for m in methods.values() if m is not init for n in names_in(m)}
+            used |= {  # frozen in __init__ (`self.teacher.requires_grad_(False)`): no gradient
+                dotted(c.func.value)  # type: ignore[attr-defined]
+                for c in ast.walk(init)
+                if isinstance(c, ast.Call)
+                and last_name(c) == "requires_grad_"
+                and isinstance(c.func, ast.Attribute)
+            }
             for stmt in ast.walk(init):
                 if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)):
                     continue
-                if not dotted(stmt.value.func).startswith(("nn.", "torch.nn.")):
+                kind = dotted(stmt.value.func)
+                if not kind.startswith(("nn.", "torch.nn.")) or PARAMETER_FREE.fullmatch(
+                    kind.rsplit(".", 1)[-1]
+                ):
                     continue
                 for target in stmt.targets:
                     name = dotted(target)

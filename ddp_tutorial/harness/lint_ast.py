@@ -157,8 +157,11 @@ class Scope:
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
         status = [self.holds_wrapper(v, line) for v in options]
         wrapped = True if True in status else False if all(x is False for x in status) else None
-        if isinstance(value, ast.IfExp) and unwraps(value) in self.wrapped_if:
-            wrapped = False  # nanoGPT's `raw_model = model.module if ddp else model`
+        if isinstance(value, ast.IfExp) and (x := unwraps(value)):
+            asks = isinstance(value.test, ast.Call) and last_name(value.test) == "hasattr"
+            if x in self.wrapped_if or asks and dotted(value.test.args[0]) == x:  # type: ignore[attr-defined]
+                wrapped = False  # nanoGPT's `model.module if ddp else model`; HF's `... if
+                # hasattr(model, "module") else model`: the plain model whichever way
         self.bound.setdefault(name, []).append((line, wrapped))
 
     def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
@@ -210,6 +213,20 @@ def unwraps(value: ast.IfExp) -> str | None:
     return None
 
 
+def complementary(a: ast.expr, b: ast.expr) -> bool:
+    """``x != v`` and ``x == v``, or ``not t`` and ``t``: every rank passes exactly one of them
+    (the "rank 0 first" barriers: the others wait in one, rank 0 reaches the other later)."""
+    for one, other in ((a, b), (b, a)):
+        if isinstance(one, ast.UnaryOp) and isinstance(one.op, ast.Not):
+            return ast.dump(one.operand) == ast.dump(other)
+    if not (isinstance(a, ast.Compare) and isinstance(b, ast.Compare)):
+        return False
+    if len(a.ops) != 1 or len(b.ops) != 1 or ast.dump(a.left) != ast.dump(b.left):
+        return False
+    flipped = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}.get(type(a.ops[0]))
+    return flipped is type(b.ops[0]) and ast.dump(a.comparators[0]) == ast.dump(b.comparators[0])
+
+
 def launched_test(node: ast.AST) -> bool:
     """``int(os.environ.get("RANK", -1)) != -1`` or ``"RANK" in os.environ`` (nanoGPT's
     ``ddp = ...``): whether a launcher set the variable, not which rank this is."""
@@ -257,11 +274,17 @@ def is_none(node: ast.AST | None) -> bool:
 
 def under_modulo(loop: ast.For, call: ast.Call) -> bool:
     """Whether ``call`` runs only under an ``if`` that tests a remainder (``epoch % k``)."""
+
+    def modulo(test: ast.AST) -> bool:  # `a or b`: each way must go through a remainder
+        if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+            return all(modulo(v) for v in test.values)
+        if isinstance(test, ast.BoolOp):  # `rank == 0 and (...)`: one part with a remainder
+            return any(modulo(v) for v in test.values)
+        return any(isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod) for b in ast.walk(test))
+
     for node in ast.walk(loop):
         if isinstance(node, ast.If) and any(sub is call for s in node.body for sub in ast.walk(s)):
-            if any(
-                isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod) for b in ast.walk(node.test)
-            ):
+            if modulo(node.test):  # `or epoch == epochs - 1`: the last epoch is saved too
                 return True
     return False
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from ddp_tutorial.harness.lint_ast import (
     Scope,
     calls_in,
+    complementary,
     dotted,
     env_key,
     is_collective,
@@ -141,10 +142,19 @@ class ScopeChecks:
 
     def rank_branches(self, owner: ast.AST, scope: Scope) -> None:
         """DDP101 (a collective some ranks skip), DDP122 (rank 0 busy, the others waiting)."""
-        for stmt in self.statements(owner):
-            if not isinstance(stmt, ast.If) or not is_rank_test(stmt.test, scope):
+        ifs = [s for s in self.statements(owner) if isinstance(s, ast.If)]
+        for stmt in ifs:
+            if not is_rank_test(stmt.test, scope):
                 continue
             inside = self.branch_calls(stmt.body, scope)
+            if not stmt.orelse and any(  # rank 0 first: each rank passes one of two barriers
+                not o.orelse
+                and complementary(stmt.test, o.test)
+                and Counter(n for n, _ in self.branch_calls(o.body, scope))
+                == Counter(n for n, _ in inside)
+                for o in ifs
+            ):
+                continue
             elif_ = len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
             if elif_ and not is_rank_test(stmt.orelse[0].test, scope):  # type: ignore[attr-defined]
                 other = []  # `elif <not about ranks>:` is a branch of its own
