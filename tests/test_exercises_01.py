@@ -9,6 +9,10 @@ RING, GATHER = "01_ring_average", "01_gather_uneven"
 ISEND = "        request = dist.isend(send_buf, dst=(rank + 1) % world)\n"
 TRIM = "    result = [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]\n"
 CASES = register([
+    # from an eighth learner review: one output tensor for every rank ([t] * world)
+    Case(GATHER, "one-buffer-for-every-rank", "",
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
+                 "    gathered = [torch.empty_like(padded)] * world"),)),
     Case(RING, "blocking-sends", "waited",  # every rank sends first: nobody receives
          edits=((ISEND, "        dist.send(send_buf, dst=(rank + 1) % world)\n"),
                 ("        request.wait()\n", ""))),

@@ -16,6 +16,10 @@ PHYSICAL = 'physical = local_rank if listed is None else int(listed.split(",")[l
 
 CASES = register(
     [
+        # from an eighth learner review: ids that are not consecutive ("7,5", rank 1)
+        Case(GPU, "first-listed-plus-local-rank", "",
+             edits=(("int(listed.split(\",\")[local_rank])",
+                     "int(listed.split(\",\")[0]) + local_rank"),)),
         Case(GPU, "global-rank-as-device", "the global RANK",
              edits=((LOCAL, 'local_rank = int(env["RANK"])'),)),
         Case(GPU, "physical-id-as-device", "the physical id",

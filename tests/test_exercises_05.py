@@ -7,6 +7,17 @@ from exercise_cases import Case, assert_verdict, register
 
 SNAP, RESUME = "05_atomic_snapshot", "05_exact_resume"
 CASES = register([
+    # from an eighth learner review: a tempfile name (absolute) is right; the arguments of
+    # os.replace swapped are named
+    Case(SNAP, "tempfile-beside-the-snapshot", None,
+         edits=(("        tmp = path.with_name(path.name + \".tmp\")\n"
+                 "        with open(tmp, \"wb\") as f:\n",
+                 "        import tempfile\n\n"
+                 "        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=\".tmp\",\n"
+                 "                                         delete=False) as f:\n"
+                 "            tmp = f.name\n"),)),
+    Case(SNAP, "replace-arguments-swapped", "moves the snapshot onto the temporary name",
+         edits=(("        os.replace(tmp, path)", "        os.replace(path, tmp)"),)),
     Case(SNAP, "every-rank-writes", "only global rank 0 writes",
          edits=(("    if dist.get_rank() == 0:\n", "    if True:\n"),)),
     Case(SNAP, "local-rank-writes", "one writer per node",

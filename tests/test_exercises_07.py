@@ -11,6 +11,10 @@ REDUCE = "    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"
 
 CASES = register(
     [
+        # from an eighth learner review: the GPU's synchronize, not the one given
+        Case(TIMING, "torch-cuda-synchronize", "call the synchronize that time_steps is given",
+             edits=(("        synchronize()  # start with nothing queued",
+                     "        torch.cuda.synchronize()  # start with nothing queued"),)),
         Case(TIMING, "no-synchronize", "still queued",
              edits=(("        synchronize()  # start with nothing queued\n", ""),
                     ("        synchronize()  # the step's work has run, not only been queued\n",

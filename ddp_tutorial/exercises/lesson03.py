@@ -33,6 +33,8 @@ SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
       "GROUP_RANK": "1", CVD: "6,7"}),
     ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 0",
      {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: "7,5"}),
+    ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 1",  # not the first listed + LOCAL_RANK (8)
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: "7,5"}),
     ("one node, CUDA_VISIBLE_DEVICES=' 2, 3', rank 1",
      {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: " 2, 3"}),
     ("node 1 of 2 (3 ranks on node 0, 2 here), rank 3",
@@ -167,7 +169,8 @@ EXERCISES = [
         title="this rank's device, and the physical GPU behind it",
         teaches='lesson 03, "`LOCAL_RANK`, not `RANK`" and "Physical ids and logical ids"',
         proves=(
-            "the device and the physical GPU, right in all 8 environments: one node and two, "
+            f"the device and the physical GPU, right in all {len(SCENARIOS)} environments: one "
+            "node and two, "
             "CUDA_VISIBLE_DEVICES lists, nodes of different sizes"
         ),
     ),

@@ -79,9 +79,13 @@ def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int
 
     def spy(real: Callable[..., Any]) -> Callable[..., Any]:
         def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            st = os.stat(src)
-            synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
-            replaced.append((str(src), str(dst), synced))
+            try:
+                st = os.stat(src)
+                synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
+            except (OSError, TypeError):  # the real call then says what is wrong
+                synced = False
+            # absolute: `tempfile` names are, the check's folder is relative to the rank's cwd
+            replaced.append((os.path.abspath(src), os.path.abspath(dst), synced))
             if hold is not None:
                 hold()
             return real(src, dst, *args, **kwargs)
@@ -300,6 +304,11 @@ def _judge_writes(records: list[Record]) -> str | None:
     if writers and writers != [0]:
         return (f"rank {writers[0]} wrote the snapshot: the writer is global rank 0 "
                 '(lesson 05, "1 · The hazard, measured: several writers, one file")')  # fmt: skip
+    names = [(Path(a).name, Path(b).name) for a, b, _ in first.get("replaced", [])]
+    if swapped := [(a, b) for a, b in names if b != a and b.startswith(a)]:
+        return (f"os.replace({swapped[0][0]!r}, {swapped[0][1]!r}) moves the snapshot onto "
+                "the temporary name: the file being renamed comes first - os.replace(tmp, "
+                'path) (lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
     for r in records:
         error = r.get("save_error", "")
         if "Timed out" in error:

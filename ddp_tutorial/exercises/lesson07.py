@@ -235,6 +235,10 @@ EXERCISES = [
         name="07_honest_timing", lesson="07", run=run_timing, judge=judge_timing,
         title="an honest DDP step time: warm-up untimed, synchronised clocks, the slowest rank",
         teaches='lesson 07, "Timing a step honestly"', report=measured,
+        errors=(("Found no NVIDIA driver", "torch.cuda.synchronize() on a machine without a "
+                 "GPU: call the synchronize that time_steps is given - it waits for whatever "
+                 "device the steps run on (the check's is the CPU; on a GPU, pass lambda: "
+                 "torch.cuda.synchronize(device))"),),
         proves=(
             "the wall clock read after synchronize(), the warm-up untimed, the slowest rank's "
             "time (MAX) on every rank, no less than the slowest rank's work"
