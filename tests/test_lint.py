@@ -255,6 +255,29 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         torch.save(model.state_dict(), "w.pt")
         """,
     ),
+    "DDP125": (
+        """
+        dist.init_process_group("gloo")
+        loader = DataLoader(data, batch_size=32, shuffle=True)
+        for epoch in range(3):
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+        dist.destroy_process_group()
+        """,
+        """
+        dist.init_process_group("gloo")
+        sampler = DistributedSampler(data)
+        loader = DataLoader(data, batch_size=32, sampler=sampler)
+        val_loader = DataLoader(val_data, batch_size=64)  # evaluated, not trained on: no flag
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+            for x, y in val_loader:
+                model(x)
+        dist.destroy_process_group()
+        """,
+    ),
 }
 
 
@@ -504,3 +527,22 @@ def test_the_idioms_a_review_found_flagged_are_not_and_the_mistakes_still_are():
     """
     assert codes(last_epoch_too) == []
     assert codes(last_epoch_too.replace(" or epoch == args.epochs - 1", "")) == ["DDP123"]
+
+
+def test_a_save_in_an_mp_spawn_worker_runs_on_every_rank():
+    """The official tutorial's layout (helper 51): mp.spawn(worker) never calls worker by
+    name, and the save in it was judged by its callers - none, so never flagged."""
+    source = """
+    import torch.multiprocessing as mp
+
+    def worker(rank, world_size):
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.save(model.module.state_dict(), "ckpt.pt")
+        dist.destroy_process_group()
+
+    mp.spawn(worker, args=(2,), nprocs=2)
+    """
+    assert codes(source) == ["DDP105"]
+    save = "        torch.save("
+    guarded = source.replace(save, "        if rank == 0:\n    " + save)
+    assert codes(guarded) == []

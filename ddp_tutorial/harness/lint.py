@@ -51,6 +51,13 @@ PARAMETER_FREE = re.compile(
 )
 
 
+def sharded(data: ast.expr | None) -> bool:
+    """A dataset already cut per rank, by a name that says so (``Subset(data, shard)``)."""
+    if data is None:
+        return True  # cannot tell: no finding
+    return any("shard" in name.lower() for name in names_in(data))
+
+
 class Linter(ScopeChecks):
     """Every rule over one parsed file: per scope (``ScopeChecks``), then over the file."""
 
@@ -127,6 +134,37 @@ class Linter(ScopeChecks):
         self.key_slices()
         self.unused_modules()
         self.last_epoch()
+        self.unsampled_loaders()
+
+    def unsampled_loaders(self) -> None:
+        """DDP125: a DataLoader with no sampler that a loop with a backward() iterates."""
+        if not self.distributed:
+            return
+        loaders = {  # name: its DataLoader(...) call, with neither sampler nor batch_sampler
+            name: value
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.stmt)
+            for name, value in pairs(node)
+            if isinstance(value, ast.Call)
+            and last_name(value) == "DataLoader"
+            and len(value.args) < 4  # DataLoader(data, batch_size, shuffle, sampler, ...)
+            and keyword(value, "sampler") is None
+            and keyword(value, "batch_sampler") is None
+            and not sharded(value.args[0] if value.args else keyword(value, "dataset"))
+        }
+        handed = {  # Fabric's setup_dataloaders, Accelerate's prepare: they add the sampler
+            name
+            for c in self.every
+            if last_name(c) in ("setup_dataloaders", "prepare", "prepare_data_loader")
+            for a in c.args
+            for name in names_in(a)
+        }
+        loaders = {name: call for name, call in loaders.items() if name not in handed}
+        for loop in (n for n in ast.walk(self.tree) if isinstance(n, ast.For)):
+            if not any(last_name(c) == "backward" for c in calls_in(loop)):
+                continue
+            for name in sorted(names_in(loop.iter) & set(loaders)):
+                self.add(loaders[name], "DDP125", name=name)
 
     def reaches_collective(self, call: ast.Call) -> bool:
         """Whether the value ``call`` makes is given to a collective in the same scope."""

@@ -133,6 +133,12 @@ RULES: dict[str, tuple[str, str]] = {
         "the last epoch's weights are never written",
         "05",
     ),
+    "DDP125": (
+        "DataLoader {name} trains without a sampler in a DDP script: every rank reads the "
+        "whole dataset, so each epoch is world_size epochs of the same samples; give it "
+        "sampler=DistributedSampler(dataset) (and set_epoch(epoch) each epoch)",
+        "02",
+    ),
 }
 
 COLLECTIVES = frozenset(

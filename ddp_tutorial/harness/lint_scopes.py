@@ -237,8 +237,9 @@ class ScopeChecks:
                         for c in self.own_calls(stmt)
                         if last_name(c) == owner.name
                     ]
-            if not sites:
+            if not sites and owner.name not in self.spawned:
                 return  # a helper this file never calls: its callers guard it, or not
+            # mp.spawn(worker): the worker runs on every rank, the save in it too
         checks = [(call, test)] if not sites else [(c, self.guard(c, o, s)) for c, o, s in sites]
         for where, guard in checks:
             if guard is None:
