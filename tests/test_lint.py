@@ -546,3 +546,42 @@ def test_a_save_in_an_mp_spawn_worker_runs_on_every_rank():
     save = "        torch.save("
     guarded = source.replace(save, "        if rank == 0:\n    " + save)
     assert codes(guarded) == []
+
+
+def test_set_epoch_is_seen_through_attributes_conditions_and_helpers():
+    """Helper 51's DDP103 false positives: a sampler kept as ``self.train_sampler``, one made
+    ``... if ddp else None``, one given set_epoch inside a helper; each has its set_epoch. The
+    conditional one without it is named, not "(made in the DataLoader call)"."""
+    kept = """
+    class Trainer:
+        def __init__(self, ds):
+            self.train_sampler = DistributedSampler(ds)
+        def train(self, epochs):
+            for epoch in range(epochs):
+                self.train_sampler.set_epoch(epoch)
+    """
+    conditional = """
+    sampler = DistributedSampler(ds) if dist.is_initialized() else None
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+    """
+    helper = """
+    def train_one_epoch(loader, sampler, epoch):
+        sampler.set_epoch(epoch)
+    train_sampler = DistributedSampler(ds)
+    for epoch in range(3):
+        train_one_epoch(loader, train_sampler, epoch)
+    """
+    for source in (kept, conditional, helper):
+        assert codes(source) == [], source
+    (finding,) = lint_source(HEAD + textwrap.dedent(conditional.replace("sampler.set_epoch", "x")))
+    assert finding.code == "DDP103" and "call sampler.set_epoch(epoch)" in finding.message
+
+
+def test_the_global_rank_in_a_device_string_is_found():
+    """``f"cuda:{rank}"`` and ``"cuda:" + str(rank)`` (helper 51: missed); LOCAL_RANK is right."""
+    for spelling in ('torch.device(f"cuda:{rank}")', 'x.to(f"cuda:{rank}")',
+                     'torch.device("cuda:" + str(rank))'):  # fmt: skip
+        assert codes(f"rank = dist.get_rank()\ndevice = {spelling}\n") == ["DDP102"], spelling
+        local = f"rank = int(os.environ['LOCAL_RANK'])\ndevice = {spelling}\n"
+        assert codes(local) == [], spelling

@@ -187,13 +187,18 @@ class Linter(ScopeChecks):
             for c in self.every
             if last_name(c) == "set_epoch" and isinstance(c.func, ast.Attribute)
         }
-        named = {
-            id(value): name
+        named = {  # each DistributedSampler(...) -> the name (or self.x) it is bound to, also
+            id(sub): dotted(target)  # through `... if ddp else None`
             for node in ast.walk(self.tree)
-            if isinstance(node, ast.stmt)
-            for name, value in pairs(node)
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if dotted(target)
+            for sub in ast.walk(node.value)
+            if isinstance(sub, ast.Call) and last_name(sub) == "DistributedSampler"
         }
-        by_loader = any(e.endswith(".sampler") for e in epochs)  # loader.sampler.set_epoch
+        # loader.sampler.set_epoch, or on a name that is no sampler of this file (a helper's
+        # parameter, a loop over samplers, samplers["train"]): it may be any of them
+        lenient = any(e.endswith(".sampler") or e not in named.values() for e in epochs)
         for call in self.every:
             shuffle = keyword(call, "shuffle")
             if last_name(call) != "DistributedSampler" or (
@@ -201,8 +206,9 @@ class Linter(ScopeChecks):
             ):
                 continue  # an evaluation sampler: one order is the point
             name = named.get(id(call))
-            if name not in epochs and not by_loader:
-                self.add(call, "DDP103", name=name or "(made in the DataLoader call)")
+            if name not in epochs and not lenient:
+                self.add(call, "DDP103", name=name or "(made in the DataLoader call)",
+                         fix=name or "loader.sampler")  # fmt: skip
 
     def key_slices(self) -> None:
         """DDP115: ``k[7:]`` on the keys of a loop; DDP124: ``k.lstrip("module.")``."""

@@ -19,7 +19,7 @@ RULES: dict[str, tuple[str, str]] = {
     ),
     "DDP103": (
         "DistributedSampler {name} is never given .set_epoch(epoch): every epoch reads the "
-        "same order; call {name}.set_epoch(epoch) at the top of the epoch loop",
+        "same order; call {fix}.set_epoch(epoch) at the top of the epoch loop",
         "02",
     ),
     "DDP104": (

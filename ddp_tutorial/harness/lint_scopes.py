@@ -190,6 +190,9 @@ class ScopeChecks:
             ids = keyword(call, "device_ids")
             if isinstance(ids, ast.List | ast.Tuple):
                 slots += list(ids.elts)
+            text = call.args[0] if call.args else None  # f"cuda:{rank}", "cuda:" + str(rank)
+            if isinstance(text, ast.JoinedStr | ast.BinOp) and "cuda" in ast.unparse(text):
+                slots += [n for n in ast.walk(text) if isinstance(n, ast.Name | ast.Attribute)]
             for slot in slots:
                 if scope.is_global_rank(slot):
                     label = dotted(slot) or "the rank"
