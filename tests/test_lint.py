@@ -585,3 +585,18 @@ def test_the_global_rank_in_a_device_string_is_found():
         assert codes(f"rank = dist.get_rank()\ndevice = {spelling}\n") == ["DDP102"], spelling
         local = f"rank = int(os.environ['LOCAL_RANK'])\ndevice = {spelling}\n"
         assert codes(local) == [], spelling
+
+
+def test_a_save_behind_a_local_rank_by_another_name_is_one_writer_per_node():
+    """``gpu = int(os.environ["LOCAL_RANK"])``, ``rank = int(os.environ["LOCAL_RANK"])``:
+    ``if gpu == 0: torch.save(...)`` is one writer per node (DDP106), not rank 0 alone and not
+    every rank (helper 51: no finding at all)."""
+    for name in ("gpu", "rank"):
+        source = f"""
+        dist.init_process_group("gloo")
+        {name} = int(os.environ["LOCAL_RANK"])
+        if {name} == 0:
+            torch.save(model.module.state_dict(), "m.pt")
+        dist.destroy_process_group()
+        """
+        assert codes(source) == ["DDP106"], name

@@ -120,6 +120,7 @@ class Scope:
     def __init__(self, body: Sequence[ast.stmt], params: Iterable[str] = ()) -> None:
         self.rank = {p for p in params if "rank" in p.lower()}
         self.global_rank: set[str] = set()
+        self.local_rank: set[str] = set()  # names read from LOCAL_RANK (`gpu = int(...)`)
         self.always_wrapped: set[str] = set()  # read as x.module, given to Join or no_sync
         self.bound: dict[str, list[tuple[int, bool | None]]] = {}  # name: (line, holds a wrapper)
         nodes = list(own_nodes(body))
@@ -152,6 +153,9 @@ class Scope:
     def _learn(self, name: str, value: ast.expr, line: int) -> None:
         if self.is_global_rank(value):
             self.global_rank.add(name)
+        inner = value.args[0] if isinstance(value, ast.Call) and value.args else value
+        if env_key(inner) == "LOCAL_RANK" or env_key(value) == "LOCAL_RANK":
+            self.local_rank.add(name)
         if self.depends_on_rank(value):
             self.rank.add(name)
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
@@ -252,8 +256,10 @@ def is_rank_test(test: ast.expr, scope: Scope) -> bool:
 
 def only_local(test: ast.expr, scope: Scope) -> str | None:
     """The local-rank name a guard tests when it tests no global rank ('args.local_rank')."""
-    names = [n for n in names_in(test) if "rank" in n.rsplit(".", 1)[-1].lower()]
-    local = [n for n in names if "local" in n.lower()]
+    names = [
+        n for n in names_in(test) if "rank" in n.rsplit(".", 1)[-1].lower() or n in scope.local_rank
+    ]
+    local = [n for n in names if "local" in n.lower() or n in scope.local_rank]
     if (
         local
         and len(local) == len(names)
