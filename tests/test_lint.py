@@ -473,6 +473,8 @@ def test_the_idioms_a_review_found_flagged_are_not_and_the_mistakes_still_are():
         dist.barrier()  # rank 0 done: every rank reached exactly one barrier
     """
     assert codes(rank_0_first) == []
+    yolo = rank_0_first.replace("if rank != 0:", "if rank not in [-1, 0]:")  # YOLOv5, HF
+    assert codes(yolo) == []
     assert codes(rank_0_first.replace("if rank != 0:", "if rank == 1:")) == ["DDP101", "DDP101"]
     hf_unwrap = """
     model = DDP(model)
@@ -600,3 +602,24 @@ def test_a_save_behind_a_local_rank_by_another_name_is_one_writer_per_node():
         dist.destroy_process_group()
         """
         assert codes(source) == ["DDP106"], name
+
+
+def test_a_collective_in_a_helper_that_rank_0_alone_calls_is_found():
+    """The classic "evaluate on rank 0 only" hang (helper 51: missed): the helper's all_reduce
+    is named at the call in the branch; the same helper called on every rank is fine."""
+    source = """
+    def evaluate(model, loader):
+        correct = torch.zeros(1)
+        dist.all_reduce(correct)
+        return correct
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        accuracy = evaluate(model, loader)
+    dist.destroy_process_group()
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(source))
+    assert finding.code == "DDP101" and "dist.all_reduce" in finding.message
+    assert finding.line == HEAD.count("\n") + 9, "at the call in the branch"
+    everyone = source.replace("if dist.get_rank() == 0:\n        accuracy", "accuracy")
+    assert codes(everyone) == []

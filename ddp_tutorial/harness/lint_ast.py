@@ -223,12 +223,32 @@ def complementary(a: ast.expr, b: ast.expr) -> bool:
     for one, other in ((a, b), (b, a)):
         if isinstance(one, ast.UnaryOp) and isinstance(one.op, ast.Not):
             return ast.dump(one.operand) == ast.dump(other)
-    if not (isinstance(a, ast.Compare) and isinstance(b, ast.Compare)):
+    one, other = _membership(a), _membership(b)
+    if one is None or other is None or one[0] != other[0] or one[1] == other[1]:
         return False
-    if len(a.ops) != 1 or len(b.ops) != 1 or ast.dump(a.left) != ast.dump(b.left):
-        return False
-    flipped = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}.get(type(a.ops[0]))
-    return flipped is type(b.ops[0]) and ast.dump(a.comparators[0]) == ast.dump(b.comparators[0])
+    small, large = sorted((one[2], other[2]), key=len)  # `local_rank not in [-1, 0]` and
+    rest = large - small  # `== 0`: -1, no launcher
+    return small <= large and all(isinstance(v, int | float) and v < 0 for v in rest)
+
+
+def _membership(test: ast.expr) -> tuple[str, bool, frozenset[object]] | None:
+    """``x == 0`` -> (x, True, {0}); ``x not in [-1, 0]`` -> (x, False, {-1, 0})."""
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    op, right = test.ops[0], test.comparators[0]
+    items = right.elts if isinstance(right, ast.List | ast.Tuple | ast.Set) else [right]
+    values = []
+    for item in items:
+        number = getattr(getattr(item, "operand", None), "value", None)
+        if isinstance(item, ast.UnaryOp) and isinstance(number, int | float):
+            item = ast.Constant(-number if isinstance(item.op, ast.USub) else number)
+        if not isinstance(item, ast.Constant):
+            return None
+        values.append(item.value)
+    positive = isinstance(op, ast.Eq | ast.In)
+    if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
+        return None
+    return ast.dump(test.left), positive, frozenset(values)
 
 
 def launched_test(node: ast.AST) -> bool:

@@ -40,6 +40,9 @@ class ScopeChecks:
             or is_collective(c)
             for c in self.every
         )
+        self.functions = {  # this file's functions by name, a helper's collectives for DDP101
+            f.name: f for f in ast.walk(self.tree) if isinstance(f, ast.FunctionDef)
+        }
         # mp.spawn(fn, ...) calls fn(index, ...): that index is the rank
         self.spawned = {dotted(c.args[0]) for c in self.every if last_name(c) == "spawn" and c.args}
         self.parents: dict[int, list[ast.stmt]] = {}
@@ -130,14 +133,21 @@ class ScopeChecks:
 
     # ---------------------------------------------------------------- rules by scope
 
-    def branch_calls(self, body: Sequence[ast.stmt], scope: Scope) -> list[tuple[str, ast.Call]]:
-        """Collectives and DDP forwards in a branch: ('all_reduce', call), ('forward', call)."""
+    def branch_calls(
+        self, body: Sequence[ast.stmt], scope: Scope, helpers: bool = False
+    ) -> list[tuple[str, ast.Call]]:
+        """Collectives and DDP forwards in a branch: ('all_reduce', call), ('forward', call);
+        with ``helpers``, those of a function of this file it calls (`if rank == 0:
+        evaluate(...)`, whose all_reduce the other ranks never join), named at the call."""
         out = []
         for call in (c for stmt in body for c in calls_in(stmt)):
             if is_collective(call):
                 out.append((last_name(call), call))
             elif self.forward(call, scope):
                 out.append(("forward", call))
+            elif helpers and (helper := self.functions.get(last_name(call))) is not None:
+                inner = [c for s in helper.body for c in calls_in(s)]
+                out += [(last_name(c), call) for c in inner if is_collective(c)]
         return out
 
     def rank_branches(self, owner: ast.AST, scope: Scope) -> None:
@@ -146,7 +156,13 @@ class ScopeChecks:
         for stmt in ifs:
             if not is_rank_test(stmt.test, scope):
                 continue
-            inside = self.branch_calls(stmt.body, scope)
+            # a helper's collectives when the test names the rank itself (not a value that
+            # merely came from rank-dependent data, like an all_reduced flag)
+            direct = any(
+                "rank" in n.rsplit(".", 1)[-1].lower() or n in scope.global_rank
+                for n in names_in(stmt.test)
+            )
+            inside = self.branch_calls(stmt.body, scope, direct)
             if not stmt.orelse and any(  # rank 0 first: each rank passes one of two barriers
                 not o.orelse
                 and complementary(stmt.test, o.test)
@@ -159,7 +175,7 @@ class ScopeChecks:
             if elif_ and not is_rank_test(stmt.orelse[0].test, scope):  # type: ignore[attr-defined]
                 other = []  # `elif <not about ranks>:` is a branch of its own
             else:
-                other = self.branch_calls(stmt.orelse, scope)
+                other = self.branch_calls(stmt.orelse, scope, direct)
             # the same collectives on both sides is fine (point-to-point is not in the list)
             if Counter(n for n, _ in inside) != Counter(n for n, _ in other):
                 for name, call in inside + other:
