@@ -623,3 +623,22 @@ def test_a_collective_in_a_helper_that_rank_0_alone_calls_is_found():
     assert finding.line == HEAD.count("\n") + 9, "at the call in the branch"
     everyone = source.replace("if dist.get_rank() == 0:\n        accuracy", "accuracy")
     assert codes(everyone) == []
+
+
+def test_a_file_per_rank_a_world_of_one_and_the_hyphenated_argument():
+    """Helper 51: a save to a per-rank file or to memory is no shared file (DDP105 said it
+    was); setting RANK only when no launcher did is a world of one (DDP117 flagged it); the
+    launcher's hyphenated --local-rank is the deprecated argument too (DDP113 missed it)."""
+    own_files = """
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.save(torch.get_rng_state(), f"ckpt/rng_rank{rank}.pt")
+    torch.save(model.state_dict(), io.BytesIO())
+    dist.destroy_process_group()
+    """
+    assert codes(own_files) == []
+    assert codes(own_files.replace('f"ckpt/rng_rank{rank}.pt"', '"ckpt/rng.pt"')) == ["DDP105"]
+    alone = 'if "RANK" not in os.environ:\n    os.environ["RANK"] = "0"\n'
+    assert codes(alone) == []
+    assert codes('os.environ["RANK"] = "0"\n') == ["DDP117"]
+    assert codes('parser.add_argument("--local-rank", type=int)\n') == ["DDP113"]

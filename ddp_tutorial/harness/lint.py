@@ -105,7 +105,8 @@ class Linter(ScopeChecks):
                 if keyword(call, "map_location") is None and len(call.args) < 2:
                     self.add(call, "DDP108")
             elif name == "add_argument" and any(
-                isinstance(a, ast.Constant) and a.value == "--local_rank" for a in call.args
+                isinstance(a, ast.Constant) and a.value in ("--local_rank", "--local-rank")
+                for a in call.args
             ):
                 self.add(call, "DDP113", what="an argument --local_rank")
             elif name in ("DistributedDataParallel", "DDP"):
@@ -127,10 +128,7 @@ class Linter(ScopeChecks):
         for i, text in enumerate(self.lines, 1):
             if "torch.distributed.launch" in text:
                 self.add(ast.Pass(lineno=i), "DDP113", what="torch.distributed.launch")
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-                if any(env_key(t) == "RANK" for t in node.targets):
-                    self.add(node, "DDP117")
+        self.rank_constants()
         self.key_slices()
         self.unused_modules()
         self.last_epoch()
@@ -179,6 +177,22 @@ class Linter(ScopeChecks):
                         for c in self.own_calls(s)
                     )
         return False
+
+    def rank_constants(self) -> None:
+        """DDP117: RANK set to a constant, unless only where no launcher set it."""
+        fallback = {  # `if "RANK" not in os.environ: os.environ["RANK"] = "0"`: a world of one
+            id(sub)
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.If) and "environ" in ast.unparse(node.test)
+            and any(isinstance(op, ast.NotIn) for c in ast.walk(node.test)
+                    if isinstance(c, ast.Compare) for op in c.ops)
+            for stmt in node.body
+            for sub in ast.walk(stmt)
+        }  # fmt: skip
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                if any(env_key(t) == "RANK" for t in node.targets) and id(node) not in fallback:
+                    self.add(node, "DDP117")
 
     def samplers(self) -> None:
         """DDP103: a shuffling DistributedSampler that never hears of the epoch."""

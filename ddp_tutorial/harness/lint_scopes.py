@@ -246,6 +246,12 @@ class ScopeChecks:
 
     def writer(self, call: ast.Call, owner: ast.AST, scope: Scope) -> None:
         """A save in a helper is judged where the helper is called (every call guarded?)."""
+        target = call.args[1] if len(call.args) > 1 else keyword(call, "f")
+        if target is not None and (
+            any("rank" in n.rsplit(".", 1)[-1].lower() for n in names_in(target))
+            or "BytesIO" in ast.unparse(target)
+        ):
+            return  # a file per rank (f"rng_rank{rank}.pt"), or memory: no shared file
         test = self.guard(call, owner, scope)
         sites: list[tuple[ast.Call, ast.AST, Scope]] = []
         if test is None and isinstance(owner, ast.FunctionDef | ast.AsyncFunctionDef):
