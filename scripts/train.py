@@ -414,9 +414,7 @@ def train(
             try:  # atomically: temp file, fsync, rename; a killed save never leaves half a file
                 kit.atomic_save(obj, target)
                 if note is not None:  # what best.pt scored, for a resume from an older snapshot
-                    tmp = kit.temp_path_for(target.with_suffix(".json"))
-                    tmp.write_text(json.dumps(note))
-                    os.replace(tmp, target.with_suffix(".json"))
+                    write_json(target.with_suffix(".json"), note)
                 kit.prune_snapshots(ckpt, keep=args.keep)
             except Exception as exc:  # disk full, quota: raised on every rank below, not a hang
                 error = f"{type(exc).__name__}: {exc}"
@@ -595,13 +593,18 @@ def train(
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Written aside, then renamed over ``path``: a crash leaves the old file or the new one."""
+    temp = kit.temp_path_for(path)
+    temp.write_text(json.dumps(data))
+    os.replace(temp, path)
+
+
 def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) -> None:
     """failed.json (rank 0): why the run stopped, so that every restart stops at once."""
     if rank == 0 and ckpt is not None:
         with contextlib.suppress(OSError):
-            temp = ckpt / f"{FAILED}.tmp"  # written aside, then renamed: never half a file
-            temp.write_text(json.dumps({"step": step, "error": str(exc)}))
-            os.replace(temp, ckpt / FAILED)
+            write_json(ckpt / FAILED, {"step": step, "error": str(exc)})
 
 
 def instruments(args: argparse.Namespace, *who: Any) -> Any:

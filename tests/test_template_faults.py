@@ -455,7 +455,7 @@ def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, 
     stops_with(template, argv, capsys, "CorruptCheckpointError", "truncated or corrupt")
     assert snapshot_steps(kit, tmp_path) == [2], "not renamed: nothing else to resume from"
     assert "truncated or corrupt" in json.loads((tmp_path / "failed.json").read_text())["error"]
-    assert not (tmp_path / "failed.json.tmp").exists(), "written aside, then renamed"
+    assert not kit.stale_temp_files(tmp_path), "written aside, then renamed"
     (tmp_path / "failed.json").write_text("")  # damaged (a hand edit): still a clear refusal
     with pytest.raises(SystemExit) as refused:
         template.main(argv)
