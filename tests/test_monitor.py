@@ -226,6 +226,9 @@ def test_workers_count_for_their_rank_and_dead_or_restarted_ranks_are_followed()
         rank1.wait()
         assert [r["id"] for r in mon.sample_once()] == [0], "a dead rank drops out"
         restarted = start(["sleep", "60"], 1)
+        deadline = time.monotonic() + 10  # exec'd, as above: before it, no RANK to find (seen
+        while _tree(restarted.pid)[0].name() != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.02)  # under load: four samples taken before the exec, all [0])
         ids = [[r["id"] for r in mon.sample_once()] for _ in range(4)]
         assert ids[-1] == [0, 1], f"the restarted rank is found within 4 samples: {ids}"
         assert restarted.pid in mon._procs and rank1.pid not in mon._procs
