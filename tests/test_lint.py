@@ -642,3 +642,75 @@ def test_a_file_per_rank_a_world_of_one_and_the_hyphenated_argument():
     assert codes(alone) == []
     assert codes('os.environ["RANK"] = "0"\n') == ["DDP117"]
     assert codes('parser.add_argument("--local-rank", type=int)\n') == ["DDP113"]
+
+
+def test_the_official_tutorials_trainer_saves_once_per_node():
+    """The official series' ``Trainer``: ``self.gpu_id = int(os.environ["LOCAL_RANK"])`` in
+    ``__init__``, ``if self.gpu_id == 0: self._save_snapshot(epoch)`` in ``train``: one writer
+    per node (DDP106), named once at the call. Before, a method named ``save`` was taken for a
+    caller of itself (its own ``torch.save``), and the guard in another method went unseen:
+    two DDP105 findings. The global rank kept on ``self`` guards it right."""
+    source = """
+    class Trainer:
+        def __init__(self, model):
+            self.gpu_id = int(os.environ["LOCAL_RANK"])
+            self.model = DDP(model.to(self.gpu_id), device_ids=[self.gpu_id])
+
+        def save(self, epoch):
+            torch.save(self.model.module.state_dict(), "checkpoint.pt")
+
+        def train(self, epochs):
+            for epoch in range(epochs):
+                if self.gpu_id == 0:
+                    self.save(epoch)
+
+    dist.init_process_group("gloo")
+    Trainer(net).train(3)
+    dist.destroy_process_group()
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(source))
+    assert (finding.code, finding.line) == ("DDP106", HEAD.count("\n") + 13), finding
+    assert "self.gpu_id" in finding.message
+    right = source.replace(
+        'self.gpu_id = int(os.environ["LOCAL_RANK"])',
+        'self.gpu_id = int(os.environ["LOCAL_RANK"])\n            self.rank = dist.get_rank()',
+    ).replace("if self.gpu_id == 0:", "if self.rank == 0:")
+    assert codes(right) == []
+    assert codes(right.replace("self.rank = dist.get_rank()", "self.rank = self.gpu_id")) == [
+        "DDP106"
+    ]
+
+
+def test_an_aliased_sampler_and_the_other_loaders_set_epoch_are_seen():
+    """``DistributedSampler as DS`` was no sampler to the linter, and a set_epoch on
+    ``val_loader.sampler`` silenced the training sampler that never got one (any
+    ``.sampler`` could be it): the loader's own sampler is now looked up."""
+    alias = """
+    from torch.utils.data.distributed import DistributedSampler as DS
+    sampler = DS(ds)
+    loader = DataLoader(ds, sampler=sampler)
+    for epoch in range(3):
+        for x in loader:
+            pass
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(alias))
+    assert finding.code == "DDP103" and "sampler.set_epoch" in finding.message
+    fixed = alias.replace(
+        "    for x in loader:", "    sampler.set_epoch(epoch)\n    for x in loader:"
+    )
+    assert codes(fixed) == []
+    two = """
+    train_loader = DataLoader(ds, sampler=DistributedSampler(ds))
+    val_loader = DataLoader(ds, sampler=DistributedSampler(ds, shuffle=True))
+    for epoch in range(3):
+        val_loader.sampler.set_epoch(epoch)
+        for x in train_loader:
+            pass
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(two))
+    assert finding.code == "DDP103" and "train_loader.sampler.set_epoch" in finding.message
+    assert finding.line == HEAD.count("\n") + 2
+    both = two.replace("    for x in", "    train_loader.sampler.set_epoch(epoch)\n    for x in")
+    assert codes(both) == []
+    unknown = two.replace("val_loader.sampler", "loaders['val'].sampler")  # cannot tell which
+    assert codes(unknown) == []

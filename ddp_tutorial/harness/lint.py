@@ -210,9 +210,24 @@ class Linter(ScopeChecks):
             for sub in ast.walk(node.value)
             if isinstance(sub, ast.Call) and last_name(sub) == "DistributedSampler"
         }
-        # loader.sampler.set_epoch, or on a name that is no sampler of this file (a helper's
-        # parameter, a loop over samplers, samplers["train"]): it may be any of them
-        lenient = any(e.endswith(".sampler") or e not in named.values() for e in epochs)
+        held = {  # loader -> its sampler: a name, or the DistributedSampler(...) made in it
+            dotted(target): sampler
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and last_name(node.value) == "DataLoader"
+            and (sampler := keyword(node.value, "sampler")) is not None
+            for target in node.targets
+            if dotted(target)
+        }  # fmt: skip
+        inline = {id(s): loader for loader, s in held.items() if isinstance(s, ast.Call)}
+        named = {at: name for at, name in named.items() if at not in inline}  # not the loader's
+        told = {id(held[e[: -len(".sampler")]]) for e in epochs if e[: -len(".sampler")] in held}
+        epochs |= {dotted(s) for e in epochs if e.endswith(".sampler")
+                   and isinstance(s := held.get(e[: -len(".sampler")]), ast.Name | ast.Attribute)
+                   } - {""}  # fmt: skip
+        # a loader or a name this file cannot resolve (a helper's parameter, a loop over
+        # samplers, samplers["train"], loaders["val"].sampler): it may be any of them
+        lenient = any(e not in named.values() and e[: -len(".sampler")] not in held for e in epochs)
         for call in self.every:
             shuffle = keyword(call, "shuffle")
             if last_name(call) != "DistributedSampler" or (
@@ -220,7 +235,11 @@ class Linter(ScopeChecks):
             ):
                 continue  # an evaluation sampler: one order is the point
             name = named.get(id(call))
-            if name not in epochs and not lenient:
+            if id(call) in told or name in epochs or lenient:
+                continue
+            if name is None and (loader := inline.get(id(call))):
+                self.add(call, "DDP103", name=f"of {loader}", fix=f"{loader}.sampler")
+            else:
                 self.add(call, "DDP103", name=name or "(made in the DataLoader call)",
                          fix=name or "loader.sampler")  # fmt: skip
 

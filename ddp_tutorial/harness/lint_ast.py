@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from ddp_tutorial.harness.lint_rules import COLLECTIVES, DIST_PREFIXES, GLOBAL_RANK_SOURCES
 
@@ -110,6 +111,40 @@ def own_nodes(body: Sequence[ast.stmt]) -> Iterator[ast.AST]:
             todo.extend(ast.iter_child_nodes(node))
 
 
+@dataclass
+class Kept:
+    """The attributes a class's methods set to a rank (``self.gpu_id = int(os.environ[
+    "LOCAL_RANK"])`` in ``__init__``, tested in ``train``): what every method then knows."""
+
+    rank: set[str] = field(default_factory=set)
+    global_rank: set[str] = field(default_factory=set)
+    local_rank: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, owner: ast.ClassDef) -> Kept:
+        kept = cls()
+        methods = [f for f in owner.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+        for _ in range(2):  # `self.rank = self.gpu_id`: an attribute from another one
+            for method in methods:
+                scope = Scope(method.body, [a.arg for a in method.args.args], kept)
+                for node in own_nodes(method.body):
+                    if isinstance(node, ast.Assign):
+                        for target in node.targets:
+                            kept.learn(dotted(target), node.value, scope)
+        return kept
+
+    def learn(self, name: str, value: ast.expr, scope: Scope) -> None:
+        if not name.startswith("self.") or name.count(".") != 1:
+            return
+        if scope.is_global_rank(value):
+            self.global_rank.add(name)
+        if scope.is_local_rank(value):
+            self.local_rank.add(name)
+        plain = isinstance(value, ast.Compare | ast.BoolOp | ast.UnaryOp | ast.Name | ast.Attribute)
+        if name in self.global_rank | self.local_rank or plain and scope.depends_on_rank(value):
+            self.rank.add(name)  # not `self.model = DDP(net.to(self.gpu_id))`
+
+
 class Scope:
     """What one function (or the module's top level) makes of its names.
 
@@ -117,10 +152,13 @@ class Scope:
     ``global_rank``: names that hold the global rank itself; wrappers: names that hold a
     DDP model at a given line (``net = model`` then ``net = model.module``: only before)."""
 
-    def __init__(self, body: Sequence[ast.stmt], params: Iterable[str] = ()) -> None:
-        self.rank = {p for p in params if "rank" in p.lower()}
-        self.global_rank: set[str] = set()
-        self.local_rank: set[str] = set()  # names read from LOCAL_RANK (`gpu = int(...)`)
+    def __init__(
+        self, body: Sequence[ast.stmt], params: Iterable[str] = (), kept: Kept | None = None
+    ) -> None:
+        kept = kept or Kept()  # what the methods of a class keep on self (self.gpu_id = ...)
+        self.rank = {p for p in params if "rank" in p.lower()} | kept.rank
+        self.global_rank: set[str] = set(kept.global_rank)
+        self.local_rank: set[str] = set(kept.local_rank)  # from LOCAL_RANK (`gpu = int(...)`)
         self.always_wrapped: set[str] = set()  # read as x.module, given to Join or no_sync
         self.bound: dict[str, list[tuple[int, bool | None]]] = {}  # name: (line, holds a wrapper)
         nodes = list(own_nodes(body))
@@ -153,8 +191,7 @@ class Scope:
     def _learn(self, name: str, value: ast.expr, line: int) -> None:
         if self.is_global_rank(value):
             self.global_rank.add(name)
-        inner = value.args[0] if isinstance(value, ast.Call) and value.args else value
-        if env_key(inner) == "LOCAL_RANK" or env_key(value) == "LOCAL_RANK":
+        if self.is_local_rank(value):
             self.local_rank.add(name)
         if self.depends_on_rank(value):
             self.rank.add(name)
@@ -192,9 +229,16 @@ class Scope:
             return self.is_global_rank(node.args[0])
         if isinstance(node, ast.Call) and last_name(node) in GLOBAL_RANK_SOURCES:
             return True
-        if isinstance(node, ast.Name):
-            return node.id in self.global_rank
+        if isinstance(node, ast.Name | ast.Attribute) and dotted(node):
+            return dotted(node) in self.global_rank
         return env_key(node) == "RANK"
+
+    def is_local_rank(self, value: ast.expr) -> bool:
+        """``int(os.environ["LOCAL_RANK"])`` or a name (``self.gpu_id``) holding it."""
+        inner = value.args[0] if isinstance(value, ast.Call) and value.args else value
+        if isinstance(inner, ast.Name | ast.Attribute) and dotted(inner) in self.local_rank:
+            return True
+        return env_key(inner) == "LOCAL_RANK" or env_key(value) == "LOCAL_RANK"
 
     def depends_on_rank(self, node: ast.AST) -> bool:
         if launched_test(node):

@@ -151,6 +151,7 @@ GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
 SLOW_WORK = re.compile(r"download|prepare|preprocess|tokeni[sz]e|build_cache|extract|sleep")
 IGNORE = re.compile(r"#\s*ddp-lint:\s*ignore(?:\[(?P<codes>[A-Z0-9, ]+)\])?")
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
+ALIASED = frozenset({"DistributedSampler", "DistributedDataParallel", "DataLoader"})  # `as X`
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # ddp_kit's, repeated: lint never imports torch
 
 

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from ddp_tutorial.harness.lint_ast import (
+    Kept,
     Scope,
     calls_in,
     complementary,
@@ -22,7 +23,14 @@ from ddp_tutorial.harness.lint_ast import (
     pairs,
     targets,
 )
-from ddp_tutorial.harness.lint_rules import CUDA_STRING, IGNORE, RULES, SLOW_WORK, LintFinding
+from ddp_tutorial.harness.lint_rules import (
+    ALIASED,
+    CUDA_STRING,
+    IGNORE,
+    RULES,
+    SLOW_WORK,
+    LintFinding,
+)
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
@@ -33,6 +41,16 @@ class ScopeChecks:
         self.path, self.source = path, source
         self.lines = source.splitlines()
         self.tree = ast.parse(source, filename=path)
+        aliases = {  # `DistributedSampler as DS`: read as the class it names
+            alias.asname: alias.name
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+            if alias.asname and alias.name in ALIASED
+        }
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Name) and node.id in aliases:
+                node.id = aliases[node.id]
         self.found: list[LintFinding] = []
         self.every = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call)]
         self.distributed = any(
@@ -45,6 +63,13 @@ class ScopeChecks:
         }
         # mp.spawn(fn, ...) calls fn(index, ...): that index is the rank
         self.spawned = {dotted(c.args[0]) for c in self.every if last_name(c) == "spawn" and c.args}
+        self.kept = {  # each method: the ranks its class keeps on self
+            id(method): kept
+            for owner in ast.walk(self.tree)
+            if isinstance(owner, ast.ClassDef)
+            for kept in [Kept.of(owner)]
+            for method in owner.body
+        }
         self.parents: dict[int, list[ast.stmt]] = {}
         for node in ast.walk(self.tree):
             for name in ("body", "orelse", "finalbody"):
@@ -65,12 +90,13 @@ class ScopeChecks:
         for node in ast.walk(self.tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+                kept = self.kept.get(id(node))
                 if node.name in self.spawned and params:
                     params[0] = "rank"  # its first argument is the rank (renamed for the scan)
-                    scope = Scope(node.body, params)
+                    scope = Scope(node.body, params, kept)
                     scope.rank.add(node.args.args[0].arg if node.args.args else "rank")
                 else:
-                    scope = Scope(node.body, params)
+                    scope = Scope(node.body, params, kept)
                 yield node, scope
 
     # ---------------------------------------------------------------- walking
@@ -257,10 +283,12 @@ class ScopeChecks:
         if test is None and isinstance(owner, ast.FunctionDef | ast.AsyncFunctionDef):
             for site_owner, site_scope in self.scopes():
                 for stmt in self.statements(site_owner):
-                    sites += [
+                    sites += [  # `save(...)`, `self.save(...)`; not the torch.save in it
                         (c, site_owner, site_scope)
                         for c in self.own_calls(stmt)
                         if last_name(c) == owner.name
+                        and c is not call
+                        and not dotted(c.func).startswith("torch.")
                     ]
             if not sites and owner.name not in self.spawned:
                 return  # a helper this file never calls: its callers guard it, or not
