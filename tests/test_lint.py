@@ -714,3 +714,31 @@ def test_an_aliased_sampler_and_the_other_loaders_set_epoch_are_seen():
     assert codes(both) == []
     unknown = two.replace("val_loader.sampler", "loaders['val'].sampler")  # cannot tell which
     assert codes(unknown) == []
+
+
+def test_a_save_no_caller_guards_is_named_at_its_own_line():
+    """A save in ``main()`` was reported at the ``main()`` call at the bottom of the file
+    (the helper-call logic); it is the save's line that needs the guard. A helper called
+    from a guarded and an unguarded place is still named at the unguarded call."""
+    source = """
+    def main():
+        dist.init_process_group("gloo")
+        torch.save(model.module.state_dict(), "m.pt")
+        dist.destroy_process_group()
+
+    main()
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(source))
+    assert (finding.code, finding.line) == ("DDP105", HEAD.count("\n") + 4)
+    helper = """
+    def save(model):
+        torch.save(model.module.state_dict(), "m.pt")
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        save(model)
+    save(model)
+    dist.destroy_process_group()
+    """
+    (finding,) = lint_source(HEAD + textwrap.dedent(helper))
+    assert (finding.code, finding.line) == ("DDP105", HEAD.count("\n") + 8)

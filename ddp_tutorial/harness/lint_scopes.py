@@ -294,6 +294,8 @@ class ScopeChecks:
                 return  # a helper this file never calls: its callers guard it, or not
             # mp.spawn(worker): the worker runs on every rank, the save in it too
         checks = [(call, test)] if not sites else [(c, self.guard(c, o, s)) for c, o, s in sites]
+        if all(guard is None for _, guard in checks):
+            checks = [(call, None)]  # no caller guards it (main()): the save's own line
         for where, guard in checks:
             if guard is None:
                 self.add(where, "DDP105")
