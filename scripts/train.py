@@ -340,7 +340,7 @@ def train(
     #    forward (a collective per step): they are averaged before evaluating and saving.
     cuda = device.type == "cuda"
     ddp = DDP(model.to(device), device_ids=[device.index] if cuda else None)
-    ddp.forward_sync_buffers = False  # (torch < 2.14: ddp.broadcast_buffers = False)
+    ddp.broadcast_buffers = False  # torch 2.13+: a property that sets forward_sync_buffers
     if args.comm_hook != "none":  # replaces the bucket all_reduce (lesson 11)
         ddp.register_comm_hook(*kit.comm_hook(args.comm_hook))
     model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP

@@ -187,10 +187,7 @@ class Lab:
 
     def command(self, name: str) -> str:
         """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags)."""
-        spec = self.launches[name].spec
-        env = [f"{k}={shlex.quote(str(v))}" for k, v in (spec.env or {}).items()]
-        words = shell_command(self.launches[name].command).replace(self.demos, "scripts/demos")
-        return "$ " + " ".join([*env, words])
+        return typed_command(self.launches[name].spec, self.demos)
 
     def left_behind(self, names: Iterable[str]) -> list[int]:
         """pids still alive from the launches ``names``: torchrun or a rank.
@@ -229,9 +226,28 @@ def start_lab(
     rank 0), ``teardown`` (section 8: rank 0 without the fix, rank 1 with it),
     and section 3's pdb session. ``launch_timeout_s`` is every launch's hard limit.
     """
-    lab, hello, teardown = f"{demos}/debug_lab.py", f"{demos}/hello.py", f"{demos}/teardown.py"
     port_holder = socket.create_server(("127.0.0.1", 0))  # "another job" got there first
-    taken = str(port_holder.getsockname()[1])
+    taken = int(port_holder.getsockname()[1])
+    cases = lab_cases(hang_timeout_s, launch_timeout_s, demos, nproc, taken)
+    try:
+        launches = start_cases(cases)
+    except BaseException:
+        port_holder.close()
+        raise
+    pool = ThreadPoolExecutor(1)
+    lab = f"{demos}/debug_lab.py"
+    pdb = pool.submit(run_command, [sys.executable, "-m", "pdb", lab, "--case", "keys"],
+                      stdin=PDB_KEYS, timeout=launch_timeout_s)  # fmt: skip
+    return Lab(launches, pdb, port_holder, demos, pool)
+
+
+def lab_cases(
+    hang_timeout_s: float, launch_timeout_s: float, demos: str, nproc: int, taken_port: int
+) -> dict[str, LaunchSpec]:
+    """What each launch of lesson 09 runs (not started): the lesson's prose shows these
+    commands too, kept equal to them by a test, for a reader without outputs."""
+    lab, hello, teardown = f"{demos}/debug_lab.py", f"{demos}/hello.py", f"{demos}/teardown.py"
+    taken = str(taken_port)
     hang = ["--timeout", hang_timeout_s]
 
     def launch(script: str, *args: object, **options: Any) -> LaunchSpec:
@@ -249,12 +265,11 @@ def start_lab(
         "teardown": launch(teardown, "--init", "plain", "--import-first-rank", 1),
         "all-fixed": launch(lab, "--case", "all", "--fix", "--breakpoint", stdin=PDB_BREAKPOINT),
     }  # fmt: skip
-    try:
-        launches = start_cases(cases)
-    except BaseException:
-        port_holder.close()
-        raise
-    pool = ThreadPoolExecutor(1)
-    pdb = pool.submit(run_command, [sys.executable, "-m", "pdb", lab, "--case", "keys"],
-                      stdin=PDB_KEYS, timeout=launch_timeout_s)  # fmt: skip
-    return Lab(launches, pdb, port_holder, demos, pool)
+    return cases
+
+
+def typed_command(spec: LaunchSpec, demos: str) -> str:
+    """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags)."""
+    env = [f"{k}={shlex.quote(str(v))}" for k, v in (spec.env or {}).items()]
+    words = shell_command(spec.command(Path("run"))).replace(demos, "scripts/demos")
+    return "$ " + " ".join([*env, words])
