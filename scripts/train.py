@@ -449,6 +449,7 @@ def train(
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
         nonlocal best, owed
         if checks.check(step, True, ddp.parameters()).stop:  # inf/nan raises: never scored
+            owed = True  # the rerun's first act
             save_snapshot()  # preempted: save (and exit) before a long evaluation
         mean = loss_sum.clone()
         dist.all_reduce(mean)  # every rank's batches: all_reduce, so every rank has the mean

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from conftest import load_script
+from ddp_tutorial.harness.launch import torchrun
 
 TINY = ["--model", "mlp", "--image-size", "8", "--num-val", "16", "--no-progress",
         "--backend", "gloo"]  # fmt: skip
@@ -150,11 +152,14 @@ def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_p
             "--max-steps", "3", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
     template.main(argv)
     final = (tmp_path / "final.pt").read_bytes()
+    written = (tmp_path / "final.pt").stat()
     capsys.readouterr()
     template.main(argv)
     assert "nothing left to train" in capsys.readouterr().out
     assert snapshot_steps(kit, tmp_path) == [3], "no step 4"
     assert (tmp_path / "final.pt").read_bytes() == final, "final.pt left as it was"
+    now = (tmp_path / "final.pt").stat()  # the same bytes saved again: a new file renamed in
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns), "not rewritten"
 
 
 def test_a_resume_refuses_another_optimizer_and_takes_a_new_weight_decay(
@@ -184,22 +189,28 @@ def test_a_resume_refuses_another_optimizer_and_takes_a_new_weight_decay(
 def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     template, kit, tmp_path, one_rank, monkeypatch
 ):
-    """--save-minutes 1 with a clock that moves 61 s at every reading: every agreement (the
-    first step, then each 10 steps: within_s is set so that these steps count as fast) saves.
+    """--save-minutes 1 on a clock that moves 4 s with every step: the ranks agree at step 1,
+    then every 10 steps (within_s makes these steps count as fast), at 4, 44, 84, 124 s. The
+    save is due at 84 s (step 21); the timer restarts there, so 124 s is only 40 s later: no
+    save at step 31 (a mutation review: with a clock that jumped 61 s at every reading, a
+    timer that never restarted saved at every check and passed). Then the epoch's end, 32.
     Without --checkpoint-dir nothing could be saved: no timed save at all."""
-    made = []
+    made, now = [], [0.0]
 
     class Clocked(kit.StopCheck):
         def __init__(self, device, every=10, save_minutes=0.0, clock=None, within_s=0.0):
-            ticks = iter(range(0, 10**6, 61))
-            super().__init__(device, every, save_minutes, lambda: next(ticks), within_s=1e9)
+            super().__init__(device, every, save_minutes, lambda: now[0], within_s=1e9)
             made.append(self)
+
+        def observe(self, step, loss):
+            now[0] += 4.0  # each step takes 4 s
+            super().observe(step, loss)
 
     monkeypatch.setattr(kit, "StopCheck", Clocked)
     base = [*TINY, "--num-samples", "256", "--batch-size", "8", "--epochs", "1",
             "--save-minutes", "1", "--keep", "9"]  # 32 steps  # fmt: skip
     template.main([*base, "--checkpoint-dir", str(tmp_path)])
-    assert snapshot_steps(kit, tmp_path) == [1, 11, 21, 31, 32], "timed: 1, 11, ...; the epoch"
+    assert snapshot_steps(kit, tmp_path) == [21, 32], "timed at 84 s, then 60 s later; the epoch"
     template.main(base)
     assert made[-1].save_s == 0, "no folder: the timed save is off"
 
@@ -346,7 +357,9 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     """Point 3: SIGTERM lands after step 12; with --eval-every 15, step 15 is an evaluation
     and no periodic stop check (those come every 10 steps). The check before the evaluation
     stops the job there: the snapshot is written, the evaluation never runs inside the grace
-    period. (Without that check the evaluation runs at 15 and the job stops at 20.)"""
+    period, and the snapshot says it is owed, so the rerun's first act is step 15's evaluation
+    (a mutation review: without the check's save, the evaluation's own stop saved the same;
+    and the owed evaluation was lost for good, the rerun's history went 30, 32)."""
     observe = kit.StopCheck.observe
 
     def observe_then_signal(self, step, loss):  # the scheduler's SIGTERM, at a known step
@@ -363,6 +376,13 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     assert stopped.value.code == kit.PREEMPTED_EXIT, out
     assert "SIGTERM: saved step 15" in out and "val accuracy" not in out, out
     assert snapshot_steps(kit, tmp_path / "c") == [15]
+    (path,) = [p for _, p in kit.list_snapshots(tmp_path / "c")]
+    assert kit.load_checkpoint(path)["extra"]["eval_owed"], "the snapshot owes step 15's"
+    monkeypatch.setattr(kit.StopCheck, "observe", observe)  # the rerun: no signal
+    template.main(argv)
+    out = capsys.readouterr().out
+    evaluated = [int(s) for s in re.findall(r"epoch \d+: step (\d+), loss", out)]
+    assert evaluated == [15, 30, 32], out
 
 
 @pytest.mark.parametrize(
@@ -462,3 +482,114 @@ def test_a_damaged_only_snapshot_stops_the_run_and_every_restart(template, kit, 
     assert refused.value.code == 2 and "stopped for good: (the file says no more)" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("best_by", ["val_accuracy", "val_loss"])
+def test_best_pt_holds_the_weights_of_the_best_evaluation(template, kit, tmp_path, one_rank,
+                                                          monkeypatch, best_by):  # fmt: skip
+    """Three evaluations scored 0.5, 0.9, 0.7 (losses 1.0, 0.2, 0.6): best.pt holds the weights
+    the second one evaluated, and best.json says so; not the last evaluation's (a mutation
+    review: with scores that only rose, "the best" and "the last" could not be told apart)."""
+    evaluate, seen = kit.distributed_evaluate, []
+    scores = iter([(0.5, 1.0), (0.9, 0.2), (0.7, 0.6)])
+
+    def scripted(model, *args, **kwargs):
+        result = evaluate(model, *args, **kwargs)
+        accuracy, loss = next(scores)
+        seen.append({k: v.clone() for k, v in model.module.state_dict().items()})
+        return kit.EvalResult(accuracy, loss, result.correct, result.count, result.local_count)
+
+    monkeypatch.setattr(kit, "distributed_evaluate", scripted)
+    argv = [*TINY, "--num-samples", "96", "--batch-size", "8", "--epochs", "1", "--eval-every",
+            "4", "--best-by", best_by, "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main(argv)
+    assert len(seen) == 3, "evaluated at steps 4, 8 and 12 (the epoch's end)"
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert all(torch.equal(best[k], seen[1][k]) for k in best), "the second evaluation's weights"
+    assert not all(torch.equal(best[k], seen[2][k]) for k in best), "training moved on after it"
+    note = json.loads((tmp_path / "best.json").read_text())
+    assert (note["step"], note["val_accuracy"], note["val_loss"]) == (8, 0.9, 0.2), note
+
+
+def test_a_loss_that_diverges_with_finite_weights_stops_the_template(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys
+):
+    """From step 3 on the training loss is inf while the gradients, and so the weights, stay
+    finite (``loss + inf``, the constant has no gradient): only the loss check can see it, and
+    the template feeds it every step (a mutation review: its one test of the loss check drove
+    StopCheck alone, and the template's divergence test made the weights non-finite too)."""
+    calls = []
+
+    class InfFromStep3(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            loss = super().forward(logits, target)
+            if torch.is_grad_enabled():  # training, not evaluation
+                calls.append(1)
+                if len(calls) >= 3:
+                    return loss + torch.tensor(float("inf"))
+            return loss
+
+    monkeypatch.setattr(torch.nn, "CrossEntropyLoss", InfFromStep3)
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "2",
+            "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    stops_with(template, argv, capsys, "DivergedError", "at step 3")
+    assert not (tmp_path / "c" / "best.pt").exists() and not snapshot_steps(kit, tmp_path / "c")
+
+
+def test_tensorboard_scalars_reach_the_disk_on_a_preemptions_exit_75(
+    template, kit, tmp_path, one_rank, monkeypatch
+):
+    """SIGTERM after step 5: the ranks save step 11 and exit 75, and the writer is closed on
+    that path too, every step's scalars on disk (a mutation review: only the divergence exit
+    was checked; a writer closed on errors alone passed)."""
+    import torch.utils.tensorboard as tb
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    opened, observe = [], kit.StopCheck.observe
+
+    class Writer(tb.SummaryWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    def observe_then_signal(self, step, loss):
+        observe(self, step, loss)
+        if step == 5:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(tb, "SummaryWriter", Writer)
+    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    argv = [*TINY, "--num-samples", "256", "--batch-size", "8", "--epochs", "1",
+            "--log-every", "1", "--checkpoint-dir", str(tmp_path / "c"),
+            "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    assert stopped.value.code == kit.PREEMPTED_EXIT
+    assert len(opened) == 1 and opened[0].file_writer is None, "the writer was left open"
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 12))
+
+
+LOG_ON_RANKS = """
+import torch
+from ddp_tutorial._kit import kit
+from ddp_tutorial.distributed import process_group
+
+with process_group(backend="gloo") as info:
+    sums = torch.zeros(2, dtype=torch.float64)
+    log = kit.TrainLog(info.rank, every=2, global_batch=8, sums=sums)
+    for step in (1, 2):
+        sums += torch.tensor([10.0 * info.rank + step, 1.0], dtype=torch.float64)
+        log.step(step, sums, 0.1, None)
+"""
+
+
+@pytest.mark.torchrun
+def test_the_log_line_is_the_mean_over_every_rank(tmp_path, write_script):
+    """3 gloo ranks whose losses are 10 r + 1 and 10 r + 2: rank 0's line at step 2 is the
+    mean over the ranks' windows, 11.5, not its own 1.5 (a mutation review: the in-process
+    test has no group, so the all_reduce could go unnoticed)."""
+    result = torchrun(write_script("log_ranks.py", LOG_ON_RANKS), nproc=3,
+                      run_dir=tmp_path / "run", timeout=120, echo=False)  # fmt: skip
+    assert "step 2: loss 11.5000" in result.output, result.output[-2000:]
