@@ -108,6 +108,14 @@ CASES = register([
                  '        tmp = path.with_name(path.name + ".tmp")\n'),)),
     Case(SNAP, "fdatasync", None,  # right: the data and the size, all a rename needs
          edits=(("os.fsync(f.fileno())", "os.fdatasync(f.fileno())"),)),
+    # from the eleventh session's leftovers: os.sync() syncs every file system (slow on a busy
+    # node, but the bytes are on disk before the rename): right; before the write: too early
+    Case(SNAP, "os-sync", None, edits=(("os.fsync(f.fileno())", "os.sync()"),)),
+    Case(SNAP, "os-sync-before-the-write", "renamed before all its bytes were fsynced",
+         edits=(("            torch.save(state, f)\n            f.flush()\n"
+                 "            os.fsync(f.fileno())\n",
+                 "            os.sync()\n            torch.save(state, f)\n"
+                 "            f.flush()\n"),)),
 ])  # fmt: skip
 
 

@@ -69,13 +69,20 @@ def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
 
 @contextmanager
 def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]],
-              hold: Callable[[], None] | None = None) -> Iterator[None]:  # fmt: skip
+              hold: Callable[[], None] | None = None,
+              folder: Path | None = None) -> Iterator[None]:  # fmt: skip
     """Renames (source, target, whether the source's bytes were all fsynced before), and
     fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes;
-    fdatasync counts: it writes the data and the size, all a rename needs). ``hold``: called
-    before each rename (a rank that returns before it did not wait for the file)."""
-    real_replace, real_rename = os.replace, os.rename
+    fdatasync counts: it writes the data and the size, all a rename needs; so does os.sync(),
+    every file of every file system: noted for each file of ``folder`` as it is then).
+    ``hold``: called before each rename (a rank that returns before it did not wait)."""
+    real_replace, real_rename, real_sync = os.replace, os.rename, os.sync
     real_syncs = {"fsync": os.fsync, "fdatasync": getattr(os, "fdatasync", None)}
+
+    def sync_all() -> None:
+        real_sync()
+        files = [f for f in folder.iterdir() if f.is_file()] if folder is not None else []
+        fsyncs.extend((st.st_ino, st.st_size) for st in map(os.stat, files))
 
     def spy(real: Callable[..., Any]) -> Callable[..., Any]:
         def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
@@ -105,6 +112,7 @@ def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int
              if real is not None]  # fmt: skip
     with mock.patch.object(os, "replace", spy(real_replace)), \
          mock.patch.object(os, "rename", spy(real_rename)), \
+         mock.patch.object(os, "sync", sync_all), \
          ExitStack() as stack:  # fmt: skip
         for patch in syncs:
             stack.enter_context(patch)
@@ -167,7 +175,7 @@ def _save_phase(
     try:
         with (
             _spied_save(calls, hold if ctx.rank == 0 else None),
-            _spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None),
+            _spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None, folder),
             mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
         ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
