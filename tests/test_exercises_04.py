@@ -7,12 +7,22 @@ import pytest
 from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 ACCUM, BUFFERS = "04_accumulate_no_sync", "04_average_buffers"
+FLAT = """\
+    flat = torch.cat([b.reshape(-1) for b in stats])  # a copy: one tensor, every statistic
+    dist.all_reduce(flat)  # SUM over the ranks: one collective for every layer
+    flat /= world
+    for b, piece in zip(stats, flat.split([b.numel() for b in stats]), strict=True):
+        b.copy_(piece.view_as(b))  # back into the model's own tensor, in place
+"""
 LOOP = """\
     for buffer in model.buffers():
         if buffer.is_floating_point():  # running_mean, running_var; not num_batches_tracked
             dist.all_reduce(buffer)  # SUM over the ranks, in place
             buffer /= world
 """
+# the lesson's version, one all_reduce per buffer: the wrong answers below that edit it are
+# named for their own mistake first (the values are checked before the collectives counted)
+PER_BUFFER = (FLAT, LOOP)
 WAITS, DIVIDE = (
     "    for work in works:\n        work.wait()\n",
     "    for b in stats:\n        b /= world\n",
@@ -61,33 +71,41 @@ CASES = register(
                      "        loss = loss_fn(model(x), y) / k\n"
                      "        with model.no_sync():\n            loss.backward()"),)),
         Case(BUFFERS, "forgot-running-var", "running_var still differ",
-             edits=(("    for buffer in model.buffers():",
+             edits=(PER_BUFFER,
+                    ("    for buffer in model.buffers():",
                      "    for name, buffer in model.named_buffers():"),
                     ("        if buffer.is_floating_point():",
                      '        if name.endswith("running_mean"):'))),
         Case(BUFFERS, "num-batches-tracked-divided", "integer counter",
-             edits=(("        if buffer.is_floating_point():  # running_mean, running_var; "
+             edits=(PER_BUFFER,
+                    ("        if buffer.is_floating_point():  # running_mean, running_var; "
                      "not num_batches_tracked", "        if True:"),)),
         Case(BUFFERS, "only-on-rank-0", "waited",
-             edits=(("    for buffer in model.buffers():",
+             edits=(PER_BUFFER,
+                    ("    for buffer in model.buffers():",
                      "    for buffer in model.buffers() if dist.get_rank() == 0 else []:"),)),
         Case(BUFFERS, "summed-not-averaged", "divide by the world size",
-             edits=(("            buffer /= world\n", ""),)),
+             edits=(PER_BUFFER,
+                    ("            buffer /= world\n", ""),)),
         Case(BUFFERS, "divided-out-of-place", "makes a new tensor, which the model never sees",
-             edits=(("            buffer /= world\n", "            buffer = buffer / world\n"),)),
+             edits=(PER_BUFFER,
+                    ("            buffer /= world\n", "            buffer = buffer / world\n"),)),
         Case(ACCUM, "a-step-per-micro-batch", "optimizer.step() ran",
              edits=(("            (loss_fn(model(x), y) / k).backward()\n",
                      "            (loss_fn(model(x), y) / k).backward()\n"
                      "            optimizer.step()\n"),)),
         Case(BUFFERS, "rank-0s-broadcast", "computed from rank 0's batches alone",
-             edits=(("            dist.all_reduce(buffer)  # SUM over the ranks, in place\n"
+             edits=(PER_BUFFER,
+                    ("            dist.all_reduce(buffer)  # SUM over the ranks, in place\n"
                      "            buffer /= world\n",
                      "            dist.broadcast(buffer, src=0)\n"),)),
         Case(BUFFERS, "async-imported-by-name-never-waited", "was never waited on",
-             edits=(BY_NAME,
+             edits=(PER_BUFFER,
+                    BY_NAME,
                     ("dist.all_reduce(buffer)", "all_reduce(buffer, async_op=True)"))),
         Case(BUFFERS, "async-never-waited", "was never waited on",
-             edits=(("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
+             edits=(PER_BUFFER,
+                    ("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
         # from a learner review
         Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP",
              edits=(("            (loss_fn(model(x), y) / k).backward()",
@@ -104,10 +122,12 @@ CASES = register(
              edits=((ACCUMULATE_LOOP,
                      "    (sum(loss_fn(model(x), y) for x, y in micro_batches) / k).backward()\n"),)),  # noqa: E501
         Case(BUFFERS, "only-rank-0-divides", "every rank divides by the world size",
-             edits=(("            buffer /= world", "            if dist.get_rank() == 0:\n"
+             edits=(PER_BUFFER,
+                    ("            buffer /= world", "            if dist.get_rank() == 0:\n"
                      "                buffer /= world"),)),
         Case(BUFFERS, "parameters-not-buffers", "the statistics are buffers",
-             edits=(("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
+             edits=(PER_BUFFER,
+                    ("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
         # from a fifth learner review: k fitted to one call; every forward first
         Case(ACCUM, "k-hard-coded", "k is len(micro_batches), counted at each call",
              edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
@@ -124,20 +144,41 @@ CASES = register(
         # from a learner review: async sends, each tensor divided before its wait (a race
         # that passed one check in two); the same sends waited on first are right
         Case(BUFFERS, "divided-before-the-wait", "before the .wait()",
-             edits=((LOOP, ASYNC_LOOP), (WAITS + DIVIDE, DIVIDE + WAITS))),
-        Case(BUFFERS, "async-all-then-wait-then-divide", None, edits=((LOOP, ASYNC_LOOP),)),
+             edits=(PER_BUFFER,
+                    (LOOP, ASYNC_LOOP), (WAITS + DIVIDE, DIVIDE + WAITS))),
+        Case(BUFFERS, "async-all-then-wait-then-divide", "4 collectives on each rank",
+             edits=(PER_BUFFER, (LOOP, ASYNC_LOOP))),
         # from a seventh learner review: waited through futures (right); AVG, then divided
-        Case(BUFFERS, "waited-through-futures", None,
-             edits=((LOOP, ASYNC_LOOP.replace(
+        Case(BUFFERS, "waited-through-futures", "4 collectives on each rank",
+             edits=(PER_BUFFER,
+                    (LOOP, ASYNC_LOOP.replace(
                  WAITS, "    torch.futures.wait_all([w.get_future() for w in works])\n")),
                  ("import torch.distributed as dist\n",
                   "import torch\nimport torch.distributed as dist\n"))),
         Case(BUFFERS, "futures-taken-never-waited", "never waited on",
-             edits=((LOOP, ASYNC_LOOP.replace(
+             edits=(PER_BUFFER,
+                    (LOOP, ASYNC_LOOP.replace(
                  WAITS, "    futures = [w.get_future() for w in works]  # and nothing waits\n")),)),
         Case(BUFFERS, "averaged-twice", "averaged twice",
-             edits=(("            dist.all_reduce(buffer)  #",
+             edits=(PER_BUFFER,
+                    ("            dist.all_reduce(buffer)  #",
                      "            dist.all_reduce(buffer, op=dist.ReduceOp.AVG)  #"),)),
+        # the exercise since the twelfth session: one collective (the lesson shows one per buffer)
+        Case(BUFFERS, "the-lessons-version", "4 collectives on each rank for 4 statistics",
+             edits=(PER_BUFFER,)),
+        Case(BUFFERS, "flat-never-copied-back", "torch.cat (like .clone() or .flatten()) makes",
+             edits=(("        b.copy_(piece.view_as(b))  # back into the model's own tensor, "
+                     "in place\n", "        pass\n"),)),
+        Case(BUFFERS, "flat-assigned-not-copied", "copy each piece of the reduced one back",
+             edits=(("b.copy_(piece.view_as(b))", "b = piece.view_as(b)"),)),
+        Case(BUFFERS, "flat-not-divided", "divide by the world size",
+             edits=(("    flat /= world\n", ""),)),
+        Case(BUFFERS, "flat-async-waited", None,
+             edits=(("    dist.all_reduce(flat)  #",
+                     "    dist.all_reduce(flat, async_op=True).wait()  #"),)),
+        Case(BUFFERS, "flat-with-the-counter", None,  # int64 promoted; the same counts copied back
+             edits=(("for b in model.buffers() if b.is_floating_point()]",
+                     "for b in model.buffers()]"),)),
     ]
 )  # fmt: skip
 

@@ -4,9 +4,10 @@
 last under ``model.no_sync()``, each loss divided by k. Checked against one process trained on
 the global batch, and by counting the all_reduces each step makes (DDP's reduction goes through
 ``dist.all_reduce`` here: a comm hook that is DDP's own, so the count sees every sync).
-``04_average_buffers``: every rank's BatchNorm buffers made the same before evaluating. Each
-rank's model has run its own batches, so its running statistics differ; after the learner's
-function every rank must hold the same ones (the mean over the ranks, or rank 0's).
+``04_average_buffers``: every rank's BatchNorm buffers made the same before evaluating, in one
+collective. Each rank's model has run its own batches, so its running statistics differ; after
+the learner's function every rank must hold their mean over the ranks, and it must have made
+one collective (the lesson shows one per buffer: the exercise is the flat version).
 """
 
 from __future__ import annotations
@@ -330,6 +331,11 @@ def judge_buffers(records: list[Record]) -> str | None:
     names = list(records[0]["before"])
     stats = [k for k in names if not k.endswith("num_batches_tracked")]
     if all(r["after"] == r["before"] for r in records):
+        if any(r["calls"] for r in records):
+            return ("the statistics were reduced, but the model's buffers never changed: "
+                    "torch.cat (like .clone() or .flatten()) makes a new tensor - copy each "
+                    "piece of the reduced one back into its buffer, in place "
+                    "(buffer.copy_(piece.view_as(buffer)))")  # fmt: skip
         return ("the buffers were not touched: each rank still holds the running statistics of "
                 "its own batches, so the ranks would evaluate different models")  # fmt: skip
     for name in names:
@@ -369,6 +375,13 @@ def judge_buffers(records: list[Record]) -> str | None:
     probes = [T(r["probe"]) for r in records]
     if not all(torch.equal(p, probes[0]) for p in probes):
         return "the ranks' models still give different outputs in eval mode"
+    calls = max(len(r["calls"]) for r in records)
+    if calls > 1:
+        return (f"{calls} collectives on each rank for {len(stats)} statistics: the values are "
+                "right, but every collective pays a fixed cost before each evaluation (a "
+                "ResNet-50 has 106 such buffers; lesson 07 measures the cost) - one tensor of "
+                "every statistic (torch.cat of each .reshape(-1)), one all_reduce, then each "
+                "piece copied back into its buffer")  # fmt: skip
     return None
 
 
@@ -390,7 +403,7 @@ EXERCISES = [
     ),
     Exercise(
         name="04_average_buffers", lesson="04", run=run_buffers, judge=judge_buffers,
-        title="BatchNorm buffers made the same on every rank before evaluating",
+        title="BatchNorm buffers made the same on every rank before evaluating, in one collective",
         teaches=BUFFERS_TEACHES, collective_timeout_s=5.0,
         errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),
                 ("a leaf Variable that requires grad", "an in-place change of a parameter: "
@@ -398,8 +411,8 @@ EXERCISES = [
                  "buffers - loop over model.buffers()")),
         proves=(
             "every BatchNorm running_mean and running_var is the mean over the ranks on every "
-            "rank; num_batches_tracked and the parameters untouched; the ranks' models agree in "
-            "eval mode"
+            "rank, in one collective; num_batches_tracked and the parameters untouched; the "
+            "ranks' models agree in eval mode"
         ),
     ),
 ]  # fmt: skip
