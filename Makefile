@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # says how its groups are spread); 0 runs it in this one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast rehearse lab lint format strip gpu-check gpu-smoke clean
+.PHONY: run test test-fast rehearse lab format strip gpu-check gpu-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
