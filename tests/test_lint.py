@@ -742,3 +742,22 @@ def test_a_save_no_caller_guards_is_named_at_its_own_line():
     """
     (finding,) = lint_source(HEAD + textwrap.dedent(helper))
     assert (finding.code, finding.line) == ("DDP105", HEAD.count("\n") + 8)
+
+
+def test_a_save_through_a_helper_that_skips_the_last_epoch_is_found():
+    """The official series' loop: ``if self.gpu_id == 0 and epoch % self.save_every == 0:
+    self._save_snapshot(epoch)``, the torch.save inside the helper: DDP123 looked for
+    torch.save in the loop itself and missed it; a save after the loop still clears it."""
+    source = """
+    class Trainer:
+        def _save_snapshot(self, epoch):
+            torch.save(self.model.module.state_dict(), "snapshot.pt")
+
+        def train(self, max_epochs):
+            for epoch in range(max_epochs):
+                if dist.get_rank() == 0 and epoch % self.save_every == 0:
+                    self._save_snapshot(epoch)
+    """
+    assert codes(source) == ["DDP123"]
+    after = source + "            self._save_snapshot(max_epochs - 1)\n"
+    assert codes(after) == []

@@ -321,12 +321,20 @@ class Linter(ScopeChecks):
         for loop in (n for n in ast.walk(self.tree) if isinstance(n, ast.For)):
             if "epoch" not in dotted(loop.target).lower():
                 continue
-            saves = [c for c in calls_in(loop) if dotted(c.func) == "torch.save"]
+            saves = [c for c in calls_in(loop) if dotted(c.func) == "torch.save" or self.saver(c)]
             if not saves or not all(under_modulo(loop, s) for s in saves):
                 continue
             later = any("save" in last_name(c) for s in self.after(loop) for c in calls_in(s))
             if not later:
                 self.add(saves[0], "DDP123")
+
+    def saver(self, call: ast.Call) -> bool:
+        """A call of this file's function (or method) that itself calls torch.save: the
+        official series' ``self._save_snapshot(epoch)``."""
+        helper = self.functions.get(last_name(call))
+        return helper is not None and any(
+            dotted(c.func) == "torch.save" for c in ast.walk(helper) if isinstance(c, ast.Call)
+        )
 
 
 def lint_source(source: str, path: str = "<string>") -> list[LintFinding]:
