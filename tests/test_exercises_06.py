@@ -28,6 +28,16 @@ CASES = register([
                 ("    scaler.update()\n", ""))),
     Case(EX, "step-past-the-scaler", "stepped past the scaler",
          edits=(("    scaler.step(optimizer)\n", "    optimizer.step()\n"),)),
+    # the eleventh session's leftover: the scaled gradients clipped at max_norm x scale are the
+    # same clip (refused before, as "not train_step's max_norm"); the norm to log is the true one
+    Case(EX, "scaled-clip-at-the-scaled-limit", None,
+         edits=(("    scaler.unscale_(optimizer)\n", ""),
+                (CLIP, "clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())"),
+                ("    scaler.step(optimizer)\n",
+                 "    norm = norm / scaler.get_scale()\n    scaler.step(optimizer)\n"))),
+    Case(EX, "scaled-clip-scaled-norm-returned", "the norm to log is the true one",
+         edits=(("    scaler.unscale_(optimizer)\n", ""),
+                (CLIP, "clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())"))),
     Case(EX, "scheduler-before-the-step", "scheduler.step() ran before the optimizer's step",
          edits=(("    scheduler.step()\n", ""),
                 ("    scaler.step(optimizer)\n",

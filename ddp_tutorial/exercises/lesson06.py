@@ -151,6 +151,16 @@ def judge_clip(records: list[Record]) -> str | None:
         if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
+        scaled_limit = any(abs(c[0] - MAX_NORM * SCALE) <= 1e-9 * c[0] for c in rows[0]["clips"])
+        if norm > 100 * true and scaled_limit:
+            return (
+                f"train_step returned {norm:.4g}, the norm of the scaled gradients "
+                f"({norm / true:.0f} times the true {true:.4g}): clipping them at max_norm x "
+                "scale clips the same, "
+                "but the norm to log is the true one - divide by scaler.get_scale(), or "
+                "scaler.unscale_(optimizer) first and clip at max_norm (lesson 06, "
+                '"Three things every real loop needs")'
+            )
         if norm > 100 * true:
             return (
                 f"clip_grad_norm_ measured {norm:.4g}, {norm / true:.0f} times the true norm "
@@ -209,6 +219,8 @@ def _clip_arguments(clips: list[list[float]], world: int, step: int) -> str | No
                     "backward every rank holds the same averaged gradients, not a share of "
                     "them - clip with max_norm itself, on every rank "
                     '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+        if abs(limit - MAX_NORM * SCALE) <= 1e-9 * limit:
+            continue  # the scaled gradients clipped at max_norm x scale: the same clip
         if limit != MAX_NORM and limit != float("inf"):  # inf: named below, "not clipped"
             return (f"in step {step + 1} clip_grad_norm_ was given max_norm={limit:g}, not "
                     f"train_step's max_norm argument ({MAX_NORM:g}): pass it on "
