@@ -151,23 +151,8 @@ def judge_clip(records: list[Record]) -> str | None:
         if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
-        scaled_limit = any(abs(c[0] - MAX_NORM * SCALE) <= 1e-9 * c[0] for c in rows[0]["clips"])
-        if norm > 100 * true and scaled_limit:
-            return (
-                f"train_step returned {norm:.4g}, the norm of the scaled gradients "
-                f"({norm / true:.0f} times the true {true:.4g}): clipping them at max_norm x "
-                "scale clips the same, "
-                "but the norm to log is the true one - divide by scaler.get_scale(), or "
-                "scaler.unscale_(optimizer) first and clip at max_norm (lesson 06, "
-                '"Three things every real loop needs")'
-            )
-        if norm > 100 * true:
-            return (
-                f"clip_grad_norm_ measured {norm:.4g}, {norm / true:.0f} times the true norm "
-                f"{true:.4g}: it saw the scaled gradients - call scaler.unscale_(optimizer) "
-                "before clipping, or the limit and the step are off by the scale (lesson 06, "
-                '"Three things every real loop needs")'
-            )
+        if mistake := _scaled_norm(norm, true, rows[0]["clips"]):
+            return mistake
         norms = [row["norm"] for row in rows]
         if max(norms) - min(norms) > 1e-5 * max(norms):
             return (
@@ -203,6 +188,27 @@ def judge_clip(records: list[Record]) -> str | None:
                         '(lesson 06, "Three things every real loop needs")')  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
                     f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+    return None
+
+
+def _scaled_norm(norm: float, true: float, clips: list[list[float]]) -> str | None:
+    """A norm of the scaled gradients: measured by a clip before unscale_, or returned so."""
+    scaled_limit = any(abs(c[0] - MAX_NORM * SCALE) <= 1e-9 * c[0] for c in clips)
+    if norm > 100 * true and scaled_limit:
+        return (
+            f"train_step returned {norm:.4g}, the norm of the scaled gradients "
+            f"({norm / true:.0f} times the true {true:.4g}): clipping them at max_norm x "
+            "scale clips the same, but the norm to log is the true one - divide by "
+            "scaler.get_scale(), or scaler.unscale_(optimizer) first and clip at max_norm "
+            '(lesson 06, "Three things every real loop needs")'
+        )
+    if norm > 100 * true:
+        return (
+            f"clip_grad_norm_ measured {norm:.4g}, {norm / true:.0f} times the true norm "
+            f"{true:.4g}: it saw the scaled gradients - call scaler.unscale_(optimizer) "
+            "before clipping, or the limit and the step are off by the scale (lesson 06, "
+            '"Three things every real loop needs")'
+        )
     return None
 
 
