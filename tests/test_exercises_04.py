@@ -31,45 +31,77 @@ ASYNC_LOOP = (
     "    stats = [b for b in model.buffers() if b.is_floating_point()]\n"
     "    works = [dist.all_reduce(b, async_op=True) for b in stats]\n" + WAITS + DIVIDE
 )
-ACCUMULATE_LOOP = (  # the solution's loop, as the edits that replace it whole quote it
-    "    for x, y in micro_batches[:-1]:\n"
+INNER = '            (loss_fn(model(x), y, reduction="sum") * world / count).backward()'
+LAST = ('    (loss_fn(model(x), y, reduction="sum") * world / count).backward()  # outside: one '
+        "all_reduce")  # fmt: skip
+NO_SYNC = (
     "        with model.no_sync():  # forward and backward in here: the gradients add up, unsent\n"
-    "            (loss_fn(model(x), y) / k).backward()\n"
-    "    x, y = micro_batches[-1]\n"
-    "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum\n"
 )
-LAST = "    (loss_fn(model(x), y) / k).backward()  # outside: one all_reduce of the accumulated sum"
+COUNT = (
+    "    count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
+    "    dist.all_reduce(count)  # the step's samples over every rank, before the forwards\n"
+)
+
+
+def both(old: str, new: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """The same change to every micro-batch's loss: the loop's line and the last one's."""
+    return ((INNER, INNER.replace(old, new)), (LAST, LAST.replace(old, new)))
+
 
 CASES = register(
     [
-        Case(ACCUM, "loss-not-divided-by-k", "divide each micro-batch's loss by k",
-             edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
-                     "loss_fn(model(x), y).backward()  # outside"),
-                    ("            (loss_fn(model(x), y) / k).backward()",
-                     "            loss_fn(model(x), y).backward()"))),
-        Case(ACCUM, "loss-divided-by-the-ranks-too", "DDP already averages the gradients",
-             edits=(("    k = len(micro_batches)\n",
-                     "    k = len(micro_batches)\n    n = torch.distributed.get_world_size()\n"),
-                    ("(loss_fn(model(x), y) / k).backward()  # outside",
-                     "(loss_fn(model(x), y) / (k * n)).backward()  # outside"),
-                    ("            (loss_fn(model(x), y) / k).backward()",
-                     "            (loss_fn(model(x), y) / (k * n)).backward()"))),
-        Case(ACCUM, "loss-divided-by-the-samples-too", "do not divide by len(x)",
-             edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
-                     "(loss_fn(model(x), y) / (k * len(x))).backward()  # outside"),
-                    ("            (loss_fn(model(x), y) / k).backward()",
-                     "            (loss_fn(model(x), y) / (k * len(x))).backward()"))),
+        # the exercise since the twelfth session: micro-batches of unequal sizes, ranks with
+        # unequal totals (the lesson's accumulate, each mean / k, is a mean of means there)
+        Case(ACCUM, "the-lessons-accumulate", "a mean of means",
+             edits=both('loss_fn(model(x), y, reduction="sum") * world / count',
+                        "loss_fn(model(x), y) / len(micro_batches)")),
+        Case(ACCUM, "each-rank-its-own-count", "each rank divided by its own sample count",
+             edits=(("    dist.all_reduce(count)  # the step's samples over every rank, before "
+                     "the forwards\n", ""),)),
+        Case(ACCUM, "mean-loss-over-the-count", "already a mean over the micro-batch's samples",
+             edits=both(', reduction="sum"', "")),
+        Case(ACCUM, "not-times-the-world-size", "multiply by the world size",
+             edits=both(" * world / count", " / count")),
+        Case(ACCUM, "loss-summed-never-divided", "the loss is scaled wrong",
+             edits=both(" * world / count", "")),
+        Case(ACCUM, "count-hard-coded", "the first step was right, the second was not",
+             edits=((COUNT, "    count = torch.tensor(24.0)  # 10 + 14 samples\n"),)),
+        Case(ACCUM, "count-reduced-twice", "a second one counts it twice",
+             edits=((COUNT, COUNT + "    dist.all_reduce(count)\n"),)),
+        Case(ACCUM, "mean-times-its-share", None,  # right: a mean x len(y) is the sum
+             edits=both('loss_fn(model(x), y, reduction="sum")', "loss_fn(model(x), y) * len(y)")),
         Case(ACCUM, "no-sync-on-every-micro-batch", "made no all_reduce",
              edits=((LAST, "    with model.no_sync():\n    " + LAST),)),
         Case(ACCUM, "no-no-sync-at-all", "wasted communication",
-             edits=(("        with model.no_sync():  # forward and backward in here: the "
-                     "gradients add up, unsent\n            (loss_fn",
-                     "        if True:\n            (loss_fn"),)),
+             edits=((NO_SYNC, "        if True:\n"),)),
         Case(ACCUM, "forward-outside-no-sync", "the forward too",
-             edits=(("        with model.no_sync():  # forward and backward in here: the "
-                     "gradients add up, unsent\n            (loss_fn(model(x), y) / k).backward()",
-                     "        loss = loss_fn(model(x), y) / k\n"
+             edits=((NO_SYNC + INNER,
+                     '        loss = loss_fn(model(x), y, reduction="sum") * world / count\n'
                      "        with model.no_sync():\n            loss.backward()"),)),
+        Case(ACCUM, "a-step-per-micro-batch", "optimizer.step() ran",
+             edits=((INNER + "\n", INNER + "\n            optimizer.step()\n"),)),
+        Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP",
+             edits=both("model(x)", "model.module(x)")),
+        Case(ACCUM, "sync-on-the-first-micro-batch", "not the last",
+             edits=(("    for x, y in micro_batches[:-1]:\n",
+                     "    x, y = micro_batches[0]\n" + LAST.split("  #")[0] + "\n"
+                     "    for x, y in micro_batches[1:-1]:\n"),
+                    (LAST, "    with model.no_sync():\n    " + LAST))),
+        Case(ACCUM, "one-backward-for-all", "ran one backward for its",
+             edits=((NO_SYNC + INNER + "\n", "        pass\n"),
+                    ("    x, y = micro_batches[-1]\n" + LAST,
+                     '    (sum(loss_fn(model(x), y, reduction="sum") for x, y in micro_batches)'
+                     " * world / count).backward()"))),
+        Case(ACCUM, "every-forward-first", "run each micro-batch's forward and backward together",
+             edits=(("    for x, y in micro_batches[:-1]:\n" + NO_SYNC + INNER + "\n"
+                     "    x, y = micro_batches[-1]\n" + LAST,
+                     "    losses = []\n    with model.no_sync():\n"
+                     "        for x, y in micro_batches[:-1]:\n"
+                     '            loss = loss_fn(model(x), y, reduction="sum")\n'
+                     "            losses.append(loss * world / count)\n"
+                     '    x, y = micro_batches[-1]\n'
+                     '    losses.append(loss_fn(model(x), y, reduction="sum") * world / count)\n'
+                     "    for loss in losses:\n        loss.backward()"),)),
         Case(BUFFERS, "forgot-running-var", "running_var still differ",
              edits=(PER_BUFFER,
                     ("    for buffer in model.buffers():",
@@ -90,10 +122,6 @@ CASES = register(
         Case(BUFFERS, "divided-out-of-place", "makes a new tensor, which the model never sees",
              edits=(PER_BUFFER,
                     ("            buffer /= world\n", "            buffer = buffer / world\n"),)),
-        Case(ACCUM, "a-step-per-micro-batch", "optimizer.step() ran",
-             edits=(("            (loss_fn(model(x), y) / k).backward()\n",
-                     "            (loss_fn(model(x), y) / k).backward()\n"
-                     "            optimizer.step()\n"),)),
         Case(BUFFERS, "rank-0s-broadcast", "computed from rank 0's batches alone",
              edits=(PER_BUFFER,
                     ("            dist.all_reduce(buffer)  # SUM over the ranks, in place\n"
@@ -107,20 +135,6 @@ CASES = register(
              edits=(PER_BUFFER,
                     ("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
         # from a learner review
-        Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP",
-             edits=(("            (loss_fn(model(x), y) / k).backward()",
-                     "            (loss_fn(model.module(x), y) / k).backward()"),
-                    ("    (loss_fn(model(x), y) / k).backward()  #",
-                     "    (loss_fn(model.module(x), y) / k).backward()  #"))),
-        Case(ACCUM, "sync-on-the-first-micro-batch", "not the last",
-             edits=(("    for x, y in micro_batches[:-1]:\n",
-                     "    x, y = micro_batches[0]\n    (loss_fn(model(x), y) / k).backward()\n"
-                     "    for x, y in micro_batches[1:-1]:\n"),
-                    ("    (loss_fn(model(x), y) / k).backward()  # outside",
-                     "    with model.no_sync():\n        (loss_fn(model(x), y) / k).backward()  #"))),  # noqa: E501
-        Case(ACCUM, "one-backward-for-all", "ran one backward for its",
-             edits=((ACCUMULATE_LOOP,
-                     "    (sum(loss_fn(model(x), y) for x, y in micro_batches) / k).backward()\n"),)),  # noqa: E501
         Case(BUFFERS, "only-rank-0-divides", "every rank divides by the world size",
              edits=(PER_BUFFER,
                     ("            buffer /= world", "            if dist.get_rank() == 0:\n"
@@ -129,18 +143,6 @@ CASES = register(
              edits=(PER_BUFFER,
                     ("    for buffer in model.buffers():", "    for buffer in model.parameters():"),)),  # noqa: E501
         # from a fifth learner review: k fitted to one call; every forward first
-        Case(ACCUM, "k-hard-coded", "k is len(micro_batches), counted at each call",
-             edits=(("(loss_fn(model(x), y) / k).backward()  # outside",
-                     "(loss_fn(model(x), y) / 3).backward()  # outside"),
-                    ("            (loss_fn(model(x), y) / k).backward()",
-                     "            (loss_fn(model(x), y) / 3).backward()"))),
-        Case(ACCUM, "every-forward-first", "run each micro-batch's forward and backward together",
-             edits=((ACCUMULATE_LOOP,
-                     "    losses = []\n    with model.no_sync():\n"
-                     "        for x, y in micro_batches[:-1]:\n"
-                     "            losses.append(loss_fn(model(x), y) / k)\n"
-                     "    x, y = micro_batches[-1]\n    losses.append(loss_fn(model(x), y) / k)\n"
-                     "    for loss in losses:\n        loss.backward()\n"),)),
         # from a learner review: async sends, each tensor divided before its wait (a race
         # that passed one check in two); the same sends waited on first are right
         Case(BUFFERS, "divided-before-the-wait", "before the .wait()",

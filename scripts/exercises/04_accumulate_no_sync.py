@@ -1,14 +1,17 @@
-"""Lesson 04, your turn: gradient accumulation under DDP, k micro-batches and one all_reduce.
+"""Lesson 04, your turn: gradient accumulation under DDP, micro-batches of unequal sizes.
 
 A batch too large for memory is split into k micro-batches: run forward and backward on each,
 let the gradients add up in ``.grad``, then step once. Under DDP every backward would
 all-reduce; inside ``with model.no_sync():`` it sends nothing, and the first backward outside
-it reduces the accumulated sum. Write the loop: all but the last micro-batch inside
-``model.no_sync()``, each loss divided by k, so that the step equals one process's step on
-the whole global batch, with exactly one all_reduce per step.
+it reduces the accumulated sum. Here the micro-batches differ in size (the last one of an
+epoch, variable-length text cut to a token budget), and so do the ranks' totals: rank 0 holds
+4 + 4 + 2 samples, rank 1 holds 6 + 3 + 5. The lesson's ``accumulate`` (each mean loss / k)
+then trains another step than one process on all 24 samples. Write the step so that it equals
+one process's on every sample of every rank (lesson 04, "Tokens, not samples"), with exactly
+one all_reduce of the gradients per step.
 
-Check it (2 gloo ranks; the check counts the all_reduces and compares the weights with one
-process trained on the global batch):
+Check it (2 gloo ranks; the check counts DDP's all_reduces and yours, and compares the weights
+with one process trained on the global batch):
 
     ddp-tutorial check 04
 """
@@ -16,22 +19,23 @@ process trained on the global batch):
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels)
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # e.g. F.cross_entropy: a mean
+LossFn = Callable[..., torch.Tensor]  # F.cross_entropy: a mean, or a sum with reduction="sum"
 
 
 def accumulation_step(
     model: DDP, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], loss_fn: LossFn
 ) -> None:
     """One optimizer step over k micro-batches: the step one process takes on all of them."""
-    k = len(micro_batches)
+    world = dist.get_world_size()
     optimizer.zero_grad(set_to_none=True)
     # YOUR CODE: forward and backward for every (x, y); all but the last inside model.no_sync().
-    # The loss of one micro-batch: loss_fn(model(x), y). The step must equal one on all of
-    # THIS rank's micro-batches at once (DDP already averages over the ranks): the mean over
-    # their samples. What must each micro-batch's loss be divided by?
+    # The loss of one micro-batch: loss_fn(model(x), y) is the mean over ITS samples. One
+    # process would take the mean over every sample of every rank: what does each micro-batch's
+    # loss need, so that DDP's average over the ranks gives exactly that? (`world` is above.)
     # Careful: DDP decides in the *forward* whether the backward after it will send.
     # END YOUR CODE
     optimizer.step()
