@@ -66,8 +66,23 @@ CASES = register(
              edits=both(" * world / count", "")),
         Case(ACCUM, "count-hard-coded", "the first step was right, the second was not",
              edits=((COUNT, "    count = torch.tensor(24.0)  # 10 + 14 samples\n"),)),
-        Case(ACCUM, "count-reduced-twice", "a second one counts it twice",
+        Case(ACCUM, "count-reduced-twice", "a second of the same count doubles it",
              edits=((COUNT, COUNT + "    dist.all_reduce(count)\n"),)),
+        # from a learner review of the new exercise (helper 55)
+        Case(ACCUM, "count-async-never-waited", "was never waited on",
+             edits=(("    dist.all_reduce(count)  #",
+                     "    dist.all_reduce(count, async_op=True)  #"),)),
+        Case(ACCUM, "count-async-waited", None,
+             edits=(("    dist.all_reduce(count)  #",
+                     "    dist.all_reduce(count, async_op=True).wait()  #"),)),
+        Case(ACCUM, "count-a-python-int", "takes a tensor, not a Python number",
+             edits=((COUNT, "    count = sum(len(y) for _, y in micro_batches)\n"
+                            "    dist.all_reduce(count)\n"),)),
+        Case(ACCUM, "count-gathered-as-objects", None,
+             edits=((COUNT, "    counts = [None] * world\n"
+                            "    mine = sum(len(y) for _, y in micro_batches)\n"
+                            "    dist.all_gather_object(counts, mine)\n"
+                            "    count = sum(counts)\n"),)),
         Case(ACCUM, "mean-times-its-share", None,  # right: a mean x len(y) is the sum
              edits=both('loss_fn(model(x), y, reduction="sum")', "loss_fn(model(x), y) * len(y)")),
         Case(ACCUM, "no-sync-on-every-micro-batch", "made no all_reduce",
@@ -166,6 +181,14 @@ CASES = register(
                     ("            dist.all_reduce(buffer)  #",
                      "            dist.all_reduce(buffer, op=dist.ReduceOp.AVG)  #"),)),
         # the exercise since the twelfth session: one collective (the lesson shows one per buffer)
+        Case(BUFFERS, "all-gather-per-buffer", "4 collectives on each rank",
+             edits=((FLAT, "    for b in stats:\n"
+                           "        gathered = [torch.empty_like(b) for _ in range(world)]\n"
+                           "        dist.all_gather(gathered, b)\n"
+                           "        b.copy_(torch.stack(gathered).mean(0))\n"),)),
+        Case(BUFFERS, "reduce-then-broadcast", "2 collectives on each rank",
+             edits=(("    dist.all_reduce(flat)  #", "    dist.reduce(flat, dst=0)\n"
+                     "    dist.broadcast(flat, src=0)  #"),)),
         Case(BUFFERS, "the-lessons-version", "4 collectives on each rank for 4 statistics",
              edits=(PER_BUFFER,)),
         Case(BUFFERS, "flat-never-copied-back", "torch.cat (like .clone() or .flatten()) makes",

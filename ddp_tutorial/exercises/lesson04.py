@@ -37,7 +37,9 @@ SIZES = (((4, 4, 2), (6, 3, 5)), ((5, 3), (2, 4)))
 K = len(SIZES[0][0])
 # wrong weightings of the samples, each named
 RULES = ("mean of means", "each rank's own mean", "each rank's own count", "means over the count")
-OWN = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce")
+# every collective a learner may call for a count or a sum (the buffers exercise counts them too)
+EVERY = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+         "reduce", "reduce_scatter", "reduce_scatter_tensor")  # fmt: skip
 
 
 @contextmanager
@@ -135,6 +137,7 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
         [],
     )
     stepped: list[int] = []  # optimizer.step() calls in this accumulation_step
+    unwaited: list[int] = []  # the learner's async collectives never waited on, per step
     optimizer.register_step_pre_hook(lambda *_: stepped.append(1))
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     model.module.register_full_backward_pre_hook(lambda *_: started.append(1))
@@ -143,8 +146,10 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
         x, y = _global_batch(step, ctx.world_size)
         micro = _micro_batches(x, y, step, ctx.rank)
         calls: list[str] = []
-        with counted(OWN, calls, module):
+        asyncs = {"sent": 0, "waited": 0}
+        with counted(EVERY, calls, module, asyncs):
             module.accumulation_step(model, optimizer, micro, F.cross_entropy)
+        unwaited.append(asyncs["sent"] - asyncs["waited"] - len(synced))  # DDP's own are async
         passes.append({"forwards": len(forwards), "backwards": len(backwards), "k": len(micro),
                        "reduced_at": [f for f, _ in synced],
                        "in_backward": [b for _, b in synced]})  # fmt: skip
@@ -161,7 +166,7 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     rules = {rule: _first_step_under(rule, ctx.world_size) for rule in RULES}
     return {"params": params, "reference": ref_params, "passes": passes, "own_calls": own,
             "calls_per_step": [len(p["reduced_at"]) for p in passes],
-            "steps_per_call": steps_per_call, "rules": rules}  # fmt: skip
+            "steps_per_call": steps_per_call, "rules": rules, "unwaited": unwaited}  # fmt: skip
 
 
 def _judge_passes(records: list[Record]) -> str | None:
@@ -243,6 +248,22 @@ def _misscaled(step1: torch.Tensor, ref1: torch.Tensor, world: int) -> str | Non
     )
 
 
+def _own_collectives(records: list[Record]) -> str | None:
+    """The learner's collectives for the count: waited on, and one per step."""
+    if any(n > 0 for r in records for n in r["unwaited"]):
+        return ("the count's all_reduce(..., async_op=True) was never waited on: it returns "
+                "before the sum has arrived, so the losses were divided by whatever the count "
+                "held then - call .wait() on what it returns before the forwards (or call it "
+                f"without async_op) ({TOKENS_TEACHES})")  # fmt: skip
+    own = max(c for r in records for c in r["own_calls"])
+    if own > 1:
+        return (f"{own} collectives of your own per step: the step's sample count needs one "
+                "all_reduce of the count over ALL its micro-batches, before the forwards - one "
+                "per micro-batch weighs each by its own count, a second of the same count "
+                f"doubles it ({TOKENS_TEACHES})")  # fmt: skip
+    return None
+
+
 def judge_accumulate(records: list[Record]) -> str | None:
     T = torch.tensor
     first = records[0]
@@ -270,10 +291,8 @@ def judge_accumulate(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records[1:], start=1):
         if not torch.equal(T(rec["params"][-1]), T(first["params"][-1])):
             return f"rank {rank}'s weights differ from rank 0's: were the gradients averaged?"
-    own = max(c for r in records for c in r["own_calls"])
-    if own > 1:
-        return (f"{own} collectives of your own per step: the step's sample count needs one "
-                "all_reduce, once, before the forwards (a second one counts it twice)")  # fmt: skip
+    if mistake := _own_collectives(records):
+        return mistake
     step1, ref1 = T(first["params"][1]) - start, ref[1] - start
     if mistake := _weighting(step1, first["rules"], start) or _misscaled(step1, ref1, len(records)):
         return mistake
@@ -306,6 +325,9 @@ EXERCISES = [
         name="04_accumulate_no_sync", lesson="04", run=run_accumulate, judge=judge_accumulate,
         title="gradient accumulation over micro-batches of unequal sizes: the large batch's step",
         teaches=ACCUM_TEACHES,
+        errors=(("Expected parameter `tensor` of type torch.Tensor",
+                 "dist.all_reduce takes a tensor, not a Python number: count = torch.tensor("
+                 f"float(n)), then dist.all_reduce(count) ({TOKENS_TEACHES})"),),
         proves=(
             "one gradient all_reduce and one optimizer step per accumulation step, the sample "
             "count counted once; the weights equal one process's on every sample of every rank, "

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
-from ddp_tutorial.exercises.lesson04 import CLASSES, counted
+from ddp_tutorial.exercises.lesson04 import CLASSES, EVERY, counted
 
 BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
 
@@ -52,7 +52,7 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
     asyncs, touched = {"sent": 0, "waited": 0}, []
-    with counted(("all_reduce", "broadcast"), calls, module, asyncs, touched):
+    with counted(EVERY, calls, module, asyncs, touched):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():

@@ -7,8 +7,9 @@ Before evaluating or saving, make them the same on every rank: their mean over t
 Lesson 04's ``average_buffers`` does it with one all_reduce per buffer: two per BatchNorm
 layer, 106 for a ResNet-50, each paying a collective's fixed cost before every evaluation
 (lesson 07 measures that cost). Write it with ONE collective for all of them, as the
-template's sidecar does. ``stats`` below holds the statistics (``num_batches_tracked``, an
-integer counter that is the same everywhere, is left out). Every rank calls this function.
+training template of lesson 06 does. ``stats`` below holds the statistics
+(``num_batches_tracked``, an integer counter that is the same everywhere, is left out). Every
+rank calls this function.
 
 Check it (2 gloo ranks, each with its own images; the check reads every buffer on every rank
 and counts the collectives):
