@@ -7,6 +7,13 @@ from exercise_cases import Case, assert_verdict, register
 
 EX = "06_clip_and_schedule"
 CLIP = "clip_grad_norm_(model.parameters(), max_norm)"
+WITH = (
+    "        with nullcontext() if i == k - 1 else model.no_sync():  # one all_reduce: the last\n"
+)
+BACKWARD = "            scaler.scale(loss).backward()\n"
+AFTER = ("    scaler.unscale_(optimizer)\n"
+         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+         "    scaler.step(optimizer)\n    scaler.update()\n    scheduler.step()\n")  # fmt: skip
 CASES = register([
     Case(EX, "no-unscale", "scaler.unscale_(optimizer) before clipping",
          edits=(("    scaler.unscale_(optimizer)\n", ""),)),
@@ -75,6 +82,26 @@ CASES = register([
     Case(EX, "norm-summed-over-the-ranks", "the norm was summed over the ranks",
          edits=(("    scaler.step(optimizer)\n",
                  "    dist.all_reduce(norm)\n    scaler.step(optimizer)\n"),)),
+    # the exercise since the twelfth session: the step over K micro-batches (--grad-accum)
+    Case(EX, "no-no-sync", "4 all_reduces in step 1 for 4 micro-batches",
+         edits=((WITH, "        with nullcontext():\n"),)),
+    Case(EX, "no-sync-on-every-micro-batch", "made no all_reduce",
+         edits=((WITH, "        with model.no_sync():\n"),)),
+    Case(EX, "loss-not-divided-by-k", "divide each micro-batch's loss by k",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y)"),)),
+    Case(EX, "the-whole-step-per-micro-batch", "scaler.step ran 4 times in step 1",
+         edits=((AFTER, ""), (BACKWARD, BACKWARD + "".join(
+             "        " + line + "\n" for line in AFTER.splitlines())))),
+    Case(EX, "unscale-per-micro-batch", "unscale",
+         edits=(("    scaler.unscale_(optimizer)\n", ""),
+                (BACKWARD, BACKWARD + "            scaler.unscale_(optimizer)\n"))),
+    Case(EX, "clip-per-micro-batch", "ran before the last micro-batch's backward",
+         edits=(("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n", ""),
+                ("    scaler.unscale_(optimizer)\n", ""),
+                (BACKWARD, BACKWARD + "            norm = torch.nn.utils.clip_grad_norm_("
+                                      "model.parameters(), max_norm * scaler.get_scale())\n"),
+                ("    scaler.step(optimizer)\n",
+                 "    norm = norm / scaler.get_scale()\n    scaler.step(optimizer)\n"))),
 ])  # fmt: skip
 
 

@@ -1,12 +1,14 @@
-"""Lesson 06's exercise: one clipped, scheduled optimizer step, alike on every rank.
+"""Lesson 06's exercise: one accumulated, clipped, scheduled optimizer step, alike on every rank.
 
 ``06_clip_and_schedule``: the learner's ``train_step`` runs three steps of a small DDP model
 whose inputs are large (so the gradient norm is well above the limit) with a GradScaler and a
-warm-up schedule. Each rank also computes, alone, what the step must give: plain SGD on the
-global batch (every rank's batch, which it can rebuild from the seeds), clipped to the limit,
-at the schedule's rate. The judge compares the norm, the learning rate and the weights, and
-reads the order of the calls the step made (the scaler's, the optimizer's, the scheduler's):
-on a CPU in float32 the scaler changes no number, so an answer without it would pass unseen.
+warm-up schedule, each step over K micro-batches (lesson 04's no_sync, as the template's
+--grad-accum: DDP's all_reduces are counted through its comm hook). Each rank also computes,
+alone, what the step must give: plain SGD on the global batch (every rank's batch, which it
+can rebuild from the seeds), clipped to the limit, at the schedule's rate. The judge compares
+the norm, the learning rate and the weights, and reads the order of the calls the step made
+(the scaler's, the optimizer's, the scheduler's): on a CPU in float32 the scaler changes no
+number, so an answer without it would pass unseen.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
@@ -24,6 +27,7 @@ from ddp_tutorial.exercises.spies import spying
 # the limit is not 1.0: the lesson's own line (max_norm=1.0) copied with the number in it
 # would pass unseen with the argument ignored
 STEPS, MAX_NORM, SCALE, LR, WARMUP = 3, 0.75, 2.0**16, 0.1, 4
+K = 4  # micro-batches per step, of equal size (each loss / K: the rank's mean); not 2, the world
 
 
 def warmup(step: int) -> float:
@@ -104,6 +108,13 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
 
     meet(ctx, "06-ready")  # in torchrun's store: no collective timeout there
     model = nn.parallel.DistributedDataParallel(_net())
+    syncs: list[int] = []  # DDP's all_reduces in this step
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses other annotations
+        syncs.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
@@ -123,10 +134,12 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
 
     for step in range(STEPS):
         x, y = batch(ctx.rank, step)
+        micro = list(zip(x.chunk(K), y.chunk(K), strict=True))
         calls.clear()
         clips.clear()
+        syncs.clear()
         with spying(("clip_grad_norm_",), clipped, module, source=torch.nn.utils):
-            norm = module.train_step(model, optimizer, scheduler, scaler, x, y, MAX_NORM)
+            norm = module.train_step(model, optimizer, scheduler, scaler, micro, MAX_NORM)
         w = _flat(model.module)
         steps.append({
             "norm": float(norm), "want_norm": want[step]["norm"],
@@ -135,6 +148,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
+            "syncs": len(syncs),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
 
@@ -146,7 +160,9 @@ def judge_clip(records: list[Record]) -> str | None:
             return ("the weights did not change: backward through the scaler, then "
                     "scaler.step(optimizer) and scaler.update() "
                     '(lesson 06, "Three things every real loop needs")')  # fmt: skip
-        if mistake := _rates(records, rows, step) or _call_order(rows[0]["calls"], step):
+        if mistake := _accumulated(rows, step) or _rates(records, rows, step):
+            return mistake
+        if mistake := _call_order(rows[0]["calls"], step):
             return mistake
         if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
@@ -188,6 +204,33 @@ def judge_clip(records: list[Record]) -> str | None:
                         '(lesson 06, "Three things every real loop needs")')  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
                     f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+    return None
+
+
+def _accumulated(rows: list[Record], step: int) -> str | None:
+    """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
+    syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
+    if syncs == 0:
+        return (f"step {step + 1} made no all_reduce: every micro-batch ran under no_sync(), "
+                "the last one too, so the ranks never averaged their gradients - run the last "
+                'one outside it (lesson 04, "`no_sync()`: gradient accumulation without '
+                'wasted all_reduces")')  # fmt: skip
+    if stepped > 1:
+        return (f"scaler.step ran {stepped} times in step {step + 1} of {K} micro-batches: "
+                "step once, after the last micro-batch's backward - until then the gradients "
+                'only add up (lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
+    if syncs > 1:
+        return (f"{syncs} all_reduces in step {step + 1} for {K} micro-batches: the weights may "
+                "be right, but all but one are wasted communication - the forward and backward "
+                "of all but the last inside `with model.no_sync():` (lesson 04, \"`no_sync()`: "
+                'gradient accumulation without wasted all_reduces")')  # fmt: skip
+    norm, true = rows[0]["norm"], rows[0]["want_norm"]
+    if abs(norm - K * true) < 1e-4 * K * true:
+        return (f"train_step returned {norm:.4g}, {K} times the true norm {true:.4g}: the {K} "
+                "micro-batches' gradients add up, so divide each micro-batch's loss by k "
+                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
     return None
 
 
@@ -271,6 +314,12 @@ def _call_order(calls: list[str], step: int) -> str | None:
                 "scaler.step(optimizer), not optimizer.step() - it skips a step whose "
                 "gradients hold an inf or nan (an fp16 overflow) "
                 '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    last_backward = len(calls) - 1 - calls[::-1].index("scaler.scale")
+    if "clip" in calls and calls.index("scaler.scale") < calls.index("clip") < last_backward:
+        return (f"in step {step + 1} clip_grad_norm_ ran before the last micro-batch's "
+                "backward: the gradients were neither all there nor averaged over the ranks "
+                "yet - clip once, after the last backward (and scaler.unscale_ once, before it) "
+                "(lesson 06, \"Three things every real loop needs\")")  # fmt: skip
     if "clip" in calls and calls.index("clip") < calls.index("scaler.scale"):
         return (f"in step {step + 1} clip_grad_norm_ ran before backward(): the gradients it "
                 "clipped were not this step's yet - backward, scaler.unscale_(optimizer), then "
@@ -293,13 +342,13 @@ def _call_order(calls: list[str], step: int) -> str | None:
 EXERCISES = [
     Exercise(
         name="06_clip_and_schedule", lesson="06", run=run_clip, judge=judge_clip,
-        title="a clipped, scheduled step under a GradScaler, the same on every rank",
+        title="an accumulated, clipped, scheduled step under a GradScaler, alike on every rank",
         teaches='lesson 06, "Three things every real loop needs" and "Rank 0 alone: fine, slow, '
         'or wrong"', errors=AMP_ERRORS,
         proves=(
-            "at every step the scheduled learning rate, unscale before clipping, the true "
-            "gradient norm returned, the same weights on every rank, equal to one clipped SGD "
-            "step on the global batch"
+            "at every step one all_reduce for the micro-batches, the scheduled learning rate, "
+            "unscale before clipping, the true gradient norm returned, the same weights on "
+            "every rank, equal to one clipped SGD step on the global batch"
         ),
     ),
 ]  # fmt: skip
