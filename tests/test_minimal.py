@@ -137,10 +137,11 @@ def test_the_resumable_rung_imports_only_torch_and_stays_short():
 @pytest.mark.torchrun
 def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     """The rung alone in an empty folder, 2 gloo ranks: SIGTERM to each rank mid-run (what
-    torchrun forwards when the cluster signals it) saves that step; each rank exits 75, which
-    torchrun reports, since the ranks ended on their own (signalled itself, it says nothing of
-    them: a mutation review found sys.exit(0) passed the test that way). The rerun ends bitwise
-    where an uninterrupted run ends, and best.pt holds the weights of the best evaluation."""
+    torchrun forwards when the cluster signals it) saves that step; each rank exits 75, and
+    torchrun reports the first one's, since the ranks ended on their own (signalled itself, it
+    says nothing of them: a mutation review found sys.exit(0) passed the test that way). The
+    rerun ends bitwise where an uninterrupted run ends, and best.pt holds the weights of the
+    best evaluation."""
     import importlib.util
     import os
     import re
@@ -176,8 +177,11 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     assert straight.returncode == 0, straight_out[-3000:]
     saved = re.search(r"SIGTERM: saved step (\d+), exit 75", out)
     assert saved and job.returncode == 1, out[-3000:]  # a failed rank: torchrun exits 1
-    assert re.search(r"exitcode\s*:\s*75\b", out), out[-3000:]  # each rank's own status
-    assert not re.search(r"exitcode\s*:\s*(?!75\b)-?\d+", out), out[-3000:]
+    # the first rank to end is torchrun's root cause: its own status, 75. torchrun then stops
+    # the other rank, which may be past its handler already (Python's exit restores SIGTERM's
+    # default: -15, seen once under load) - its save is done either way
+    root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", out, re.S)
+    assert root and root[1] == "75", out[-3000:]
     rerun = start("job")
     rerun_out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0 and "resumed: epoch" in rerun_out, rerun_out[-3000:]

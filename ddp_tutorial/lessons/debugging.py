@@ -187,7 +187,8 @@ class Lab:
 
     def command(self, name: str) -> str:
         """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags)."""
-        return typed_command(self.launches[name].spec, self.demos)
+        launch = self.launches[name]
+        return typed_command(launch.spec, self.demos, launch.command)
 
     def left_behind(self, names: Iterable[str]) -> list[int]:
         """pids still alive from the launches ``names``: torchrun or a rank.
@@ -268,8 +269,10 @@ def lab_cases(
     return cases
 
 
-def typed_command(spec: LaunchSpec, demos: str) -> str:
-    """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags)."""
+def typed_command(spec: LaunchSpec, demos: str, command: Sequence[str] | None = None) -> str:
+    """``$ ENV=… torchrun …`` as typed from the repository root (no logging flags): of the
+    command a launch ran, or the one ``spec`` makes."""
     env = [f"{k}={shlex.quote(str(v))}" for k, v in (spec.env or {}).items()]
-    words = shell_command(spec.command(Path("run"))).replace(demos, "scripts/demos")
+    command = command if command is not None else spec.command(Path("run"))
+    words = shell_command(command).replace(demos, "scripts/demos")
     return "$ " + " ".join([*env, words])
