@@ -59,9 +59,9 @@ CASES = register([
                  "        scaler.update()\n"),)),
     Case(EX, "clip-before-backward", "clip_grad_norm_ ran before backward()",
          edits=(("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n", ""),
-                ("    scaler.scale(loss).backward()\n",
-                 "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
-                 "    scaler.scale(loss).backward()\n"))),
+                ("            scaler.scale(loss).backward()\n",
+                 "            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+                 "            scaler.scale(loss).backward()\n"))),
     Case(EX, "loss-divided-by-the-world-size", "DDP averages the gradients over the ranks",
          edits=(("scaler.scale(loss).backward()",
                  "scaler.scale(loss / dist.get_world_size()).backward()"),)),
@@ -69,9 +69,9 @@ CASES = register([
          edits=(("from torch import nn\n",
                  "from torch import nn\nfrom torch.nn.utils import clip_grad_norm_\n"),
                 ("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n", ""),
-                ("    scaler.scale(loss).backward()\n",
-                 "    norm = clip_grad_norm_(model.parameters(), max_norm)\n"
-                 "    scaler.scale(loss).backward()\n"))),
+                ("            scaler.scale(loss).backward()\n",
+                 "            norm = clip_grad_norm_(model.parameters(), max_norm)\n"
+                 "            scaler.scale(loss).backward()\n"))),
     # from a learner review: the clip's arguments, and a norm summed over the ranks
     Case(EX, "the-lessons-limit-hard-coded", "not train_step's max_norm argument",
          edits=((CLIP, "clip_grad_norm_(model.parameters(), max_norm=1.0)"),)),
@@ -102,6 +102,19 @@ CASES = register([
                                       "model.parameters(), max_norm * scaler.get_scale())\n"),
                 ("    scaler.step(optimizer)\n",
                  "    norm = norm / scaler.get_scale()\n    scaler.step(optimizer)\n"))),
+    # from a learner's try of the new exercise (helper 56): one batch of all the micro-batches
+    # passed (the numbers are the same; the memory is what accumulation saves)
+    Case(EX, "the-micro-batches-put-together", "ran 1 backward(s) for its 4 micro-batches",
+         edits=(("    for i, (x, y) in enumerate(micro_batches):\n" + WITH
+                 + "            loss = nn.functional.cross_entropy(model(x), y) / k\n" + BACKWARD,
+                 "    x = torch.cat([x for x, _ in micro_batches])\n"
+                 "    y = torch.cat([y for _, y in micro_batches])\n"
+                 "    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()\n"),)),
+    Case(EX, "forward-outside-no-sync", "the forward too",
+         edits=((WITH + "            loss = nn.functional.cross_entropy(model(x), y) / k\n",
+                 "        loss = nn.functional.cross_entropy(model(x), y) / k\n" + WITH),)),
+    Case(EX, "loss-divided-by-k-and-the-world", "by k only",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) / (k * 2)"),)),
 ])  # fmt: skip
 
 

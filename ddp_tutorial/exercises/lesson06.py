@@ -184,7 +184,7 @@ def judge_clip(records: list[Record]) -> str | None:
         if abs(norm * len(records) - true) < 1e-4 * true:
             return (f"train_step returned {norm:.4g}, 1/{len(records)} of the true gradient norm "
                     f"{true:.4g}: the loss was divided by the world size - DDP averages the "
-                    "gradients over the ranks already; leave the loss as it is "
+                    "gradients over the ranks already; divide each micro-batch's loss by k only "
                     '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
         if len(records) > 1 and abs(norm - len(records) * true) < 1e-4 * true:
             return (f"train_step returned {norm:.4g}, {len(records)} times the true gradient "
@@ -210,6 +210,12 @@ def judge_clip(records: list[Record]) -> str | None:
 def _accumulated(rows: list[Record], step: int) -> str | None:
     """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
     syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
+    if rows[0]["calls"].count("scaler.scale") < K and stepped == 1:
+        return (f"step {step + 1} ran {rows[0]['calls'].count('scaler.scale')} backward(s) for "
+                f"its {K} micro-batches: put together, they are one batch of all of them, the "
+                "memory --grad-accum exists to avoid - a forward and a backward per micro-batch, "
+                'the gradients adding up (lesson 04, "`no_sync()`: gradient accumulation '
+                'without wasted all_reduces")')  # fmt: skip
     if syncs == 0:
         return (f"step {step + 1} made no all_reduce: every micro-batch ran under no_sync(), "
                 "the last one too, so the ranks never averaged their gradients - run the last "
@@ -223,7 +229,9 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
     if syncs > 1:
         return (f"{syncs} all_reduces in step {step + 1} for {K} micro-batches: the weights may "
                 "be right, but all but one are wasted communication - the forward and backward "
-                "of all but the last inside `with model.no_sync():` (lesson 04, \"`no_sync()`: "
+                "of all but the last inside `with model.no_sync():`, the forward too: DDP "
+                "decides in the forward whether the backward after it sends (lesson 04, "
+                "\"`no_sync()`: "
                 'gradient accumulation without wasted all_reduces")')  # fmt: skip
     norm, true = rows[0]["norm"], rows[0]["want_norm"]
     if abs(norm - K * true) < 1e-4 * K * true:
