@@ -909,9 +909,10 @@ def fallback_warning(requested: str, backend: str, reason: str) -> str | None:
 
 
 def set_collective_timeout(timeout_s: float) -> None:
-    """The collectives' timeout once everyone joined: a missing rank fails in ``timeout_s``."""
+    """The collectives' timeout once everyone joined: a missing rank fails in ``timeout_s``.
+    gloo honours it from torch 2.9 (on 2.4-2.8 its collectives keep the group's timeout)."""
     set_timeout = getattr(dist, "set_timeout", None)
-    if set_timeout is None:  # torch < 2.8: the same call under its private name
+    if set_timeout is None:  # torch < 2.14: the same call under its private name
         from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
     set_timeout(timedelta(seconds=timeout_s))
 
@@ -981,7 +982,8 @@ class StopCheck:
         checked too. Raises :class:`DivergedError` on every rank at once."""
         if not force and step < self.next_step:
             return Verdict(False, False)
-        if params is not None and not nn.utils.get_total_norm(list(params)).isfinite():
+        finite = [p.detach().isfinite().all() for p in params or ()]  # one host sync below
+        if finite and not torch.stack(finite).all():
             self.first_bad.fill_(min(float(step), self.first_bad.item()))
         now = self.clock()
         due = self.save_s > 0 and now - self.last_save >= self.save_s

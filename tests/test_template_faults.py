@@ -9,6 +9,7 @@ fsync order. What needs real processes and real signals is tests/test_template_c
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -141,6 +142,21 @@ def test_the_loss_check_alone_stops_a_divergence(kit):
             checks.observe(step, torch.tensor(loss))
         with pytest.raises(kit.DivergedError, match="at step 3"):
             checks.check(10)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_the_weight_check_alone_stops_a_divergence(kit):
+    """Finite losses, one weight gone inf: the forced check before a save or an evaluation
+    names this step (a generator of parameters, as ``ddp.parameters()`` gives)."""
+    checks = kit.StopCheck(torch.device("cpu"))
+    weights = [torch.ones(3), torch.tensor([1.0, math.inf])]
+    try:
+        checks.observe(1, torch.tensor(0.5))
+        assert not checks.check(1, True, (w for w in weights[:1])).stop  # finite: trains on
+        with pytest.raises(kit.DivergedError, match="at step 2"):
+            checks.check(2, True, (w for w in weights))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
