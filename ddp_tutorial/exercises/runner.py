@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddp_tutorial.distributed import set_collective_timeout
 from ddp_tutorial.exercises.core import Context, Exercise, find
 from ddp_tutorial.records import write_json
 
@@ -96,7 +97,7 @@ def joined(ctx: Context, ex: Exercise) -> None:
 
 def cap_collective_timeout(ex: Exercise) -> None:
     """Once joined, a collective a peer never calls fails in seconds, not after gloo's 30 min."""
-    dist.set_timeout(datetime.timedelta(seconds=ex.collective_timeout_s))
+    set_collective_timeout(ex.collective_timeout_s)  # dist.set_timeout, or torch < 2.14's name
 
 
 @contextlib.contextmanager

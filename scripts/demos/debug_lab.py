@@ -246,8 +246,10 @@ def flight_recorder_names_groups(info: DistInfo) -> None:
     name, and the analyser then cannot match the entries to a group (``KeyError: ('0', 0)``).
     Attaching the recorder's hook records them again, under the name; removed at once."""
     if info.backend == "gloo":
-        from torch._C._distributed_c10d import FlightRecorderHook
-
+        try:  # torch 2.13+; older releases name the group before recording it: no bug there
+            from torch._C._distributed_c10d import FlightRecorderHook
+        except ImportError:
+            return
         FlightRecorderHook.attach(dist.group.WORLD).remove()
 
 
