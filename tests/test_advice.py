@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import fake_gpu
-from ddp_tutorial.harness import checks
+from ddp_tutorial.harness import advice, checks
 from ddp_tutorial.harness.advice import (
     has_kernels_for,
     hosted_notebook,
@@ -58,7 +58,20 @@ def test_hosted_notebooks_are_recognised():
 def _fake_cuda_build(monkeypatch, gpus: int, arch: list[str], cuda: str = "12.4") -> None:
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(checks, "torch_gpu_count", lambda env: gpus)  # asked in its own process
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch)
+    monkeypatch.setattr(advice, "compiled_arch_list", lambda: arch)
+
+
+def test_the_compiled_arch_list_is_torchs_without_asking_for_cuda(monkeypatch):
+    """The doctor runs in the notebook's kernel, which forks ranks later: before torch 2.14,
+    get_arch_list() called is_available() (CUDA initialised there); this list never does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    expected = torch.cuda.get_arch_list()  # what torch says it was built for
+
+    def fork_trap():
+        raise AssertionError("torch.cuda.is_available() in the doctor's process")
+
+    monkeypatch.setattr(torch.cuda, "is_available", fork_trap)
+    assert advice.compiled_arch_list() == expected
 
 
 def test_a_v100_with_a_wheel_that_has_no_code_for_it_fails(nvml, monkeypatch):

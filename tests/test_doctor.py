@@ -17,7 +17,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from ddp_tutorial.harness import checks, doctor
+from ddp_tutorial.harness import advice, checks, doctor
 from ddp_tutorial.harness.checks import (
     Finding,
     check_interfaces,
@@ -155,6 +155,13 @@ def test_python_torch_and_backend_failures_say_what_to_do(monkeypatch):
     assert old.status == "fail" and "3.10 or newer" in old.fix
     monkeypatch.setattr(torch, "__version__", "1.13.1")
     assert "torch >= 2.0" in checks.check_torch().fix
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")  # runs, but not the lessons' torch
+    monkeypatch.setattr(advice, "course_torch_floor", lambda: (2, 14))
+    older = checks.check_torch()
+    assert older.status == "warn" and "older than the course's 2.14" in older.detail, older
+    assert "train.py + ddp_kit.py, 2.4+" in older.fix
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    assert checks.check_torch().status == "ok"
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_gloo_available", lambda: False)

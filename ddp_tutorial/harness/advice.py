@@ -26,6 +26,37 @@ def hosted_notebook(env: Mapping[str, str]) -> str | None:
     return next((name for var, name in HOSTED.items() if env.get(var)), None)
 
 
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "2.14.1+cu130" -> (2, 14)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def course_torch_floor() -> tuple[int, int] | None:
+    """pyproject.toml's ``torch>=``, read from the installed package (None: not installed)."""
+    import importlib.metadata
+
+    try:
+        needs = importlib.metadata.requires("ddp-tutorial") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = next((m for r in needs if (m := re.fullmatch(r"torch>=([\d.]+)", r))), None)
+    return release(found.group(1)) if found else None
+
+
+def compiled_arch_list() -> list[str]:
+    """The GPU architectures this torch was compiled for, without initialising CUDA here.
+
+    ``torch.cuda.get_arch_list()`` asks ``is_available()`` first before torch 2.14, which
+    initialises CUDA in this process: a kernel that does so cannot fork ranks afterwards."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return []
+    flags = torch._C._cuda_getArchFlags()  # what get_arch_list() reads, since torch 1.x
+    return flags.split() if flags else []
+
+
 def has_kernels_for(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
     """Whether a torch built for ``arch_list`` (``torch.cuda.get_arch_list()``) runs here.
 

@@ -58,16 +58,17 @@ def check_torch() -> Finding:
         import torch.distributed as dist
     except ImportError as exc:
         return Finding("torch", "fail", f"cannot import torch: {exc}", "pip install torch")
+    from ddp_tutorial.harness.advice import course_torch_floor, release
+
     found = f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})"
-    major = int(torch.__version__.split(".")[0])
-    if major < 2:
-        return Finding(
-            "torch", "fail", found, "torch >= 2.0 is needed (torchrun, LOCAL_RANK, --local-rank)"
-        )
+    if release(torch.__version__) < (2, 0):
+        return Finding("torch", "fail", found, "torch >= 2.0 is needed (torchrun, LOCAL_RANK)")
     if not dist.is_available():
-        return Finding(
-            "torch", "fail", found + " without torch.distributed", "install a full build"
-        )
+        return Finding("torch", "fail", found + " without torch.distributed", "a full build")
+    if (floor := course_torch_floor()) and release(torch.__version__) < floor:
+        return Finding("torch", "warn", f"{found}, older than the course's {floor[0]}.{floor[1]}: "
+                       "the lessons assert what that release prints and does", "a newer torch for "
+                       "the lessons (the template: train.py + ddp_kit.py, 2.4+)")  # fmt: skip
     return Finding("torch", "ok", found)
 
 
@@ -133,9 +134,10 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if not seen:
         return Finding("cuda build", "fail", found + ", yet torch sees no GPU",
                        "check the driver (nvidia-smi) and the container's GPU access")  # fmt: skip
-    unsupported = gpus_without_kernels(env, torch.cuda.get_arch_list())
-    if unsupported:
-        return Finding("cuda build", "fail", f"{found}, for {' '.join(torch.cuda.get_arch_list())}"
+    from ddp_tutorial.harness.advice import compiled_arch_list
+
+    if unsupported := gpus_without_kernels(env, arch := compiled_arch_list()):
+        return Finding("cuda build", "fail", f"{found}, for {' '.join(arch)}"
                        f"; no code for {unsupported}: every kernel would fail with 'no kernel "
                        "image is available'", "a torch build for this GPU (an older release "
                        "or a container that lists its capability)")  # fmt: skip
