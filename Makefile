@@ -8,7 +8,7 @@ TORCH_INDEX ?=
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('torch'))" 2>/dev/null && echo yes)
 # ... and pinned: without the pin, pip would replace it by a download whenever torchvision
 # is missing or too old for it (torchvision 0.29 needs torch >= 2.14). A torch older than
-# the course's torch>=2.4 then fails the install with pip's conflict, instead of a swap.
+# the course's torch>=2.14 then fails the install with pip's conflict, instead of a swap.
 SYSTEM_TORCH_VERSION := $(if $(SYSTEM_TORCH),$(shell $(PYTHON) -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null))
 VENV := .venv
 CONSTRAINTS := $(VENV)/constraints.txt
