@@ -982,8 +982,8 @@ class StopCheck:
         checked too. Raises :class:`DivergedError` on every rank at once."""
         if not force and step < self.next_step:
             return Verdict(False, False)
-        finite = [p.detach().isfinite().all() for p in params or ()]  # one host sync below
-        if finite and not torch.stack(finite).all():
+        finite = [p.detach().isfinite().all().to(self.device) for p in params or ()]
+        if finite and not torch.stack(finite).all():  # one host sync, whatever the devices
             self.first_bad.fill_(min(float(step), self.first_bad.item()))
         now = self.clock()
         due = self.save_s > 0 and now - self.last_save >= self.save_s

@@ -74,6 +74,19 @@ def test_the_compiled_arch_list_is_torchs_without_asking_for_cuda(monkeypatch):
     assert advice.compiled_arch_list() == expected
 
 
+def test_the_course_floor_is_read_from_any_form_of_the_requirement(monkeypatch):
+    import importlib.metadata
+
+    assert advice.release("2.14.1+cu130") == (2, 14) and advice.release("2") == (2, 0)
+    for needs, floor in (
+        (["torchvision>=0.29", "torch<3,>=2.14; python_version >= '3.10'"], (2, 14)),
+        (["torch>=2"], (2, 0)),
+        (["torchvision>=0.29", "torch"], None),  # no lower bound: nothing to warn about
+    ):
+        monkeypatch.setattr(importlib.metadata, "requires", lambda name, n=needs: n)
+        assert advice.course_torch_floor() == floor, needs
+
+
 def test_a_v100_with_a_wheel_that_has_no_code_for_it_fails(nvml, monkeypatch):
     nvml([fake_gpu(i, name="Tesla V100-SXM2-32GB", capability=(7, 0)) for i in range(2)])
     _fake_cuda_build(monkeypatch, 2, WHEEL)

@@ -4,7 +4,8 @@ Only one torch is installed here, the newest, so a call that newer releases adde
 every other test and fails on a user's older torch (``nn.utils.get_total_norm``, torch 2.6,
 once stopped ``train.py`` on 2.4 at its first evaluation; ``dist.set_timeout``, torch 2.14,
 every exercise check before 2.14). Two lists hold every torch and torchvision name the code
-calls and each keyword it passes, as checked to exist in a floor release:
+calls and each keyword it passes (where torch's signature names its keywords: not those of
+builtins like ``torch.tensor`` or of a ``**kwargs``), as checked to exist in a floor release:
 ``torch_floor.txt`` for the whole course (scripts, package, notebooks; the floor is
 pyproject.toml's ``torch>=``) and ``torch_floor_template.txt`` for the files a user copies
 (the ladder, ``train.py`` and its sidecar; the floor ``train.py``'s docstring states). A name
@@ -15,13 +16,16 @@ missing from its list fails here; to add it, record the list again under that re
     /tmp/floor/bin/python tests/test_torch_floor.py --record template   # or: course
 
 which refuses (and names) whatever that release lacks. What it cannot see: methods of
-objects (``ddp.register_comm_hook``) and behaviour that changed under the same name: the
-closing notes say which launches ran under which floor.
+objects (``ddp.register_comm_hook``), names reached through ``getattr`` or a local variable,
+keywords passed as ``**options`` or through ``partial``, torchrun's flags (train.sbatch's
+need 2.12: its header says so), and behaviour that changed under the same name: the closing
+notes say which launches ran under which floor.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import inspect
 import json
@@ -129,11 +133,21 @@ def names_of(scope: str) -> dict[str, str]:
     return first
 
 
+def digest(release: str, names: set[str]) -> str:
+    """What the list's third line holds: a list edited by hand, not recorded, fails the test."""
+    return hashlib.sha256("\n".join([release, *sorted(names)]).encode()).hexdigest()
+
+
 def listed(scope: str) -> tuple[str, set[str]]:
     """(the release the scope's list was recorded under, the names in it)."""
     lines = list_path(scope).read_text().splitlines()
     release = lines[0].removeprefix("# recorded under torch ").split()[0]
-    return release, {ln for ln in lines if ln and not ln.startswith("#")}
+    names = {ln for ln in lines if ln and not ln.startswith("#")}
+    assert lines[2] == f"# sha256 {digest(release, names)}", (
+        f"{list_path(scope).name} was edited by hand: record it under torch {release} instead "
+        "(this file's docstring says how)"
+    )
+    return release, names
 
 
 def _resolve(name: str) -> object:
@@ -157,9 +171,9 @@ def missing_at_this_release(name: str) -> str | None:
         return f"absent ({type(exc).__name__}: {exc})"
     if call is None:
         return None
-    try:
-        params = inspect.signature(obj).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: cannot say
+    try:  # builtins (torch.tensor, TCPStore) have none, and **kwargs takes any name:
+        params = inspect.signature(obj).parameters  # those keywords are not checked
+    except (TypeError, ValueError):
         return None
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     return None if takes_any or call.group(2) in params else "no such keyword"
@@ -216,6 +230,7 @@ def record(scope: str) -> int:
     header = [
         f"# recorded under torch {torch.__version__} torchvision {torchvision.__version__}",
         f"# every torch/torchvision name the {scope} uses, present there (test_torch_floor.py)",
+        f"# sha256 {digest(torch.__version__, set(names))}",
     ]
     list_path(scope).write_text("\n".join([*header, *sorted(names)]) + "\n")
     print(f"{len(names)} names of the {scope} recorded under torch {torch.__version__}")

@@ -27,20 +27,23 @@ def hosted_notebook(env: Mapping[str, str]) -> str | None:
 
 
 def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string: "2.14.1+cu130" -> (2, 14)."""
-    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()  # type: ignore[union-attr]
-    return int(major), int(minor)
+    """(major, minor) of a version string: "2.14.1+cu130" -> (2, 14), "2" -> (2, 0)."""
+    found = re.match(r"(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(found.group(1)), int(found.group(2) or 0)
 
 
 def course_torch_floor() -> tuple[int, int] | None:
-    """pyproject.toml's ``torch>=``, read from the installed package (None: not installed)."""
+    """pyproject.toml's lower bound of torch, read from the installed package (None: not
+    installed, or no lower bound). "torch>=2.14", "torch<3,>=2.14; marker" alike."""
     import importlib.metadata
 
     try:
         needs = importlib.metadata.requires("ddp-tutorial") or []
     except importlib.metadata.PackageNotFoundError:
         return None
-    found = next((m for r in needs if (m := re.fullmatch(r"torch>=([\d.]+)", r))), None)
+    found = next((m for r in needs if (m := re.match(r"torch\b[^;]*?>=\s*([\d.]+)", r))), None)
     return release(found.group(1)) if found else None
 
 

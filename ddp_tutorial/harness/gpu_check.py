@@ -76,22 +76,21 @@ GPU_RUNS = {"06_training_and_utilization": 2}
 def crash_grace_s() -> float:
     """torchrun's wait between SIGTERM and SIGKILL for the workers it stops (30 s in torch 2.x).
 
-    ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` where set (torchrun's ``--shutdown-timeout`` default,
-    ``LaunchConfig``), else the default of the agent's ``_shutdown`` (torch 2.13+) or, before,
-    of the ``close`` it calls without one, read from torch: the time plan follows torch, not a
-    copy of its number.
+    torch 2.12+: ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` where set (torchrun's
+    ``--shutdown-timeout`` default, ``LaunchConfig``), else the default of the agent's
+    ``_shutdown``; before, the default of the ``close`` it calls without one (the variable is
+    not read there). Read from torch: the time plan follows torch, not a copy of its number.
     """
     import inspect
 
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext
 
-    if value := os.environ.get(SHUTDOWN_TIMEOUT_ENV):
-        return float(value)
-    for method in (SimpleElasticAgent._shutdown, PContext.close):
-        if (timeout := inspect.signature(method).parameters.get("timeout")) is not None:
-            return float(timeout.default)
-    raise RuntimeError("torchrun's shutdown grace: neither _shutdown nor close has a timeout")
+    if (
+        timeout := inspect.signature(SimpleElasticAgent._shutdown).parameters.get("timeout")
+    ) is None:
+        return float(inspect.signature(PContext.close).parameters["timeout"].default)
+    return float(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or timeout.default)
 
 
 def launch_s(gpus: int) -> float:
