@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # says how its groups are spread); 0 runs it in this one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast rehearse lab format strip gpu-check gpu-smoke clean
+.PHONY: run test test-fast rehearse lab format strip gpu-check gpu-smoke floor-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
@@ -70,5 +70,20 @@ gpu-check:
 gpu-smoke:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_smoke $(SMOKE_ARGS)
 
+# The template's own floor (train.py: "torch 2.10 or later"), which make test cannot run: a venv
+# with that torch, then every torch name of the copied files checked against it and the tests
+# of the copied template run on it. Needs pip's network; FLOOR_INDEX= for PyPI's CUDA wheel.
+FLOOR_TORCH ?= 2.10.0
+FLOOR_TORCHVISION ?= 0.25.0
+FLOOR_INDEX ?= https://download.pytorch.org/whl/cpu
+floor-check:  ## the template on the oldest torch it promises (a venv of its own, .venv-floor)
+	$(PYTHON) -m venv .venv-floor
+	.venv-floor/bin/python -m pip install --quiet $(if $(FLOOR_INDEX),--index-url $(FLOOR_INDEX) \
+		--extra-index-url https://pypi.org/simple) torch==$(FLOOR_TORCH) torchvision==$(FLOOR_TORCHVISION)
+	.venv-floor/bin/python -m pip install --quiet numpy tqdm tensorboard psutil pytest pytest-timeout
+	.venv-floor/bin/python -m pip install --quiet --no-deps -e .
+	.venv-floor/bin/python tests/test_torch_floor.py --check template
+	.venv-floor/bin/python -m pytest -p no:cacheprovider tests/test_template_copy.py
+
 clean:
-	rm -rf build runs notebooks/runs .pytest_cache
+	rm -rf build runs notebooks/runs .pytest_cache .venv-floor

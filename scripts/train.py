@@ -2,7 +2,7 @@
 the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
 do nothing). It trains a classifier: for another task, change loss_fn and what
 ddp_kit.distributed_evaluate counts, and keep best.pt by --best-by val_loss (a regression).
-torch 2.4 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
+torch 2.10 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
     torchrun --standalone --nproc-per-node 8 --max-restarts 3 train.py --model resnet18 --amp \\

@@ -159,7 +159,7 @@ def test_python_torch_and_backend_failures_say_what_to_do(monkeypatch):
     monkeypatch.setattr(advice, "course_torch_floor", lambda: (2, 14))
     older = checks.check_torch()
     assert older.status == "warn" and "older than the course's 2.14" in older.detail, older
-    assert "train.py + ddp_kit.py, 2.4+" in older.fix
+    assert "train.py + ddp_kit.py, 2.10+" in older.fix
     monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
     assert checks.check_torch().status == "ok"
     import torch.distributed as dist

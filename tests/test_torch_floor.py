@@ -11,9 +11,12 @@ pyproject.toml's ``torch>=``) and ``torch_floor_template.txt`` for the files a u
 (the ladder, ``train.py`` and its sidecar; the floor ``train.py``'s docstring states). A name
 missing from its list fails here; to add it, record the list again under that release:
 
-    python -m venv /tmp/floor && /tmp/floor/bin/pip install torch==2.4.1 torchvision==0.19.1 \
+    python -m venv /tmp/floor && /tmp/floor/bin/pip install torch==2.10.0 torchvision==0.25.0 \
         numpy tqdm tensorboard
     /tmp/floor/bin/python tests/test_torch_floor.py --record template   # or: course
+
+(``make floor-check`` builds such a venv for the template, checks its names there and runs
+``tests/test_template_copy.py`` on that torch.)
 
 which refuses (and names) whatever that release lacks. What it cannot see: methods of
 objects (``ddp.register_comm_hook``), names reached through ``getattr`` or a local variable,
@@ -244,7 +247,31 @@ def test_the_doctor_warns_below_the_same_floor():
     assert course_torch_floor() == release(floor("course")), "reinstall: pip install -e ."
 
 
+def check(scope: str) -> int:
+    """Under the floor release: does it have every name the scope's code uses? (make
+    floor-check; writes nothing, whatever the build's local label, +cpu or +cu121)."""
+    import torch
+
+    from ddp_tutorial.harness.advice import release
+
+    if release(torch.__version__) != release(floor(scope)):
+        print(f"torch {torch.__version__} is not the {scope}'s floor, {floor(scope)}")
+        return 1
+    names = names_of(scope)
+    absent = sorted(
+        f"{w}: {n}: {why}" for n, w in names.items() if (why := missing_at_this_release(n))
+    )
+    print(
+        "\n".join(absent) or f"torch {torch.__version__} has all {len(names)} names of the {scope}"
+    )
+    return 1 if absent else 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--record" or sys.argv[2] not in SCOPES:
-        sys.exit(f"usage: python tests/test_torch_floor.py --record {{{','.join(SCOPES)}}}")
-    sys.exit(record(sys.argv[2]))
+    if (
+        len(sys.argv) != 3
+        or sys.argv[1] not in ("--record", "--check")
+        or sys.argv[2] not in SCOPES
+    ):
+        sys.exit(f"usage: python tests/test_torch_floor.py --record|--check {{{','.join(SCOPES)}}}")
+    sys.exit((record if sys.argv[1] == "--record" else check)(sys.argv[2]))

@@ -68,7 +68,7 @@ def check_torch() -> Finding:
     if (floor := course_torch_floor()) and release(torch.__version__) < floor:
         return Finding("torch", "warn", f"{found}, older than the course's {floor[0]}.{floor[1]}: "
                        "the lessons assert what that release prints and does", "a newer torch for "
-                       "the lessons (the template: train.py + ddp_kit.py, 2.4+)")  # fmt: skip
+                       "the lessons (the template: train.py + ddp_kit.py, 2.10+)")  # fmt: skip
     return Finding("torch", "ok", found)
 
 
