@@ -112,6 +112,7 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     import torch
 
     from ddp_tutorial.devices import driver_cuda_version
+    from ddp_tutorial.harness.advice import compiled_arch_list, release
 
     driver = driver_cuda_version()
     if driver is None:
@@ -125,7 +126,7 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if built is None:
         cpu_only = f"GPUs present (driver: CUDA {drv}) but this torch is a CPU-only build"
         return Finding("cuda build", "fail", cpu_only + ": training would run on the CPU", fix)
-    major, minor = (int(x) for x in built.split(".")[:2])
+    major, minor = release(built)
     found = f"driver supports CUDA {drv}; torch built for CUDA {built}"
     if major > driver[0]:
         return Finding("cuda build", "fail", found + ": torch will see no GPU",
@@ -134,8 +135,6 @@ def check_cuda_build(env: Mapping[str, str]) -> Finding:
     if not seen:
         return Finding("cuda build", "fail", found + ", yet torch sees no GPU",
                        "check the driver (nvidia-smi) and the container's GPU access")  # fmt: skip
-    from ddp_tutorial.harness.advice import compiled_arch_list
-
     if unsupported := gpus_without_kernels(env, arch := compiled_arch_list()):
         return Finding("cuda build", "fail", f"{found}, for {' '.join(arch)}"
                        f"; no code for {unsupported}: every kernel would fail with 'no kernel "

@@ -246,10 +246,8 @@ def flight_recorder_names_groups(info: DistInfo) -> None:
     name, and the analyser then cannot match the entries to a group (``KeyError: ('0', 0)``).
     Attaching the recorder's hook records them again, under the name; removed at once."""
     if info.backend == "gloo":
-        try:  # torch 2.14+ (absent from 2.13.0); nothing to attach before
-            from torch._C._distributed_c10d import FlightRecorderHook
-        except ImportError:
-            return
+        from torch._C._distributed_c10d import FlightRecorderHook
+
         FlightRecorderHook.attach(dist.group.WORLD).remove()
 
 

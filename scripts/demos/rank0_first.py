@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_tutorial.distributed import set_collective_timeout
-
 
 def prepare(out: Path, seconds: float, tag: str) -> None:
     """The slow work only one process does: here a sleep, then the file the others read."""
@@ -52,8 +50,8 @@ def before_init(args: argparse.Namespace, rank: int) -> None:
     if rank == 0:
         prepare(args.out, args.work, "before_init")
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.join_timeout))
-    # from here on, a collective may wait --timeout only (dist.set_timeout, torch 2.14+)
-    set_collective_timeout(args.timeout)
+    # torch 2.14+: from here on, a collective may wait --timeout only
+    dist.set_timeout(timedelta(seconds=args.timeout))
 
 
 def on_the_store(args: argparse.Namespace, local_rank: int) -> None:
