@@ -1046,7 +1046,8 @@ def average_buffers(module: nn.Module) -> float:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Metrics over every rank's samples (``count``) and this rank's share."""
+    """Metrics over every rank's samples (``count``) and this rank's share. A regression
+    (float targets) has no accuracy: ``nan``, ``correct`` 0."""
 
     accuracy: float
     loss: float
@@ -1065,7 +1066,9 @@ def local_sums(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[correct, count, loss_sum]`` over one loader, float64 (exact counts). ``loss_fn``:
-    training's, a mean over a batch (default: cross-entropy); accuracy is the argmax's."""
+    training's, a mean over a batch's elements (default: cross-entropy). Accuracy is the
+    argmax's for class indices; float targets (a regression) count ``nan`` correct: an argmax
+    compared with them would broadcast into a number that means nothing."""
     model = unwrap_model(model)  # a DDP forward may sync buffers: a collective not all join
     was_training = model.training
     model.eval()
@@ -1075,7 +1078,15 @@ def local_sums(
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 logits = model(x)
-            sums[0] += (logits.argmax(dim=1) == y).sum()
+            if not y.is_floating_point():
+                sums[0] += (logits.argmax(dim=1) == y).sum()
+            elif logits.shape == y.shape:
+                sums[0] = math.nan
+            else:  # (B, 1) against (B,): the loss would broadcast to B x B pairs, silently
+                raise DataError(
+                    f"the model's outputs {tuple(logits.shape)} and the targets "
+                    f"{tuple(y.shape)} differ in shape: make them equal (y.view_as(output))"
+                )
             sums[1] += y.numel()
             if loss_fn is None:
                 sums[2] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
@@ -1167,7 +1178,7 @@ def distributed_evaluate(
     return EvalResult(
         correct / count if count else nan,
         loss_sum / count if count else nan,
-        int(correct),
+        0 if math.isnan(correct) else int(correct),
         int(count),
         local_count,
         interrupted > 0,

@@ -1,7 +1,7 @@
 """The DDP training template: copy it and ddp_kit.py (its sidecar) into your project, change
 the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
-do nothing). It trains a classifier: for another task, change loss_fn and what
-ddp_kit.distributed_evaluate counts, and keep best.pt by --best-by val_loss (a regression).
+do nothing). It trains a classifier: for a regression, change loss_fn and the data (targets
+shaped like the model's output) and keep best.pt by --best-by val_loss; another score: SCORES.
 torch 2.10 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
@@ -53,6 +53,9 @@ REFERENCE_BATCH = 256  # --lr is the learning rate of a global batch of this siz
 OPTIMIZERS = {"adamw": (3e-3, 0.05), "sgd": (0.2, 5e-4)}  # default --lr, --weight-decay
 FAILED = "failed.json"  # why the last run stopped for good: a restart would only repeat it
 HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never in a copy
+# The scores of an evaluation, each named once: +1 when higher is better, how it prints.
+# Another score (a regression's MAE): a line here, one in scores_of, its sum in kit.local_sums.
+SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 
 
 def positive(text: str) -> int:
@@ -93,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     add("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     add("--seed", type=int, default=0)
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
-    add("--best-by", choices=("val_accuracy", "val_loss"), default="val_accuracy",
+    add("--best-by", choices=SCORES, default="val_accuracy",
         help="best.pt: the highest val accuracy, or the lowest val loss")  # fmt: skip
     add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
     add("--save-minutes", type=float, default=30, help="and a snapshot this often (0: off)")
@@ -265,12 +268,18 @@ def main(argv: list[str] | None = None) -> None:
     if problem := check_run(args, world_size, None):
         fail(problem)
     try:  # each rank checks its share of an image folder's files (a rank that finds one says so)
-        # yours instead: (train set, val set, number of classes), samples (input, class index)
+        # yours instead: (train set, val set, number of classes), samples (input, class index);
+        # a regression's: (input, float target shaped like the output), and the output size
         data = kit.build_datasets(args, rank, world_size)  # (train set, val set, classes)
     except kit.DataError as exc:
         fail(str(exc), everywhere=True)
     if problem := check_run(args, world_size, len(data[0])):
         fail(problem)
+    if args.best_by == "val_accuracy" and torch.as_tensor(data[1][0][1]).is_floating_point():
+        fail(
+            "--best-by val_accuracy counts classes, and these targets are floats (a "
+            "regression?): use --best-by val_loss, or make it the default in your copy"
+        )
     if args.deterministic:
         kit.make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
     torch.backends.cudnn.benchmark = not args.deterministic  # GPUs: time conv algorithms once
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
-    except (kit.DivergedError, kit.CheckpointError) as exc:  # expected: a line, not a traceback
+    except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a line, no traceback
         get_error_handler().record_exception(exc)  # torchrun's summary shows the traceback
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # plain python: no summary, print it
             traceback.print_exc()
@@ -396,13 +405,13 @@ def train(
         if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
             say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
         best, owed = extra["best"], extra.get("eval_owed", False)
-        if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
+        if extra["config"].get("best_by") != args.best_by:  # another score
             best = -math.inf
             say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
         held = json.loads((ckpt / "best.json").read_text())
-        if held.get("best_by", "val_accuracy") == args.best_by:
-            best = max(best, held.get("score", held["val_accuracy"]))
+        if held.get("best_by") == args.best_by:  # higher is better, whatever the score
+            best = max(best, held.get("score", -math.inf))
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
     log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum)
@@ -472,24 +481,13 @@ def train(
             save_snapshot()  # exits: the lines below see whole evaluations only
         owed = False
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
-        history.append(
-            {
-                "epoch": epoch,
-                "step": step,
-                "train_loss": train_loss,
-                "val_loss": result.loss,
-                "val_accuracy": result.accuracy,
-            }
-        )
-        say(
-            f"epoch {epoch}: step {step}, loss {train_loss:.4f}, val loss {result.loss:.4f}, "
-            f"val accuracy {result.accuracy:.1%}"
-        )
-        log.scalars(step, "val", accuracy=result.accuracy, loss=result.loss)
-        score = result.accuracy if args.best_by == "val_accuracy" else -result.loss  # higher
+        scores = scores_of(result)
+        history.append({"epoch": epoch, "step": step, "train_loss": train_loss, **scores})
+        say(f"epoch {epoch}: step {step}, loss {train_loss:.4f}, {described(scores)}")
+        log.scalars(step, "val", **{name[4:]: v for name, v in scores.items() if v == v})
+        score = SCORES[args.best_by][0] * scores[args.best_by]  # higher is better
         if score > best and ckpt:  # the same on every rank: a collective save
             best = score
-            scores = {"val_accuracy": result.accuracy, "val_loss": result.loss}
             note = {"step": step, "best_by": args.best_by, "score": best, **scores}
             save(ddp.module.state_dict(), "best.pt", note)
 
@@ -575,7 +573,7 @@ def train(
                 loss_sum.zero_()
             stop = stop or epoch >= args.epochs
             pause(save_snapshot)
-    except (kit.DivergedError, kit.CheckpointError) as exc:  # a restart would only repeat it
+    except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a restart would too
         stopped_for_good(exc, ckpt, rank, step)
         raise
     finally:
@@ -585,13 +583,25 @@ def train(
     # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
     if ckpt and not (finished and (ckpt / "final.pt").is_file()):  # a finished rerun keeps it
         save(ddp.module.state_dict(), "final.pt")
-    last = history[-1] if history else {"train_loss": math.nan, "val_accuracy": math.nan}
+    last = history[-1] if history else {"train_loss": math.nan}
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "
-        f"{last['train_loss']:.4f}, val accuracy {last['val_accuracy']:.1%}"
+        f"{last['train_loss']:.4f}, {described(last)}"
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
+
+
+def scores_of(result: kit.EvalResult) -> dict[str, float]:
+    """The evaluation's scores by the names of SCORES (history, logs, best.json)."""
+    return {"val_loss": result.loss, "val_accuracy": result.accuracy}
+
+
+def described(record: dict[str, Any]) -> str:
+    """'val loss 0.1234, val accuracy 93.1%': the scores a record holds (nan: no such score)."""
+    held = [(name, form, record[name]) for name, (_, form) in SCORES.items() if name in record]
+    shown = [f"{name.replace('_', ' ')} {form.format(v)}" for name, form, v in held if v == v]
+    return ", ".join(shown) or "not evaluated"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from conftest import load_script
 from ddp_tutorial.harness.launch import torchrun
+from ddp_tutorial.lessons.speed import script_module
 
 TINY = ["--model", "mlp", "--image-size", "8", "--num-val", "16", "--no-progress",
         "--backend", "gloo"]  # fmt: skip
@@ -283,7 +284,8 @@ def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, 
     older = torch.load(path, weights_only=True)  # as a snapshot older than best.pt would be
     older["extra"]["best"] = -1.0
     torch.save(older, path)
-    (tmp_path / "best.json").write_text(json.dumps({"step": 4, "val_accuracy": 1.5}))
+    held = {"step": 4, "best_by": "val_accuracy", "score": 1.5}  # better than any accuracy
+    (tmp_path / "best.json").write_text(json.dumps(held))
     template.main([*argv, "--epochs", "2"])
     assert (tmp_path / "best.pt").read_bytes() == best, "overwritten by a worse model"
 
@@ -308,6 +310,84 @@ def test_best_by_val_loss_keeps_the_lowest_loss_for_a_regression(template, kit, 
         capsys.readouterr().out
     )
     assert json.loads((tmp_path / "best.json").read_text())["best_by"] == "val_accuracy"
+
+
+REGRESSION_DATA = """
+
+def regression_data(args, shape=(1,)):  # float targets, (n, 1) like the model's outputs
+    g = torch.Generator().manual_seed(args.seed)
+    size = args.image_size
+    x = torch.randn(args.num_samples + args.num_val, 3, size, size, generator=g)
+    y = x.flatten(1)[:, :4].sum(1).reshape(-1, *shape)
+    data = torch.utils.data.TensorDataset
+    n = args.num_samples
+    return data(x[:n], y[:n]), data(x[n:], y[n:]), 1
+"""
+
+
+def regression_copy(folder: Path, data: str = "regression_data(args)"):
+    """The template as a practitioner adapts it to a regression: the two edits its docstring
+    names (the loss, the data), nothing else; imported beside ddp_kit.py like a copy."""
+    scripts = Path(__file__).parents[1] / "scripts"
+    text = (scripts / "train.py").read_text()
+    edits = {
+        "nn.CrossEntropyLoss()": "nn.MSELoss()",
+        "kit.build_datasets(args, rank, world_size)": data,
+    }
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"the template no longer has {old!r}: update the docstring"
+        text = text.replace(old, new)
+    (folder / "train.py").write_text(text + REGRESSION_DATA)
+    (folder / "ddp_kit.py").write_bytes((scripts / "ddp_kit.py").read_bytes())
+    return script_module(folder / "train.py", f"regression_{folder.name}")
+
+
+def test_a_regression_copy_is_scored_by_its_loss_and_refuses_accuracy(tmp_path, one_rank,
+                                                                     capsys):  # fmt: skip
+    """A practitioner's review: after the two edits, the default --best-by val_accuracy kept
+    the first evaluation (every accuracy 0.0%, or above 100 % for whole-number targets: the
+    argmax broadcast against a (B, 1) target), and best.json without the accuracy's key made
+    every resume crash. Now the run is refused before training and names the flag; with
+    --best-by val_loss, best.pt is the lowest loss, re-evaluated here, and accuracy is nan."""
+    template, ckpt = regression_copy(tmp_path), tmp_path / "ckpt"
+    argv = [*TINY, "--image-size", "4", "--num-samples", "68", "--num-val", "21",
+            "--batch-size", "16", "--eval-every", "2", "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    with pytest.raises(SystemExit) as refused:
+        template.main([*argv, "--epochs", "2"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "use --best-by val_loss" in err, err[-2000:]
+    assert not template.kit.list_snapshots(ckpt), "refused before training"
+    template.main([*argv, "--epochs", "2", "--best-by", "val_loss"])
+    out = capsys.readouterr().out
+    assert "val loss" in out and "val accuracy" not in out, out
+    history = torch.load(template.kit.latest_snapshot(ckpt), weights_only=True)["extra"]["history"]
+    assert all(math.isnan(h["val_accuracy"]) for h in history), history
+    lowest = min(history, key=lambda h: h["val_loss"])
+    assert len({h["val_loss"] for h in history}) > 1, "the losses differ: the choice matters"
+    held = json.loads((ckpt / "best.json").read_text())
+    assert (held["step"], held["score"]) == (lowest["step"], -lowest["val_loss"]), history
+    model = template.kit.build_model("mlp", 1, 4)
+    model.load_state_dict(torch.load(ckpt / "best.pt", weights_only=True))
+    val_set = template.regression_data(template.parse_args(argv))[1]
+    again = template.kit.distributed_evaluate(model, val_set, 8, loss_fn=torch.nn.MSELoss())
+    assert again.count == 21 and again.loss == pytest.approx(lowest["val_loss"], rel=1e-5)
+    (ckpt / "best.json").write_text(json.dumps({"best_by": "val_loss", "score": held["score"]}))
+    template.main([*argv, "--epochs", "3", "--best-by", "val_loss"])  # no key but the score
+    assert "done: " in capsys.readouterr().out
+
+
+def test_a_regression_whose_targets_do_not_match_the_outputs_stops_with_both_shapes(
+    tmp_path, one_rank, capsys
+):
+    """Targets of shape (B,) against outputs (B, 1): MSE broadcasts them to B x B pairs with a
+    warning only, and the loss means nothing. The evaluation names both shapes, and failed.json
+    keeps every restart from training on."""
+    template = regression_copy(tmp_path, "regression_data(args, shape=())")
+    argv = [*TINY, "--image-size", "4", "--num-samples", "32", "--batch-size", "16",
+            "--best-by", "val_loss", "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    with pytest.warns(UserWarning, match="target size"):
+        stops_with(template, argv, capsys, "DataError", "outputs (16, 1) and the targets (16,)")
+    assert "differ in shape" in json.loads((tmp_path / "ckpt" / "failed.json").read_text())["error"]
 
 
 def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
