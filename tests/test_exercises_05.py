@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from exercise_cases import Case, assert_verdict, register
 
@@ -16,6 +18,9 @@ CASES = register([
                  "        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=\".tmp\",\n"
                  "                                         delete=False) as f:\n"
                  "            tmp = f.name\n"),)),
+    # pathlib's rename is right on every Python (3.10's pathlib escaped the check's spy on os)
+    Case(SNAP, "path-replace", None,
+         edits=(("        os.replace(tmp, path)", "        tmp.replace(path)"),)),
     Case(SNAP, "replace-arguments-swapped", "moves the snapshot onto the temporary name",
          edits=(("        os.replace(tmp, path)", "        os.replace(path, tmp)"),)),
     Case(SNAP, "every-rank-writes", "only global rank 0 writes",
@@ -123,3 +128,26 @@ CASES = register([
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_wrong_answers_are_named(case, exercise_verdicts):
     assert_verdict(case, exercise_verdicts)
+
+
+def test_pathlib_reaches_the_checks_os_spies_as_on_python_3_10(tmp_path, monkeypatch):
+    """Python 3.10's pathlib calls the os functions it bound at import (made so here): the
+    check's spy on os.replace missed tmp.replace(path), and on os.unlink, path.unlink()."""
+    from pathlib import Path
+
+    from ddp_tutorial.exercises.spies import paths_through_os
+
+    bound, seen = (os.replace, os.rename, os.unlink), []
+    monkeypatch.setattr(Path, "replace", lambda p, t: (bound[0](p, t), type(p)(t))[1])
+    monkeypatch.setattr(Path, "rename", lambda p, t: (bound[1](p, t), type(p)(t))[1])
+    monkeypatch.setattr(Path, "unlink", lambda p, missing_ok=False: bound[2](p))
+    for i, name in enumerate(("replace", "rename", "unlink")):
+        monkeypatch.setattr(os, name, lambda *a, name=name, i=i: (seen.append(name), bound[i](*a)))
+    (tmp_path / "a").write_text("x")
+    with paths_through_os():
+        moved = (tmp_path / "a").replace(tmp_path / "b").rename(tmp_path / "c")
+        moved.unlink()
+        (tmp_path / "c").unlink(missing_ok=True)
+    (tmp_path / "e").write_text("x")
+    (tmp_path / "e").replace(tmp_path / "f")  # after the block: pathlib's own again
+    assert seen == ["replace", "rename", "unlink", "unlink"] and not moved.exists()

@@ -26,6 +26,7 @@ from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.runner import agent_store, meet
+from ddp_tutorial.exercises.spies import paths_through_os
 
 DELAY_S = 1.5  # the longest rank 0's first save (write, then rename) waits for the others
 EPOCH, STEP = 3, 120  # what the first save is asked to store
@@ -108,14 +109,12 @@ def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int
 
         return sync
 
-    syncs = [mock.patch.object(os, name, noted(real)) for name, real in real_syncs.items()
-             if real is not None]  # fmt: skip
-    with mock.patch.object(os, "replace", spy(real_replace)), \
-         mock.patch.object(os, "rename", spy(real_rename)), \
-         mock.patch.object(os, "sync", sync_all), \
-         ExitStack() as stack:  # fmt: skip
-        for patch in syncs:
-            stack.enter_context(patch)
+    spies = {"replace": spy(real_replace), "rename": spy(real_rename), "sync": sync_all}
+    spies.update((name, noted(real)) for name, real in real_syncs.items() if real is not None)
+    with ExitStack() as stack:
+        for name, fake in spies.items():
+            stack.enter_context(mock.patch.object(os, name, fake))
+        stack.enter_context(paths_through_os())  # Python 3.10: tmp.replace(path) is seen too
         yield
 
 
@@ -236,6 +235,7 @@ def _replace_phase(
             with (
                 mock.patch.object(os, "unlink", noted(os.unlink)),
                 mock.patch.object(os, "remove", noted(os.remove)),
+                paths_through_os(),  # Python 3.10: path.unlink() is seen too
                 mock.patch.object(dist, "barrier", lambda *a, **k: None),
             ):
                 module.save_snapshot(path, model, optimizer, EPOCH + 2, STEP + 80)

@@ -5,15 +5,19 @@ whether what an asynchronous call returned was waited on. The spy also replaces 
 learner's file bound: ``from torch.distributed import all_reduce`` copies the function into the
 file before the check runs, and a spy on ``dist`` alone would never see those calls (a ring
 built from ``all_reduce`` passed as sends, an async buffer average never waited passed as
-right).
+right). File operations are spied on in ``os``: :func:`paths_through_os` makes ``pathlib``'s
+reach it on every Python.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -177,3 +181,25 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
     finally:
         for place, attr, name in places:
             setattr(place, attr, reals[name])
+
+
+def _unlink(path: Path, missing_ok: bool = False) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+@contextmanager
+def paths_through_os() -> Iterator[None]:
+    """``Path.replace``, ``.rename`` and ``.unlink`` call ``os.replace``, ``os.rename`` and
+    ``os.unlink`` as they are when called, as on Python 3.11+: Python 3.10's pathlib calls
+    the functions it bound at import, so a spy on ``os`` missed ``tmp.replace(path)`` (a
+    right answer read as "no rename") and ``path.unlink()`` (a wrong one passed)."""
+    with (
+        mock.patch.object(Path, "replace", lambda p, t: (os.replace(p, t), type(p)(t))[1]),
+        mock.patch.object(Path, "rename", lambda p, t: (os.rename(p, t), type(p)(t))[1]),
+        mock.patch.object(Path, "unlink", _unlink),
+    ):
+        yield
