@@ -61,6 +61,21 @@ def test_run_command_kills_what_waits_forever():
     assert not processes_running(marker)
 
 
+@pytest.mark.torchrun  # a Python process that raises
+def test_commands_and_launches_print_plain_tracebacks_under_a_notebook(monkeypatch):
+    """ipykernel sets FORCE_COLOR for a notebook's subprocesses, and Python 3.13+ then colours
+    its tracebacks: lesson 12 found no "...Error:" line in escape codes on 3.13.0. Every process
+    the harness starts gets PYTHON_COLORS=0 (launches too), and prints plain text."""
+    from ddp_tutorial.harness.launch import LaunchSpec
+
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    code = "import os; print('colors', os.environ.get('PYTHON_COLORS')); 1 / 0"
+    result = run_command([sys.executable, "-c", code], timeout=60)
+    assert "colors 0" in result.output and "\x1b[" not in result.output, repr(result.output)
+    assert re.search(r"^ZeroDivisionError: division by zero$", result.output, re.M)
+    assert LaunchSpec(LAB, ()).child_env()["PYTHON_COLORS"] == "0"
+
+
 def test_key_lines_keeps_each_message_once_with_its_rank():
     output = "\n".join([
         "[default0]:[rank0]: RuntimeError: Timed out waiting 5000ms for recv operation",

@@ -153,6 +153,10 @@ def test_python_torch_and_backend_failures_say_what_to_do(monkeypatch):
     monkeypatch.setattr(checks.sys, "version_info", (3, 9, 18))
     old = checks.check_python()
     assert old.status == "fail" and "3.10 or newer" in old.fix
+    monkeypatch.setattr(checks.sys, "version_info", (3, 13, 0))  # pdb refuses a script's flags
+    assert checks.check_python().status == "warn" and "3.13.1+" in checks.check_python().fix
+    monkeypatch.setattr(checks.sys, "version_info", (3, 13, 1))
+    assert checks.check_python().status == "ok"
     monkeypatch.setattr(torch, "__version__", "1.13.1")
     assert "torch >= 2.0" in checks.check_torch().fix
     monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")  # runs, but not the lessons' torch

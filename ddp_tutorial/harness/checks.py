@@ -1,9 +1,8 @@
 """The static checks of ``ddp-tutorial doctor``: versions, devices, network, CPU and memory.
 
-Each returns a :class:`Finding` — ``ok``, ``warn`` (training runs, but
-slower or fragile), ``fail`` (training will not start, or will hang) or
-``skip`` (not applicable here) — with what was found and, when it is not ok,
-the fix. None of them initialises CUDA: GPUs are counted through NVML.
+Each returns a :class:`Finding` — ``ok``, ``warn`` (training runs, but slower or fragile),
+``fail`` (training will not start, or will hang) or ``skip`` (not applicable here) — with what
+was found and, when it is not ok, the fix. None initialises CUDA: GPUs are counted by NVML.
 :mod:`ddp_tutorial.harness.doctor` adds the real launches and the report.
 """
 
@@ -49,6 +48,8 @@ def check_python() -> Finding:
     found = f"Python {platform.python_version()} ({sys.executable})"
     if v < (3, 10):
         return Finding("python", "fail", found, "the course needs Python 3.10 or newer")
+    if tuple(v[:3]) == (3, 13, 0):  # CPython gh-125115: `-m pdb script.py --case x` refused
+        return Finding("python", "warn", found, "3.13.1+: 3.13.0's pdb refuses --options (09)")
     return Finding("python", "ok", found)
 
 

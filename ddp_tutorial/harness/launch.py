@@ -161,7 +161,7 @@ class LaunchSpec:
         # Python stack, so even a crash inside C++ says where Python was.
         env = {
             **os.environ,
-            "PYTHONUNBUFFERED": "1",
+            **processes.PLAIN_OUTPUT,
             "PYTHONFAULTHANDLER": "1",
             **(self.env or {}),
         }

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 import psutil
 
+PLAIN_OUTPUT = {"PYTHONUNBUFFERED": "1", "PYTHON_COLORS": "0"}
+"""Every process the harness starts: its output as it happens, and in plain text. Python 3.13+
+colours its tracebacks where ``FORCE_COLOR`` is set, and ipykernel sets it for a notebook's
+subprocesses: a lesson reading a real error message would read escape codes."""
+
 
 def spawn(command: list[str], env: Mapping[str, str], with_stdin: bool) -> subprocess.Popen[str]:
     """Start torchrun: output line by line, in a session of its own.
@@ -145,7 +150,7 @@ def run_command(
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**os.environ, **PLAIN_OUTPUT, **(env or {})},
         cwd=cwd,
         start_new_session=True,
     )
