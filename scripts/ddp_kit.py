@@ -1046,8 +1046,9 @@ def average_buffers(module: nn.Module) -> float:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Metrics over every rank's samples (``count``) and this rank's share. A regression
-    (float targets) has no accuracy: ``nan``, ``correct`` 0."""
+    """Metrics over every rank's samples and this rank's share: ``count`` is target elements
+    (samples x outputs for a multi-output regression). Targets that are not class indices (a
+    regression's) have no accuracy: ``nan``, ``correct`` 0."""
 
     accuracy: float
     loss: float
@@ -1067,8 +1068,9 @@ def local_sums(
 ) -> torch.Tensor:
     """``[correct, count, loss_sum]`` over one loader, float64 (exact counts). ``loss_fn``:
     training's, a mean over a batch's elements (default: cross-entropy). Accuracy is the
-    argmax's for class indices; float targets (a regression) count ``nan`` correct: an argmax
-    compared with them would broadcast into a number that means nothing."""
+    argmax's for class indices (integers, one dimension fewer than the scores); other targets
+    (a regression's) count ``nan`` correct: an argmax compared with them would broadcast into
+    a number that means nothing."""
     model = unwrap_model(model)  # a DDP forward may sync buffers: a collective not all join
     was_training = model.training
     model.eval()
@@ -1078,9 +1080,9 @@ def local_sums(
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 logits = model(x)
-            if not y.is_floating_point():
+            if not y.is_floating_point() and logits.dim() == y.dim() + 1:
                 sums[0] += (logits.argmax(dim=1) == y).sum()
-            elif logits.shape == y.shape:
+            elif not _outgrows(logits, y):
                 sums[0] = math.nan
             else:  # (B, 1) against (B,): the loss would broadcast to B x B pairs, silently
                 raise DataError(
@@ -1095,6 +1097,14 @@ def local_sums(
     finally:
         model.train(was_training)
     return sums
+
+
+def _outgrows(output: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a loss of the two would broadcast the targets to more elements (or cannot)."""
+    try:
+        return math.prod(torch.broadcast_shapes(output.shape, target.shape)) > target.numel()
+    except RuntimeError:
+        return True
 
 
 def agreed_batches(

@@ -17,7 +17,8 @@ What a scheduler sees: on SIGTERM or SIGUSR1 (torchrun forwards SIGUSR1 only whe
 signalled too, re-raises the signal and exits 1: the job script requeues the job itself
 (slurm/train.sbatch: scontrol requeue in its USR1 trap). A crash restarts from the newest
 snapshot (torchrun --max-restarts); a loss gone inf/nan or a failed save stops every rank at
-once and writes failed.json, which makes every restart stop at once until you fix the cause.
+once and writes failed.json (so does data the evaluation cannot score, kit.DataError), which
+makes every restart stop at once until you fix the cause.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ OPTIMIZERS = {"adamw": (3e-3, 0.05), "sgd": (0.2, 5e-4)}  # default --lr, --weig
 FAILED = "failed.json"  # why the last run stopped for good: a restart would only repeat it
 HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never in a copy
 # The scores of an evaluation, each named once: +1 when higher is better, how it prints.
-# Another score (a regression's MAE): a line here, one in scores_of, its sum in kit.local_sums.
+# Another score (a regression's MAE): a line here, one in scores_of, and its sum in
+# kit.local_sums with its field in kit.EvalResult (kit.distributed_evaluate fills it).
 SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 
 
@@ -169,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_run(args: argparse.Namespace, world_size: int, train_size: int | None) -> str | None:
     """What makes this run impossible, naming the flag (None: it can run). Before the data
     (``train_size`` None) and again after: a bad setting stops every rank in seconds."""
+    # the built-in data's flags (yours instead of kit.build_datasets: drop this check with them)
     if args.download and world_size > 1:  # every rank would download into the same files
         return (
             f"--download with {world_size} ranks: each would download into the same files "
@@ -275,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc), everywhere=True)
     if problem := check_run(args, world_size, len(data[0])):
         fail(problem)
-    if args.best_by == "val_accuracy" and torch.as_tensor(data[1][0][1]).is_floating_point():
+    target = torch.as_tensor(data[1][0][1]) if len(data[1]) else None  # one validation sample's
+    if args.best_by == "val_accuracy" and target is not None and target.is_floating_point():
         fail(
             "--best-by val_accuracy counts classes, and these targets are floats (a "
             "regression?): use --best-by val_loss, or make it the default in your copy"
@@ -405,13 +409,13 @@ def train(
         if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
             say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
         best, owed = extra["best"], extra.get("eval_owed", False)
-        if extra["config"].get("best_by") != args.best_by:  # another score
+        if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
             best = -math.inf
             say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
         held = json.loads((ckpt / "best.json").read_text())
-        if held.get("best_by") == args.best_by:  # higher is better, whatever the score
-            best = max(best, held.get("score", -math.inf))
+        if held.get("best_by", "val_accuracy") == args.best_by:  # older files: accuracy only
+            best = max(best, held.get("score", held.get("val_accuracy", -math.inf)))
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
     log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum)
@@ -482,13 +486,19 @@ def train(
         owed = False
         train_loss = (mean[0] / mean[1].clamp(min=1)).item()
         scores = scores_of(result)
+        if math.isnan(scores[args.best_by]) and args.best_by == "val_accuracy":
+            raise kit.DataError(
+                "--best-by val_accuracy: this evaluation has no accuracy (targets that are not "
+                "class indices, or no validation samples): use --best-by val_loss"
+            )
         history.append({"epoch": epoch, "step": step, "train_loss": train_loss, **scores})
         say(f"epoch {epoch}: step {step}, loss {train_loss:.4f}, {described(scores)}")
         log.scalars(step, "val", **{name[4:]: v for name, v in scores.items() if v == v})
         score = SCORES[args.best_by][0] * scores[args.best_by]  # higher is better
         if score > best and ckpt:  # the same on every rank: a collective save
             best = score
-            note = {"step": step, "best_by": args.best_by, "score": best, **scores}
+            held = {name: value for name, value in scores.items() if value == value}  # no nan
+            note = {"step": step, "best_by": args.best_by, "score": best, **held}
             save(ddp.module.state_dict(), "best.pt", note)
 
     def pause(what: Any, *args: Any) -> None:  # evaluating and saving are not training

@@ -273,18 +273,23 @@ def test_an_exact_resume_of_a_model_with_dropout(template, kit, tmp_path, one_ra
     assert all(torch.equal(a[k], b[k]) for k in a), "bitwise, dropout included"
 
 
+@pytest.mark.parametrize("written_by", ["this template", "a template before --best-by"])
 def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, tmp_path,
-                                                                one_rank):  # fmt: skip
+                                                                one_rank, written_by):  # fmt: skip
     """After a crash the newest snapshot can be older than best.pt: the score best.pt holds
-    (best.json) is the bar, not the snapshot's."""
+    (best.json) is the bar, not the snapshot's. Files from before --best-by (no best_by, no
+    score; a review of the change that added them) are an accuracy's, not another score's."""
     argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--checkpoint-dir", str(tmp_path)]
     template.main([*argv, "--epochs", "1"])
     best = (tmp_path / "best.pt").read_bytes()
     [(_, path)] = kit.list_snapshots(tmp_path)
     older = torch.load(path, weights_only=True)  # as a snapshot older than best.pt would be
     older["extra"]["best"] = -1.0
-    torch.save(older, path)
     held = {"step": 4, "best_by": "val_accuracy", "score": 1.5}  # better than any accuracy
+    if written_by != "this template":
+        del older["extra"]["config"]["best_by"]
+        held = {"step": 4, "val_accuracy": 1.5}
+    torch.save(older, path)
     (tmp_path / "best.json").write_text(json.dumps(held))
     template.main([*argv, "--epochs", "2"])
     assert (tmp_path / "best.pt").read_bytes() == best, "overwritten by a worse model"
@@ -314,10 +319,10 @@ def test_best_by_val_loss_keeps_the_lowest_loss_for_a_regression(template, kit, 
 
 REGRESSION_DATA = """
 
-def regression_data(args, shape=(1,)):  # float targets, (n, 1) like the model's outputs
+def regression_data(args, shape=(1,), val=None):  # float targets, (n, 1) like the outputs
     g = torch.Generator().manual_seed(args.seed)
-    size = args.image_size
-    x = torch.randn(args.num_samples + args.num_val, 3, size, size, generator=g)
+    size, val = args.image_size, args.num_val if val is None else val
+    x = torch.randn(args.num_samples + val, 3, size, size, generator=g)
     y = x.flatten(1)[:, :4].sum(1).reshape(-1, *shape)
     data = torch.utils.data.TensorDataset
     n = args.num_samples
@@ -371,9 +376,47 @@ def test_a_regression_copy_is_scored_by_its_loss_and_refuses_accuracy(tmp_path, 
     val_set = template.regression_data(template.parse_args(argv))[1]
     again = template.kit.distributed_evaluate(model, val_set, 8, loss_fn=torch.nn.MSELoss())
     assert again.count == 21 and again.loss == pytest.approx(lowest["val_loss"], rel=1e-5)
+    assert "val_accuracy" not in held, "nan: strict JSON parsers refuse it"
     (ckpt / "best.json").write_text(json.dumps({"best_by": "val_loss", "score": held["score"]}))
     template.main([*argv, "--epochs", "3", "--best-by", "val_loss"])  # no key but the score
     assert "done: " in capsys.readouterr().out
+
+
+def test_an_accuracy_that_cannot_be_counted_stops_the_run_that_would_keep_best_pt_by_it(
+    tmp_path, one_rank, capsys
+):
+    """No validation samples (or targets that are not class indices) leave every accuracy nan,
+    and best.pt would never be written: the first evaluation says so and names the flag."""
+    template = regression_copy(tmp_path, "regression_data(args, val=0)")
+    argv = [*TINY, "--image-size", "4", "--num-samples", "32", "--batch-size", "16",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    stops_with(template, argv, capsys, "DataError", "no accuracy")
+    assert not (tmp_path / "ckpt" / "best.pt").exists()
+
+
+def test_accuracy_is_counted_for_class_indices_only(kit):
+    """An argmax compared with a regression's targets broadcasts: (B, 1) whole numbers gave a
+    review 80 % "accuracy". Only integer targets one dimension below the scores count; a
+    model that squeezes its (1, 1) output to () against a (1,) target is no mistake."""
+    cpu, x = torch.device("cpu"), torch.randn(10, 4)
+    y = torch.randint(0, 3, (10,))
+    classify = torch.nn.Linear(4, 3)
+    right = (classify(x).argmax(1) == y).sum().item()
+    assert kit.local_sums(classify, [(x, y)], cpu)[0].item() == right
+    as_counts = kit.local_sums(
+        torch.nn.Linear(4, 1), [(x, y[:, None])], cpu, loss_fn=lambda o, t: (o - t).pow(2).mean()
+    )
+    assert math.isnan(as_counts[0].item()) and as_counts[1].item() == 10
+
+    class Squeezed(torch.nn.Module):
+        def forward(self, inputs):
+            return inputs.sum(1).squeeze()
+
+    with pytest.warns(UserWarning, match="target size"):  # torch's, and right: 1 element
+        last = kit.local_sums(
+            Squeezed(), [(x[:1], y[:1].float())], cpu, loss_fn=torch.nn.functional.mse_loss
+        )
+    assert math.isnan(last[0].item()) and last[1].item() == 1
 
 
 def test_a_regression_whose_targets_do_not_match_the_outputs_stops_with_both_shapes(

@@ -14,7 +14,10 @@ the inputs, the expected outputs, the table and the picture.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
+
+from ddp_tutorial.harness.processes import PLAIN_OUTPUT
 
 OPS = ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather", "reduce", "reduce_loss")
 """The collectives demonstrated, in the order the lesson shows them."""
@@ -244,8 +247,9 @@ class Background:
 
         self.command, self.run_dir = command, run_dir
         self._pool = ThreadPoolExecutor(max_workers=1)
+        env = {**os.environ, **PLAIN_OUTPUT}  # as every process the harness starts
         self._future = self._pool.submit(
-            subprocess.run, command, capture_output=True, text=True, timeout=timeout
+            subprocess.run, command, capture_output=True, text=True, timeout=timeout, env=env
         )
 
     def wait(self) -> Any:
