@@ -735,11 +735,14 @@ def worker_context(
     the installed package of ``dataset``'s class once (torchvision's for an ImageFolder or
     CIFAR10), so each worker still starts in milliseconds; a plain forkserver would import
     them in every worker, at every epoch (about a second each for torchvision). Your own
-    modules are not preloaded: the server looks names up in the folder it was started from,
-    not the script's (Python <= 3.13 ignores the path it is given), where a module of the
-    same name could stand. The first call starts the server: give it the training set. Each
-    worker receives the dataset pickled: tensors travel as shared memory, anything else (a
-    list, a numpy array) is copied into every worker."""
+    modules are not preloaded: before CPython 3.12.8 and 3.13.1 (gh-117378) the server looks
+    names up in the folder it was started from, not the script's, where a module of the same
+    name could stand. The script itself (``__main__``, where your Dataset class may be) stays
+    on the list, as Python's default has it: a CPython with gh-126631 (3.14; 3.13 since late
+    2025) imports it once in the server; older ones skip it, and each worker imports the
+    script (not measured here: no such Python). The first call starts the server: give it
+    the training set. Each worker receives the dataset pickled: tensors travel as shared
+    memory, anything else (a list, a numpy array) is copied into every worker."""
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
@@ -747,7 +750,7 @@ def worker_context(
     while (inner := getattr(layers[-1], "dataset", None)) is not None and len(layers) < 10:
         layers.append(inner)
     installed = {m for d in layers if _installed(m := type(d).__module__)}
-    context.set_forkserver_preload(["torch", __name__, *sorted(installed)])
+    context.set_forkserver_preload(["__main__", "torch", __name__, *sorted(installed)])
     # A preemption signals the whole process group, the server too: killed, its workers
     # would end and fail the rank before it saves. Started with the signals blocked (a
     # mask kept through fork and exec), it ends with its rank instead. Its resource tracker

@@ -153,15 +153,17 @@ def test_workers_start_from_a_fork_server_that_outlives_a_preemption_signal(tmp_
         "blocked = int(open(server + '/status').read().split('SigBlk:')[1].split()[0], 16)\n"
         "print(all(blocked >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGUSR1)))\n"
         "print('torchvision' in open(server + '/maps').read())\n"
+        "print(fs._forkserver._preload_modules[0])\n"  # Python's default: the script, once
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=folder, env=env, text=True,
                          capture_output=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["forkserver", "True", "True"], out.stdout
+    assert out.stdout.split() == ["forkserver", "True", "True", "__main__"], out.stdout
     train = (SCRIPTS / "train.py").read_text()
     assert "multiprocessing_context=kit.worker_context(args.num_workers, train_set)" in train
-    # your own dataset module is not preloaded: the server would look its name up from the
-    # folder it started in (a module of that name on PYTHONPATH, here, shadows yours)
+    # your own dataset module is not preloaded: the server (before CPython 3.12.8 / 3.13.1)
+    # would look its name up from the folder it started in (a module of that name on
+    # PYTHONPATH, here, shadows yours)
     (folder / "mydata.py").write_text(
         "import torch\nclass Squares(torch.utils.data.Dataset):\n"
         "    def __len__(self): return 4\n    def __getitem__(self, i): return i * i\n"
