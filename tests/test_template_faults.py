@@ -275,7 +275,8 @@ def test_an_exact_resume_of_a_model_with_dropout(template, kit, tmp_path, one_ra
 
 @pytest.mark.parametrize("written_by", ["this template", "a template before --best-by"])
 def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, tmp_path,
-                                                                one_rank, written_by):  # fmt: skip
+                                                                one_rank, written_by,
+                                                                capsys):  # fmt: skip
     """After a crash the newest snapshot can be older than best.pt: the score best.pt holds
     (best.json) is the bar, not the snapshot's. Files from before --best-by (no best_by, no
     score; a review of the change that added them) are an accuracy's, not another score's."""
@@ -291,8 +292,10 @@ def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, 
         held = {"step": 4, "val_accuracy": 1.5}
     torch.save(older, path)
     (tmp_path / "best.json").write_text(json.dumps(held))
+    capsys.readouterr()
     template.main([*argv, "--epochs", "2"])
     assert (tmp_path / "best.pt").read_bytes() == best, "overwritten by a worse model"
+    assert "WARNING: --best-by" not in capsys.readouterr().out, "the same score, not another"
 
 
 def test_best_by_val_loss_keeps_the_lowest_loss_for_a_regression(template, kit, tmp_path,
