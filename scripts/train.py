@@ -497,8 +497,8 @@ def train(
         score = SCORES[args.best_by][0] * scores[args.best_by]  # higher is better
         if score > best and ckpt:  # the same on every rank: a collective save
             best = score
-            held = {name: value for name, value in scores.items() if value == value}  # no nan
-            note = {"step": step, "best_by": args.best_by, "score": best, **held}
+            kept = {name: value for name, value in scores.items() if value == value}  # no nan
+            note = {"step": step, "best_by": args.best_by, "score": best, **kept}
             save(ddp.module.state_dict(), "best.pt", note)
 
     def pause(what: Any, *args: Any) -> None:  # evaluating and saving are not training
