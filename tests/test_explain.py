@@ -4,12 +4,14 @@ The messages of the course's own failing runs are explained where those runs hap
 09 (every broken case of its lab, on its real logs), 01 (--local-rank, a spawned child that
 cannot find its function), 05 (a torn file), 08 (a restart reading stale keys), 12
 (weights_only), 03 on GPUs. Here: what those cannot show on this machine (the NCCL watchdog)
-and the command's contract.
+and the command's contract; and real logs from public issues (explain_logs/, its README.md
+names each one's source), the messages the course's runs cannot produce at all.
 """
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 
@@ -183,13 +185,36 @@ EXAMPLES = {
     ".cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details)",
     "peer-closed": "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by "
     "peer [127.0.0.1]:41221",
-    "wrapper-keys": "RuntimeError: Error(s) in loading state_dict for Linear: Missing key(s) "
+    "wrapper-keys": 'Missing key(s) in state_dict: "weight", "bias". Unexpected key(s) in '
+    'state_dict: "module.weight", "module.bias".',
+    "state-dict-keys": "RuntimeError: Error(s) in loading state_dict for Linear: Missing key(s) "
     'in state_dict: "weight", "bias".',
     "torn-file": "RuntimeError: PytorchStreamReader failed reading zip archive: failed "
     "finding central directory",
     "invalid-ordinal": "torch.AcceleratorError: CUDA error: invalid device ordinal",
     "no-group": "ValueError: Default process group has not been initialized, please make "
     "sure to call init_process_group.",
+    "nccl-unique-id": "torch.distributed.DistBackendError: [3] is setting up NCCL communicator "
+    "and retrieving ncclUniqueId from [0] via c10d key-value store by key '0', but "
+    "store->get('0') got error: Socket Timeout",
+    "cuda-oom": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB. GPU 5 "
+    "has a total capacity of 79.19 GiB of which 2.06 MiB is free.",
+    "killed-sigkill": "  exitcode  : -9 (pid: 14750)",
+    "host-oom": "slurmstepd: error: Detected 1 oom_kill event in StepId=440575.0.",
+    "rendezvous-failed": "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: "
+    "The connection to the C10d store has failed. See inner exception for details.",
+    "master-addr-ignored": "master_addr is only used for static rdzv_backend and when "
+    "rdzv_endpoint is not specified.",
+    "not-launched": "ValueError: Error initializing torch.distributed using env:// rendezvous: "
+    "environment variable RANK expected, but not set",
+    "no-nccl": "RuntimeError: Distributed package doesn't have NCCL built in",
+    "no-backend-for-device": "RuntimeError: No backend type associated with device type cpu",
+    "nccl-heartbeat": "[rank0]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 0] Heartbeat monitor "
+    "timed out! Process will be terminated after dumping debug info.",
+    "inplace-modified": "RuntimeError: one of the variables needed for gradient computation "
+    "has been modified by an inplace operation: [torch.FloatTensor [8]] is at version 3",
+    "nccl-unhandled-cuda": "torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275,"
+    " unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5",
 }
 
 
@@ -208,7 +233,12 @@ def test_the_command_reads_files_and_stdin_and_says_when_it_knows_nothing(
     assert "the rank that fell behind: 2" in capsys.readouterr().out
     monkeypatch.setattr("sys.stdin", io.StringIO("all good\nloss 0.1\n"))
     assert cli(["explain"]) == 1
-    assert "no message this course knows" in capsys.readouterr().out
+    assert capsys.readouterr().out == (
+        "no message this course knows; the first error line is the place to start\n"
+    )  # no error line to point at
+    log.write_text("loss 0.1\nTraceback (most recent call last):\nKeyError: 'label'\n")
+    assert cli(["explain", str(log)]) == 1
+    assert capsys.readouterr().out.endswith("place to start\nline 3: KeyError: 'label'\n")
     err = io.StringIO()
     assert main([str(tmp_path / "missing.log")], out=io.StringIO(), err=err) == 2
     assert "cannot read" in err.getvalue()
@@ -231,3 +261,131 @@ Root Cause (first observed failure):
     report = explain_log(summary)
     assert "child-failed" in keys(summary)
     assert "torchrun's first failure: rank 1 exited with code 1" in report
+
+
+def test_a_rank_whose_only_line_is_its_enqueued_work_counts_as_one_that_logged():
+    """Torch 2.4's lines without torchrun's prefix: rank 3 logged only the watchdog's summary
+    ("last enqueued NCCL work: 13"), so it reached #12; rank 2, below it, wrote nothing."""
+    enqueued = "[PG 1 Rank {r}] Exception (either an error or timeout) detected by watchdog " \
+        "at work: 12, last enqueued NCCL work: {e}, last completed NCCL work: 11."  # fmt: skip
+    log = [WATCHDOG[0].format(r=r).removeprefix(f"[rank{r}]:") for r in (0, 1)]
+    log.append(enqueued.format(r=3, e=13))
+    assert lagging_ranks(log) == (
+        "ranks 0, 1, 3 waited in ALLREDUCE #12; silent: rank 2 (behind, or logs elsewhere)"
+    )
+
+
+LOGS = Path(__file__).parent / "explain_logs"
+# Each real log (explain_logs/README.md: its issue): the keys explain finds, in order, and
+# words its report must say and must not say (where the reading, not the message, is at stake).
+REAL_LOGS = {
+    "watchdog_basicsr737": (["nccl-watchdog"], ["ranks 0, 1, 2 waited in ALLREDUCE #808"], []),
+    "watchdog_prefixed_llamafactory7396": (  # a launcher's pid before torchrun's prefix
+        ["nccl-watchdog"],
+        ["from ranks 0, 4 ", "ranks 0, 3, 4 waited in ALLREDUCE #1580; silent: ranks 1, 2 ("],
+        ["the rank that fell behind:"],
+    ),
+    "watchdog_subgroup_nccl1610": (  # a timestamp first; "[Rank 1]" of two different groups
+        ["nccl-watchdog"],
+        [
+            "from ranks 13, 15 ",
+            "timeouts in 2 process groups (PG GUID 112, PG GUID 119)",
+            "rank 13 in ALLTOALL_BASE #216 (PG GUID 119), rank 15 in ALLREDUCE #57 (PG GUID 112)",
+        ],
+        ["the rank that fell behind:", "rank 1 in"],
+    ),  # fmt: skip
+    "watchdog_old_torch118369": (  # torch 1.x: rank 0 timed out thrice, no group named
+        ["nccl-watchdog"],
+        [
+            "rank 0 waited in ALLREDUCE #96125",
+            "rank 7 at #64088: behind, or counting another process group's collectives",
+        ],
+        ["the rank that fell behind:"],
+    ),  # fmt: skip
+    "watchdog_terminate_megatron935": (
+        ["nccl-watchdog"],
+        ["rank 6 waited in _REDUCE_SCATTER_BASE #199; silent: ranks 0, 1, 2, 3, 4, 5"],
+        [],
+    ),
+    "heartbeat_dinov2_447": (["nccl-heartbeat"], [], []),
+    "unused_params_old_promptir30": (["unused-parameters"], [], []),
+    "unused_params_new_speechbrain2340": (["unused-parameters"], [], []),
+    "mismatch_speechbrain2401": (["mismatched-collectives"], [], []),
+    "sigkill_cppo6": (
+        ["child-failed", "killed-sigkill"],
+        [
+            "rank 0 was killed by SIGKILL: no traceback, a killed rank writes none",
+            "here:  a rank was killed by signal 9: it wrote no traceback",
+        ],
+        ["Signal 9 (SIGKILL) received by PID"],  # torchrun's "traceback" field, not one
+    ),  # fmt: skip
+    "sigkill_oldformat_firefly171": (
+        ["killed-sigkill", "child-failed"],
+        ["here:  a rank was killed by signal 9"],
+        [],
+    ),
+    "sigkill_old_codellama118": (["killed-sigkill"], [], []),
+    "eaddrinuse_fastvideo575": (["address-in-use"], [], []),
+    "eaddrinuse_libuv_vllm39015": (["address-in-use"], [], []),
+    "cuda_oom_unsloth20": (  # the 7 other ranks' contexts on GPU 5, 540 MiB each
+        ["cuda-oom"],
+        [
+            "here:  7 other processes hold 3.69 GiB of this GPU (other ranks' CUDA contexts), "
+            "this one 75.45 GiB"
+        ],
+        [],
+    ),  # fmt: skip
+    "cuda_oom_old_nnunet593": (["cuda-oom"], ["here:  no other process listed"], []),
+    "nccl_system_error_old_slowfast535": (["nccl-system-error"], [], []),
+    "nccl_unhandled_cuda_nccl1410": (
+        ["nccl-unhandled-cuda"],
+        ["NCCL's own line: Cuda failure 1 'invalid argument'"],
+        [],
+    ),
+    "duplicate_gpu_megatron661": (["duplicate-gpu"], [], []),
+    "socket_timeout_uniqueid_hllm20": (["nccl-unique-id"], [], []),
+    "socket_timeout_uniqueid_old_pytorch82091": (["nccl-unique-id"], [], []),  # "retreiving"
+    "rdzv_connection_pytorch107021": (["rendezvous-failed"], [], []),
+    "rdzv_connect_old_pytorch69197": (["rendezvous-failed"], [], []),
+    "rdzv_timeout_avhubert19": (["rendezvous-failed"], [], []),
+    "rdzv_master_addr_ignored_cosyvoice241": (["master-addr-ignored"], [], []),
+    "rank_not_set_hrnet35": (["not-launched"], [], []),
+    "no_nccl_windows_hubert1": (["no-nccl"], [], []),
+    "no_backend_cpu_sat173": (["no-backend-for-device"], [], []),
+    "gloo_reset_rvc1882": (["peer-closed"], [], ["inside init_process_group"]),
+    "gloo_fullmesh_sglang3226": (["full-mesh"], [], []),
+    "nccl_reset_at_init_pytorch74146": (
+        ["peer-closed"],
+        ["here:  the reset came inside init_process_group"],
+        [],
+    ),
+    "inplace_bn_pytorch175024": (["inplace-modified"], [], []),  # "modified" a line above
+    "inplace_bn_old_pytorch73332": (["inplace-modified"], [], []),
+    "state_dict_prefix_deepthinking5": (["wrapper-keys"], ["'module.' prefix"], []),
+    "state_dict_renamed_mvdet7": (  # other names: no prefix to strip
+        ["state-dict-keys"],
+        ["layers renamed, added or removed"],
+        ["module.state_dict()", "consume_prefix"],
+    ),
+    "state_dict_ddp_newlayer_unimatch97": (  # 'module.' names, but of new layers
+        ["state-dict-keys"],
+        ["layers renamed, added or removed"],
+        ["module.state_dict()", "consume_prefix"],
+    ),
+    "dataloader_exited_basnet32": (["dataloader-killed"], ["num_workers=0"], []),
+    "slurm_oom_tusas149": (["host-oom"], [], []),
+}
+
+
+def test_every_real_log_is_mapped():
+    assert sorted(p.stem for p in LOGS.glob("*.log")) == sorted(REAL_LOGS)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_LOGS))
+def test_real_logs_give_their_messages_and_verdicts(name):
+    text = (LOGS / f"{name}.log").read_text()
+    expected, says, never = REAL_LOGS[name]
+    report = explain_log(text)
+    assert keys(text) == expected
+    assert [phrase for phrase in says if phrase not in report] == [], report
+    assert [phrase for phrase in never if phrase in report] == [], report

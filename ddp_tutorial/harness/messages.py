@@ -1,0 +1,450 @@
+"""The catalogue of ``ddp-tutorial explain``: each message it knows, its cause, fix and lesson.
+
+A line alone can mislead: "Missing key(s) in state_dict" is a 'module.' prefix only when the
+other list holds the same names with it. So an entry may read the whole log: ``when`` decides
+whether it applies, ``detail`` adds what this log says (other ranks' memory on a full GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Known:
+    """A message, what causes it, what fixes it, and where the course shows it; ``when(log)``
+    rules it out where its line would mislead, ``detail(line, log)`` adds what the log says."""
+
+    key: str
+    pattern: str
+    cause: str
+    fix: str
+    lesson: str
+    when: Callable[[str], bool] | None = None
+    detail: Callable[[str, str], str | None] | None = None
+
+    def search(self, line: str) -> re.Match[str] | None:
+        return re.search(self.pattern, line)
+
+    def applies(self, text: str) -> bool:
+        return self.when is None or self.when(text)
+
+
+# Each list up to the other one: a log that joins lines puts both on one
+_KEY_LIST = re.compile(
+    r"(?m)(?P<side>Missing|Unexpected) key\(s\) in state_dict:"
+    r"(?P<names>[^\n]*?)(?=(?:Missing|Unexpected) key|$)"
+)
+
+
+def _prefix_explains(text: str) -> bool:
+    """A name in both lists once a leading 'module.' is stripped: only the prefix differs.
+    A Missing list alone ('module.' names of new layers under DDP) or other names is not that."""
+    sides: dict[str, set[str]] = {"Missing": set(), "Unexpected": set()}
+    for m in _KEY_LIST.finditer(text):
+        names = re.findall(r'"([^"]+)"', m["names"])  # quoted: a list may be cut short
+        sides[m["side"]] |= {n.removeprefix("module.") for n in names}
+    return bool(sides["Missing"] & sides["Unexpected"])
+
+
+def _other_processes(line: str, text: str) -> str:
+    """What the other processes CUDA lists hold on this GPU, beside this one: fix the larger."""
+    found = re.findall(r"Process (\d+) has ([\d.]+) ([MG])iB memory in use", line)
+    others = {pid: (size, unit) for pid, size, unit in found}  # each process once
+    if not others:
+        return "no other process listed (older torch lists none: nvidia-smi shows who holds it)"
+    gib = sum(float(size) / (1 if unit == "G" else 1024) for size, unit in others.values())
+    own = re.search(r"this process has ([\d.]+ [MG]iB) memory in use", line)
+    return (
+        f"{len(others)} other process{'es' * (len(others) > 1)} hold {gib:.2f} GiB of this GPU "
+        f"(other ranks' CUDA contexts){f', this one {own[1]}' if own else ''}"
+    )
+
+
+def _killed_rank(line: str, text: str) -> str | None:
+    if re.search(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)", text):
+        return (
+            "a rank was killed by signal 9: it wrote no traceback, so no error_file or "
+            "line of its own says why (see killed-sigkill)"
+        )
+    return None
+
+
+def _reset_at_init(line: str, text: str) -> str | None:
+    if re.search(r"line \d+, in (?:init_process_group|\w*rendezvous\w*)\b", text):
+        return (
+            "the reset came inside init_process_group, before any collective: more likely the "
+            "network (a firewall, a wrong address) or the store's host than a crashed rank"
+        )
+    return None
+
+
+def _cuda_failure(line: str, text: str) -> str | None:
+    m = re.search(r"Cuda failure[^\n]*", text)
+    return f"NCCL's own line: {m[0].strip()}" if m else None
+
+
+KNOWN: tuple[Known, ...] = (
+    Known(
+        "nccl-watchdog",
+        r"Watchdog caught collective operation timeout",
+        "a collective ran past the process group's timeout on the GPU: some rank never "
+        "called it (a desync: a collective in a rank-dependent branch, a rank with more "
+        "batches) or called it much later (rank 0 working alone)",
+        "find the rank that fell behind (below); TORCH_DISTRIBUTED_DEBUG=DETAIL names "
+        "mismatched collectives; a short timeout while debugging",
+        "09",
+    ),
+    Known(
+        "gloo-timeout",
+        r"Timed out waiting \d+ms for (send|recv) operation|Application timeout caused pair",
+        "a rank waited in a collective longer than the timeout: its partner was elsewhere "
+        "(a different collective, rank-0-only work, one batch more)",
+        "compare where each rank waited (below): different lines are a desync; the same "
+        "collective with one rank late is slow work (move it before init, or a longer "
+        "timeout)",
+        "09",
+    ),
+    Known(
+        "monitored-barrier",
+        r"Rank (?P<rank>\d+) failed to pass monitoredBarrier",
+        "dist.monitored_barrier named the rank that never arrived",
+        "read that rank's path: what made it skip the collective the others are in",
+        "09",
+    ),
+    Known(
+        "unused-parameters",
+        r"Expected to have finished reduction in the prior iteration",
+        "DDP waited for gradients of parameters that forward() did not use",
+        "remove or freeze them; find_unused_parameters=True if the set changes each step; "
+        "static_graph=True if it never does",
+        "09",
+    ),
+    Known(
+        "ready-twice",
+        r"marked (as )?ready twice|mark a variable ready only once",
+        "one parameter's gradient arrived twice in one backward: reentrant activation "
+        "checkpointing, or a module shared across forward passes, under DDP",
+        "checkpoint(..., use_reentrant=False), or DDP(static_graph=True)",
+        "04",
+    ),
+    Known(
+        "mismatched-collectives",
+        r"Detected mismatch between collectives on ranks",
+        "ranks called different collectives, or the same one with different shapes or "
+        "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compared them)",
+        "a collective outside rank-dependent branches; shapes that do not depend on the "
+        "data (bincount(..., minlength=K))",
+        "09",
+    ),
+    Known(
+        "duplicate-gpu",
+        r"Duplicate GPU detected",
+        "two ranks of one nccl group use the same GPU: torch.cuda.set_device was not called "
+        "with LOCAL_RANK, or more ranks than GPUs",
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init; "
+        "--nproc-per-node at most the number of GPUs",
+        "03",
+    ),
+    Known(
+        "barrier-device",
+        r"using GPU \d+ to perform barrier|using GPU \d+ as device used by this process",
+        "the process group does not know this rank's GPU, so barrier() guessed one",
+        "init_process_group(..., device_id=torch.device('cuda', local_rank))",
+        "03",
+    ),
+    Known(
+        "weights-only",
+        r"Weights only load failed|WeightsUnpickler error",
+        "torch.load(weights_only=True), the default since torch 2.6, refused an object "
+        "that would run code when unpickled (a class, a function, an argparse Namespace)",
+        "save plain state (tensors, numbers, strings, dicts); or allow a type you trust "
+        "with torch.serialization.add_safe_globals; never weights_only=False on a file "
+        "you did not write",
+        "05",
+    ),
+    Known(
+        "libuv",
+        r"use_libuv was requested but PyTorch was buil[dt] without libuv",
+        "this torch (Windows, some macOS builds) has no libuv for TCPStore, which torchrun "
+        "asks for by default",
+        "USE_LIBUV=0 in the environment of the launch",
+        "01",
+    ),
+    Known(
+        "address-in-use",
+        r"EADDRINUSE|[Aa]ddress already in use",
+        "the rendezvous port (--master-port, default 29500) is taken: another job on this "
+        "machine, or a leftover of an earlier one",
+        "torchrun --standalone on one machine (a free port); across machines a port you "
+        "know is free; find leftovers with ps",
+        "09",
+    ),
+    Known(
+        "address-family",
+        r"Address family not supported by protocol|errno: 97|\(errno 97\)",
+        "the rendezvous resolved to an IPv6 address that this host (or container) cannot use",
+        "set MASTER_ADDR to the IPv4 address of the rank-0 node (not its name); check what "
+        "the name resolves to with getent hosts NAME",
+        "10",
+    ),
+    Known(
+        "name-resolution",
+        r"Name or service not known|nodename nor servname provided|"
+        r"Temporary failure in name resolution|"
+        r"[Ff]ailed to resolve (the )?(address|hostname)|getaddrinfo failed",
+        "MASTER_ADDR (or the rank-0 agent's hostname, which torchrun hands to the others) "
+        "does not resolve on this node",
+        "use an address every node can reach (--rdzv-endpoint IP:PORT), or "
+        "--local-addr on the rank-0 node so it advertises an address, not its name",
+        "10",
+    ),
+    Known(
+        "main-attribute",
+        r"Can't get attribute '\w+' on <module '__main__'",
+        "a spawned process (mp.spawn, DataLoader workers with spawn/forkserver) could not "
+        "find a class or function defined in __main__ of a notebook or an interactive session",
+        "define it in a .py file and import it; or start the processes with torchrun on a script",
+        "01",
+    ),
+    Known(
+        "cuda-fork",
+        r"Cannot re-initialize CUDA in forked subprocess",
+        "CUDA was used in the parent before it forked (a DataLoader worker, "
+        "multiprocessing with fork): a child cannot use a parent's CUDA",
+        "do not touch CUDA before forking (no torch.cuda.* in the parent); or the spawn "
+        "start method",
+        "01",
+    ),
+    Known(
+        "dataloader-killed",
+        r"DataLoader worker \(pid\(?s?\)? [^)]*\) is killed by signal|"
+        r"DataLoader worker \(pid \d+\) is killed|"
+        r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly",
+        "a DataLoader worker died: killed by the OOM killer (host RAM: ranks x workers x "
+        "dataset), by a Bus error (/dev/shm too small), or by the scheduler's signal",
+        "fewer workers or a smaller dataset in RAM (tensors, not Python lists); in a "
+        "container --shm-size or --ipc=host; on preemption let the rank save first; "
+        "num_workers=0 shows the worker's own error",
+        "08",
+    ),
+    Known(
+        "bus-error",
+        r"\bBus error\b|insufficient shared memory \(shm\)|unable to write to file </torch_",
+        "shared memory (/dev/shm) ran out: DataLoader workers pass batches through it",
+        "a larger /dev/shm (docker --shm-size=8g or --ipc=host), fewer workers, smaller batches",
+        "08",
+    ),
+    Known(
+        "no-destroy",
+        r"destroy_process_group\(\) was not called",
+        "the process exited with its process group still open",
+        "dist.destroy_process_group() at the end of main(), in a finally:",
+        "09",
+    ),
+    Known(
+        "terminate-at-exit",
+        r"terminate called without an active exception",
+        "a rank died at exit, after training: the process group's threads outlived the "
+        "interpreter (torch.distributed.nn imported after init)",
+        "import torch.distributed.nn before init_process_group, and call "
+        "destroy_process_group() before exiting",
+        "09",
+    ),
+    Known(
+        "local-rank-argument",
+        r"unrecognized arguments: --local[-_]rank",
+        "torch.distributed.launch passes --local-rank=N (a dash since torch 2.0) to a "
+        "script whose parser does not declare it",
+        "start with torchrun and read int(os.environ['LOCAL_RANK']); while migrating "
+        "declare both spellings",
+        "09",
+    ),
+    Known(
+        "child-failed",
+        r"ChildFailedError",
+        "torchrun's summary that a rank failed; the cause is not in this traceback",
+        "read 'Root Cause (first observed failure)' below it: that rank's error_file or its "
+        "own lines ([rankN]: ...) above hold the real traceback",
+        "09",
+        detail=_killed_rank,
+    ),
+    Known(
+        "full-mesh",
+        r"connectFullMesh failed|Gloo connectFullMesh",
+        "gloo could not connect to a peer: after a restart, the address of a process of "
+        "the last attempt (stale keys in the store); on several nodes, an interface the "
+        "others cannot reach",
+        "a restarted job joins through keys of its own attempt; on several nodes set "
+        "GLOO_SOCKET_IFNAME to the interface they share",
+        "08",
+    ),
+    Known(
+        "nccl-system-error",
+        r"unhandled system error",
+        "NCCL failed in the system below it: /dev/shm, the network (InfiniBand, sockets), "
+        "or GPUs it cannot reach",
+        "rerun with NCCL_DEBUG=INFO and read the first WARN line; in containers "
+        "--ipc=host; NCCL_SOCKET_IFNAME for the right interface",
+        "10",
+    ),
+    Known(
+        "peer-closed",
+        r"Connection closed by peer|Connection reset by peer",
+        "a peer process is gone: it crashed or was killed, and this rank noticed in a collective",
+        "find the first rank that failed (torchrun's Root Cause), not this one",
+        "09",
+        detail=_reset_at_init,
+    ),
+    Known(
+        "wrapper-keys",
+        r"(Missing|Unexpected) key\(s\) in state_dict",
+        "weights saved from the DDP wrapper carry a 'module.' prefix the plain model lacks "
+        "(or the other way round)",
+        "save model.module.state_dict(); strip the prefix of old files with "
+        "consume_prefix_in_state_dict_if_present (not k[7:])",
+        "05",
+        when=_prefix_explains,
+    ),
+    Known(
+        "torn-file",
+        r"storage has wrong size|PytorchStreamReader failed reading zip archive",
+        "a checkpoint file written by several processes at once, or cut off mid-write",
+        "one writer (global rank 0), writing to a temporary file then renaming it",
+        "05",
+    ),
+    Known(
+        "invalid-ordinal",
+        r"invalid device ordinal",
+        "a rank asked for a GPU that does not exist here: the global rank used as a GPU "
+        "index, or more ranks than GPUs",
+        "cuda:LOCAL_RANK; --nproc-per-node at most the GPUs this node has",
+        "03",
+    ),
+    Known(
+        "no-group",
+        r"Default process group has not been initialized",
+        "a torch.distributed call ran before init_process_group (or after destroy)",
+        "init_process_group first; guard single-process code with dist.is_initialized()",
+        "01",
+    ),
+    Known(
+        "state-dict-keys",
+        r"(Missing|Unexpected) key\(s\) in state_dict",
+        "the file's names are not the model's, and not by a 'module.' prefix: layers renamed, "
+        "added or removed, or another architecture",
+        "compare the two lists; strict=False only for layers you mean to skip, then check "
+        "the missing and unexpected keys that load_state_dict returns",
+        "05",
+        when=lambda text: not _prefix_explains(text),
+    ),
+    Known(
+        "nccl-unique-id",
+        r"re(?:trie|trei)ving ncclUniqueId[^\n]*(?:Socket Timeout|[Tt]imed? ?out|error)",
+        "rank 0 did not reach the first NCCL collective in time: busy alone (building or "
+        "downloading the dataset before it), crashed, or unreachable",
+        "rank-0-only preparation before init, or within the timeout (lesson 02: rank 0 "
+        "first); read rank 0's own log; across nodes NCCL_SOCKET_IFNAME",
+        "02",
+    ),
+    Known(
+        "cuda-oom",
+        r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory",
+        "a GPU is full. Other processes listed on this GPU ('Process N has X MiB memory in "
+        "use') are other ranks' CUDA contexts: set_device(LOCAL_RANK) missing, or torch.load "
+        "without map_location; none listed: this rank's batch or model is too large",
+        "torch.cuda.set_device(LOCAL_RANK) before any CUDA call; torch.load(..., "
+        "map_location=f'cuda:{local_rank}'); else a smaller batch per rank (lesson 12)",
+        "03",
+        detail=_other_processes,
+    ),
+    Known(
+        "killed-sigkill",
+        r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)",
+        "a rank was killed by signal 9, so it left no traceback: usually the kernel's OOM "
+        "killer (host RAM), or the scheduler at a time or memory limit",
+        'dmesg ("Killed process"), the job\'s memory limit; fewer DataLoader workers or '
+        "ranks per node, the dataset out of each rank's RAM",
+        "12",
+    ),
+    Known(
+        "host-oom",
+        r"Detected \d+ oom[-_ ]kill event|\bOut Of Memory\b|Killed process \d+",
+        "the job hit its host RAM limit (--mem): the kernel killed a process",
+        "measure RAM per node (ranks x DataLoader workers x dataset copies); a larger --mem, "
+        "fewer workers, or a dataset shared rather than copied",
+        "12",
+    ),
+    Known(
+        "rendezvous-failed",
+        r"RendezvousTimeoutError|RendezvousConnectionError|connect\(\) timed out|"
+        r"client socket has timed out after \d+s while trying to connect",
+        "the nodes did not meet: the endpoint unreachable (wrong address or port, a "
+        "firewall), nodes started too far apart, mismatched --nnodes or --rdzv-id, or "
+        "--standalone on several nodes",
+        "the same --rdzv-endpoint HOST:PORT, --rdzv-id and --nnodes on every node; check "
+        "the port from another node (nc -zv HOST PORT); start the nodes together",
+        "10",
+    ),
+    Known(
+        "master-addr-ignored",
+        r"master_addr is only used for static rdzv_backend",
+        "--master-addr was ignored under --rdzv-backend c10d: each node waits for the "
+        "others on its own",
+        "--rdzv-endpoint HOST:PORT (the first node's) on every node",
+        "10",
+    ),
+    Known(
+        "not-launched",
+        r"environment variable (RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|LOCAL_RANK) "
+        r"expected, but not set",
+        "init_process_group('env://') in a process that torchrun did not start (plain python)",
+        "torchrun --nproc-per-node N script.py",
+        "01",
+    ),
+    Known(
+        "no-nccl",
+        r"Distributed package doesn't have NCCL built in",
+        "this torch has no NCCL (Windows, macOS, a CPU build)",
+        "backend='gloo' here",
+        "01",
+    ),
+    Known(
+        "no-backend-for-device",
+        r"No backend type associated with device type",
+        "a CPU tensor in a collective of an nccl-only group (or a CUDA tensor on gloo)",
+        "move the tensor to the group's device, or init_process_group(backend="
+        "'cpu:gloo,cuda:nccl')",
+        "03",
+    ),
+    Known(
+        "nccl-heartbeat",
+        r"Heartbeat monitor timed out|watchdog got stuck for \d+ seconds",
+        "the NCCL watchdog thread itself was blocked: behind a hung collective or CUDA call, "
+        "often at exit or teardown",
+        "find the stuck rank and collective (the watchdog's lines, a stack dump); raise "
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC only once you know why",
+        "09",
+    ),
+    Known(
+        "inplace-modified",
+        r"by an inplace operation",  # "modified" can be wrapped onto the line before
+        "a tensor that autograd saved was changed in place before backward. Reported under "
+        "DDP with BatchNorm and two forwards before one backward (broadcast_buffers); a "
+        "2-rank gloo run on CPU (torch 2.14) did not fail that way, with it True or False",
+        "torch.autograd.set_detect_anomaly(True) names the op; out-of-place ops; one forward "
+        "per backward (concatenate the inputs); if it is BatchNorm: broadcast_buffers=False "
+        "or SyncBatchNorm",
+        "04",
+    ),
+    Known(
+        "nccl-unhandled-cuda",
+        r"unhandled cuda error|ncclUnhandledCudaError",
+        "a CUDA call inside NCCL failed, often after an earlier CUDA error on that rank",
+        "read its 'Cuda failure' line; rerun with NCCL_DEBUG=INFO and CUDA_LAUNCH_BLOCKING=1",
+        "09",
+        detail=_cuda_failure,
+    ),
+)
