@@ -277,6 +277,10 @@ def ddp_throughput(
     summary = perf.summarize_steps(times, args.batch_size * accumulate * world)
     summary["samples_per_sec"] = samples / slowest
     summary["seconds"] = slowest  # the clock the throughput divides by: the slowest rank's
+    own = torch.tensor([sum(times)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(own) for _ in range(world)]
+    dist.all_gather(every, own)  # each rank's own total (a collective: every rank calls it)
+    summary["rank_seconds"] = [t.item() for t in every]
     if count:
         summary["allreduces_per_step"] = counter.calls / (args.steps + args.warmup)
     return summary
@@ -608,10 +612,9 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "fixed_costs": [
             {
                 **r,
-                "scaling_efficiency": (
-                    eff := r["samples_per_sec"] / (n * plain_1["samples_per_sec"])
-                ),
-                "of_ceiling": eff * n * plain_1["samples_per_sec"] / ceiling["samples_per_sec"],
+                # the definitions of the headline figures: N ranks / (N x ddp_world1), the ceiling
+                "scaling_efficiency": r["samples_per_sec"] / (n * world1["samples_per_sec"]),
+                "of_ceiling": r["samples_per_sec"] / ceiling["samples_per_sec"],
             }
             for r in world_n.get("fixed_costs", [])
         ],  # fmt: skip

@@ -89,6 +89,18 @@ def test_slowest_rank_takes_the_max_over_the_ranks(world_of_one, benchmark):
     assert benchmark.slowest_rank(1.5, torch.device("cpu")) == 1.5
 
 
+def test_ddp_throughput_keeps_every_ranks_seconds_and_divides_by_the_largest(
+    world_of_one, benchmark
+):
+    """Lesson 07 checks on the N-rank run that ``seconds`` is the max of ``rank_seconds``."""
+    import torch
+
+    args = benchmark.parse_args(["--quick", "--steps", "2", "--warmup", "1"])
+    summary = benchmark.ddp_throughput(args, torch.device("cpu"))
+    assert len(summary["rank_seconds"]) == 1 and summary["seconds"] == max(summary["rank_seconds"])
+    assert summary["samples_per_sec"] == pytest.approx(2 * args.batch_size / summary["seconds"])
+
+
 def test_the_benchmark_times_with_the_functions_the_lesson_shows(benchmark):
     """Lesson 07 shows step_times and slowest_rank as the loop to copy: the benchmark uses them."""
     import inspect

@@ -173,6 +173,7 @@ def recorded_amp_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor,
         "scale_before": scale,
         "scale_after": scaler.get_scale(),
         "stepped": not torch.equal(before, flat_params(ddp)),
+        "injected_here": bool(calls),  # this rank's hook put the inf in (before the all_reduce)
     }
 
 
@@ -202,8 +203,8 @@ def case_amp(args: argparse.Namespace, info: DistInfo) -> dict:
     curves = {p: [r["loss"] for r in train_amp(args, info, p, args.steps)] for p in precisions}
     injected = train_amp(args, info, "fp16", 3, inject_step=1)
     return {"capability": capability, "choice": choice.precision, "scaler": choice.scaler,
-            "curves": curves, "inject_step": 1, "injected": injected,
-            "grad_accum": args.grad_accum}  # fmt: skip
+            "curves": curves, "inject_step": 1, "inject_rank": args.inject_rank,
+            "injected": injected, "grad_accum": args.grad_accum}  # fmt: skip
 
 
 HOOKS = {
