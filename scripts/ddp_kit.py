@@ -723,6 +723,30 @@ def _installed(module: str) -> bool:
     )
 
 
+class _WorkerProcess(multiprocessing.context.ForkServerProcess):
+    """A DataLoader worker from the fork server, whose one limit of its own is named: the
+    server hands the worker each tensor of the dataset as a file descriptor, and at most
+    ``MAXFDS_TO_SEND`` (256) of them; beyond, Python says only "too many fds"."""
+
+    def start(self) -> None:
+        try:
+            super().start()
+        except ValueError as exc:
+            if "too many fds" not in str(exc):
+                raise
+            raise DataError(
+                f"a DataLoader worker cannot start: the dataset holds more tensors than the "
+                f"fork server can hand a worker ({multiprocessing.forkserver.MAXFDS_TO_SEND} "
+                f"file descriptors at most). Keep the samples in a few large tensors (one "
+                f"flat tensor and the offsets), or call torch.multiprocessing."
+                f"set_sharing_strategy('file_system') at the top of train.py, or --num-workers 0"
+            ) from exc
+
+
+class _WorkerContext(multiprocessing.context.ForkServerContext):
+    Process = _WorkerProcess
+
+
 def worker_context(
     num_workers: int, dataset: object = None
 ) -> multiprocessing.context.BaseContext | None:
@@ -742,10 +766,11 @@ def worker_context(
     2025) imports it once in the server; older ones skip it, and each worker imports the
     script (not measured here: no such Python). The first call starts the server: give it
     the training set. Each worker receives the dataset pickled: tensors travel as shared
-    memory, anything else (a list, a numpy array) is copied into every worker."""
+    memory (a file descriptor each: a dataset of more than about 250 tensors is refused, with
+    what to do), anything else (a list, a numpy array) is copied into every worker."""
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
-    context = multiprocessing.get_context("forkserver")
+    context = _WorkerContext()
     layers = [dataset]  # and a Subset's, a split's, a wrapper's own dataset, all the way in
     while (inner := getattr(layers[-1], "dataset", None)) is not None and len(layers) < 10:
         layers.append(inner)
@@ -1003,7 +1028,7 @@ class StopCheck:
         if math.isfinite(bad):
             raise DivergedError(
                 f"the loss or the weights stopped being finite at step {int(-bad)}: every rank "
-                f"stops before saving them (the snapshots in --checkpoint-dir are from before). "
+                f"stops before saving them (any snapshot in --checkpoint-dir is from before). "
                 f"Lower --lr, keep --clip-grad on, use --warmup, or look for a bad batch there"
             )
         name = signal.Signals(int(received)).name if received else None
@@ -1061,6 +1086,19 @@ class EvalResult:
     interrupted: bool = False  # ``stop`` said so on some rank: partial sums, not a score
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` on ``device``: a tensor, or the tensors in its tuples, lists and dicts, so
+    that a collate_fn may give the model (tokens, lengths) or a dict of tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
 @torch.no_grad()
 def local_sums(
     model: nn.Module,
@@ -1073,18 +1111,23 @@ def local_sums(
     training's, a mean over a batch's elements (default: cross-entropy). Accuracy is the
     argmax's for class indices (integers, one dimension fewer than the scores); other targets
     (a regression's) count ``nan`` correct: an argmax compared with them would broadcast into
-    a number that means nothing."""
+    a number that means nothing. A class target equal to the loss's ``ignore_index`` (-100 by
+    default: a sequence's padding) is not a sample: not counted, not scored, as in the loss."""
     model = unwrap_model(model)  # a DDP forward may sync buffers: a collective not all join
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)
+    ignored = getattr(loss_fn, "ignore_index", -100)  # cross_entropy's default, as below
     try:
         for x, y in loader:
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), y.to(device)
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 logits = model(x)
+            count = y.numel()
             if not y.is_floating_point() and logits.dim() == y.dim() + 1:
-                sums[0] += (logits.argmax(dim=1) == y).sum()
+                kept = y != ignored
+                sums[0] += ((logits.argmax(dim=1) == y) & kept).sum()
+                count = kept.sum()
             elif not _outgrows(logits, y):
                 sums[0] = math.nan
             else:  # (B, 1) against (B,): the loss would broadcast to B x B pairs, silently
@@ -1092,11 +1135,11 @@ def local_sums(
                     f"the model's outputs {tuple(logits.shape)} and the targets "
                     f"{tuple(y.shape)} differ in shape: make them equal (y.view_as(output))"
                 )
-            sums[1] += y.numel()
+            sums[1] += count
             if loss_fn is None:
                 sums[2] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
-            else:  # a mean over the batch, times its size
-                sums[2] += loss_fn(logits.float(), y).double() * y.numel()
+            elif count:  # a mean over the batch's counted targets, times their number
+                sums[2] += loss_fn(logits.float(), y).double() * count
     finally:
         model.train(was_training)
     return sums
@@ -1153,10 +1196,12 @@ def distributed_evaluate(
     amp: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     stop: Callable[[], bool] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
     ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice.
+    ``collate_fn``: training's (sequences of different lengths padded into one batch).
     ``stop`` (given on every rank, or on none): a SIGTERM's flag, agreed on as training's
     :class:`StopCheck` does (:func:`agreed_batches`): every rank stops at the same batch and the
     result says ``interrupted``, so that a long evaluation never eats the preemption's grace
@@ -1175,6 +1220,7 @@ def distributed_evaluate(
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        collate_fn=collate_fn,
         worker_init_fn=seed_worker,
         multiprocessing_context=worker_context(num_workers, dataset),
         generator=torch.Generator(),  # its own: evaluating leaves training's RNG alone

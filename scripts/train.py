@@ -1,7 +1,8 @@
 """The DDP training template: copy it and ddp_kit.py (its sidecar) into your project, change
 the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
 do nothing). It trains a classifier: for a regression, change loss_fn and the data (targets
-shaped like the model's output) and keep best.pt by --best-by val_loss; another score: SCORES.
+shaped like the model's output) and keep best.pt by --best-by val_loss; another score: SCORES;
+samples of different lengths (sequences): COLLATE.
 torch 2.10 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
@@ -58,6 +59,10 @@ HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never i
 # Another score (a regression's MAE): a line here, one in scores_of, and its sum in
 # kit.local_sums with its field in kit.EvalResult (kit.distributed_evaluate fills it).
 SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
+# How samples become a batch, for training and evaluation alike: None stacks them (torch's
+# default). Sequences: a function defined in this file that pads them; it may return the model
+# (tokens, lengths) or a dict of tensors as inputs, and -100 marks targets that do not count.
+COLLATE = None
 
 
 def positive(text: str) -> int:
@@ -231,6 +236,7 @@ def data_loader(
         sampler=sampler,
         num_workers=args.num_workers,
         pin_memory=cuda,
+        collate_fn=COLLATE,
         drop_last=True,  # the sampler equalised the shards
         # Not persistent: workers then take each epoch's seed (loop below), so a
         # resume at an epoch's start is exact; mid-epoch their draws are not saved.
@@ -351,6 +357,8 @@ def train(
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # 5. DDP: move to this rank's device first. Buffers are synced once here, not at every
     #    forward (a collective per step): they are averaged before evaluating and saving.
+    #    Parameters that some steps leave unused (a head for some batches only): add
+    #    find_unused_parameters=True (lesson 04), or DDP waits for their gradients.
     cuda = device.type == "cuda"
     ddp = DDP(model.to(device), device_ids=[device.index] if cuda else None)
     ddp.broadcast_buffers = False  # torch 2.13+: a property that sets forward_sync_buffers
@@ -478,6 +486,7 @@ def train(
             loss_fn=loss_fn,
             num_workers=args.num_workers,
             pin_memory=cuda,
+            collate_fn=COLLATE,
             stop=lambda: checks.received is not None,  # a SIGTERM meanwhile: stop, save, exit
         )
         if result.interrupted:  # partial sums: scored nowhere, logged nowhere
@@ -530,7 +539,7 @@ def train(
             model.train()
             done = 0
             for i, (x, y) in zip(range(micro_batches), loader, strict=False):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = kit.to_device(x, device), y.to(device, non_blocking=True)
                 last = (i + 1) % args.grad_accum == 0
                 with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
                     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=bool(amp)):

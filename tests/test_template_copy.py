@@ -181,3 +181,33 @@ def test_workers_start_from_a_fork_server_that_outlives_a_preemption_signal(tmp_
     out = subprocess.run([sys.executable, str(folder / "own.py")], cwd=tmp_path, env=env,
                          text=True, capture_output=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.split() == ["[0,", "1,", "4,", "9]"], out.stderr
+
+
+@pytest.mark.torchrun
+def test_a_dataset_of_too_many_tensors_is_refused_with_what_to_do(tmp_path):
+    """A practitioner's review: sequences kept one tensor each (300 of them) failed every
+    worker's start with Python's bare "ValueError: too many fds": the fork server hands a
+    worker each tensor as a file descriptor, 256 at most. The error now says what to do, and
+    what it proposes (the file_system sharing strategy) runs."""
+    folder, env = copied(tmp_path)
+    probe = (
+        "import torch, ddp_kit\n"
+        "from torch.utils.data import DataLoader\n"
+        "data = [torch.full((3,), i) for i in range(300)]\n"
+        "def batches():\n"
+        "    context = ddp_kit.worker_context(1, data)\n"
+        "    loader = DataLoader(data, 100, num_workers=1, multiprocessing_context=context)\n"
+        "    return len(list(loader))\n"
+        "try:\n"
+        "    batches()\n"
+        "except ddp_kit.DataError as exc:\n"
+        "    print(exc)\n"
+        "torch.multiprocessing.set_sharing_strategy('file_system')\n"
+        "print(batches(), 'batches')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=folder, env=env, text=True,
+                         capture_output=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    refused, ran = out.stdout.strip().splitlines()
+    assert "a DataLoader worker cannot start" in refused and "--num-workers 0" in refused
+    assert "set_sharing_strategy('file_system')" in refused and ran == "3 batches"

@@ -436,6 +436,123 @@ def test_a_regression_whose_targets_do_not_match_the_outputs_stops_with_both_sha
     assert "differ in shape" in json.loads((tmp_path / "ckpt" / "failed.json").read_text())["error"]
 
 
+SEQUENCE_DATA = """
+
+class Tokens(torch.utils.data.Dataset):  # sentences of 2 to 6 tokens, a tag per token
+    def __init__(self, count, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, 7, (count,), generator=g).tolist()
+        self.items = [torch.randint(1, 10, (n,), generator=g) for n in lengths]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], self.items[i] % 3
+
+
+def pad_batch(batch):  # ((tokens, lengths), tags): padding is token 0 and target -100
+    tokens, tags = zip(*batch)
+    pad = torch.nn.utils.rnn.pad_sequence
+    lengths = torch.tensor([len(t) for t in tokens])
+    return (pad(tokens, batch_first=True), lengths), pad(tags, True, padding_value=-100)
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = torch.nn.Embedding(10, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, inputs):
+        tokens, lengths = inputs
+        assert tokens.shape[0] == lengths.shape[0]
+        return self.out(self.embed(tokens)).transpose(1, 2)  # (B, classes, T)
+
+
+def sequence_data(args):
+    return Tokens(args.num_samples, args.seed), Tokens(args.num_val, args.seed + 1), 3
+
+
+COLLATE = pad_batch
+"""
+
+
+def sequence_copy(folder: Path):
+    """The template adapted to a tagger over sentences of different lengths, as its docstring
+    says: COLLATE, the data, the model; nothing else edited."""
+    scripts = Path(__file__).parents[1] / "scripts"
+    text = (scripts / "train.py").read_text()
+    edits = {
+        "kit.build_datasets(args, rank, world_size)": "sequence_data(args)",
+        "kit.build_model(args.model, num_classes, args.image_size)": "Tagger()",
+    }
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"the template no longer has {old!r}: update the test"
+        text = text.replace(old, new)
+    assert "\nCOLLATE = None\n" in text, "the template's COLLATE: update its docstring"
+    (folder / "train.py").write_text(text + SEQUENCE_DATA)
+    (folder / "ddp_kit.py").write_bytes((scripts / "ddp_kit.py").read_bytes())
+    return script_module(folder / "train.py", f"sequence_{folder.name}")
+
+
+def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(tmp_path, one_rank, capsys):
+    """A practitioner's review: a copy for sequences could not run. The evaluation's own
+    DataLoader took no collate_fn (after a whole epoch: "stack expects each tensor to be equal
+    size"), inputs of (tokens, lengths) met x.to(device), and padded targets were counted:
+    a perfect tagger scored 9 of 12. COLLATE serves both loaders, kit.to_device moves tuples,
+    and a target of -100 is not a sample."""
+    template, ckpt = sequence_copy(tmp_path), tmp_path / "ckpt"
+    argv = [
+        "--num-samples",
+        "96",
+        "--num-val",
+        "37",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.5",
+        "--no-progress",
+        "--backend",
+        "gloo",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    template.main(argv)
+    assert "done: 24 steps" in capsys.readouterr().out
+    model = template.Tagger()
+    model.load_state_dict(torch.load(ckpt / "final.pt", weights_only=True))
+    val_set = template.Tokens(37, 1)
+    result = template.kit.distributed_evaluate(model, val_set, 8, collate_fn=template.pad_batch)
+    tokens = sum(len(t) for t, _ in val_set)
+    right = sum(int((model((t[None], torch.tensor([len(t)]))).argmax(1)[0] == y).sum())
+                for t, y in val_set)  # one sentence at a time: no padding at all  # fmt: skip
+    assert result.count == tokens and result.correct == right, (result, tokens, right)
+    last = torch.load(template.kit.latest_snapshot(ckpt), weights_only=True)["extra"]["history"]
+    assert last[-1]["val_accuracy"] == pytest.approx(right / tokens)
+    assert right / tokens > 0.9, "the tags are learnable: the padded training learned them"
+
+
+def test_padded_targets_are_neither_scored_nor_counted(kit):
+    """9 real tokens of 12, every one tagged right: accuracy 1, the loss a mean over the 9."""
+    cpu = torch.device("cpu")
+    y = torch.tensor([[0, 1, 2, 1], [2, 2, -100, -100], [1, 0, 0, -100]])
+    logits = torch.nn.functional.one_hot(y.clamp(min=0), 3).float().transpose(1, 2) * 5
+    same = torch.nn.Identity()  # the "model" returns the logits it is given
+    by_default = kit.local_sums(same, [(logits, y)], cpu)
+    with_loss = kit.local_sums(same, [(logits, y)], cpu,
+                               loss_fn=torch.nn.CrossEntropyLoss())  # fmt: skip
+    loss_per_token = torch.nn.functional.cross_entropy(logits, y).item()
+    for correct, count, loss_sum in (by_default.tolist(), with_loss.tolist()):
+        assert (correct, count) == (9, 9)
+        assert loss_sum == pytest.approx(9 * loss_per_token)
+    # the loss's own ignore_index, a class the model may predict: those are not scored either
+    padded_as_0 = torch.nn.CrossEntropyLoss(ignore_index=0)
+    correct, count, _ = kit.local_sums(same, [(logits, y.clamp(min=0))], cpu, loss_fn=padded_as_0)
+    assert (correct, count) == (6, 6)
+
+
 def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
     """The file's bytes reach the disk before the name points at them; the rename reaches
     it after (the folder's fsync)."""
