@@ -43,6 +43,10 @@ def test_the_catalogue_has_twenty_messages_each_with_a_lesson_that_exists():
     assert len(KNOWN) >= 20
     assert len({k.key for k in KNOWN}) == len(KNOWN), "keys are unique"
     assert all(k.lesson in lessons and k.cause and k.fix for k in KNOWN)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"({len(KNOWN)} of them:" in readme, "the README counts the catalogue"
+    logs = len(list((REPO / "tests" / "explain_logs").glob("*.log")))
+    assert f"tested on {logs} logs pasted into public issues" in readme
 
 
 def test_the_watchdog_names_the_rank_that_never_called_the_collective():
