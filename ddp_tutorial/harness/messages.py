@@ -431,12 +431,12 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "inplace-modified",
         r"by an inplace operation",  # "modified" can be wrapped onto the line before
-        "a tensor that autograd saved was changed in place before backward. Reported under "
-        "DDP with BatchNorm and two forwards before one backward (broadcast_buffers); a "
-        "2-rank gloo run on CPU (torch 2.14) did not fail that way, with it True or False",
-        "torch.autograd.set_detect_anomaly(True) names the op; out-of-place ops; one forward "
-        "per backward (concatenate the inputs); if it is BatchNorm: broadcast_buffers=False "
-        "or SyncBatchNorm",
+        "a tensor that autograd saved was changed in place before backward. Under DDP with "
+        "BatchNorm and two forwards before one backward: DDP's buffer copy before each "
+        "forward wrote in place, torch 2.6 until pytorch#175851 (2026; 2.14 has the fix)",
+        "BatchNorm under DDP: a torch with the fix, broadcast_buffers=False, or one forward "
+        "over both halves (another model: lesson 04 shows why); otherwise "
+        "torch.autograd.set_detect_anomaly(True) names the op",
         "04",
     ),
     Known(
