@@ -10,6 +10,8 @@ parses them with the template's own parser:
   offsets: shrinking them towards 0 only hurts); fused;
 * :func:`lr_at` / :func:`set_lr` — linear warm-up, cosine decay, as a multiple of each
   parameter group's own base LR;
+* :func:`counted_targets` — how many targets a mean loss averages over (padding left
+  out): a step's share of each micro-batch;
 * :class:`TrainLog` — rank 0's line every ``--log-every`` steps (the window's mean loss
   over every rank, LR, gradient norm, training samples/s, GPU memory), TensorBoard.
 """
@@ -26,6 +28,7 @@ from ddp_tutorial._kit import kit
 
 # One copy of each helper: scripts/ddp_kit.py, the template's sidecar (ddp_tutorial._kit).
 build_optimizer = kit.build_optimizer
+counted_targets = kit.counted_targets
 lr_at = kit.lr_at
 set_lr = kit.set_lr
 TrainLog = kit.TrainLog

@@ -1099,6 +1099,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def counted_targets(target: torch.Tensor, loss_fn: Any = None) -> torch.Tensor:
+    """How many targets a mean loss averages over, float64 on the target's device (no host
+    sync): class indices equal to the loss's ``ignore_index`` (-100 by default: padding) are
+    left out, as cross_entropy leaves them out; float targets count every element."""
+    if target.is_floating_point():
+        return torch.full((), float(target.numel()), dtype=torch.float64, device=target.device)
+    return (target != getattr(loss_fn, "ignore_index", -100)).sum(dtype=torch.float64)
+
+
 @torch.no_grad()
 def local_sums(
     model: nn.Module,
@@ -1126,7 +1135,7 @@ def local_sums(
             count = y.numel()
             if not y.is_floating_point() and logits.dim() == y.dim() + 1:
                 kept = y != ignored
-                sums[0] += ((logits.argmax(dim=1) == y) & kept).sum()
+                sums[0] += ((logits.argmax(dim=_class_dim(logits, y)) == y) & kept).sum()
                 count = kept.sum()
             elif not _outgrows(logits, y):
                 sums[0] = math.nan
@@ -1143,6 +1152,20 @@ def local_sums(
     finally:
         model.train(was_training)
     return sums
+
+
+def _class_dim(scores: torch.Tensor, target: torch.Tensor) -> int:
+    """Where the classes are in ``scores``: second, (B, C, T) as cross_entropy takes them, or
+    last, (B, T, C) as a language model gives them (its loss flattens both). Both fit only
+    when T == C: then the second. Scores that fit neither are named, not broadcast."""
+    if scores.shape[:1] + scores.shape[2:] == target.shape:
+        return 1
+    if scores.shape[:-1] == target.shape:
+        return -1
+    raise DataError(
+        f"the model's outputs {tuple(scores.shape)} do not score the targets "
+        f"{tuple(target.shape)}: the classes second (B, C, ...) or last (B, ..., C)"
+    )
 
 
 def _outgrows(output: torch.Tensor, target: torch.Tensor) -> bool:
@@ -1557,7 +1580,7 @@ class TrainLog:
     """Rank 0's line every ``every`` steps: the window's mean loss over every rank, LR, grad
     norm, training samples/s (evaluating and saving paused), GPU memory; TensorBoard.
 
-    ``sums`` is the loop's own ``[loss sum, steps]`` tensor: the window is what it gained
+    ``sums`` is the loop's own ``[loss sum, targets]`` tensor: the window is what it gained
     since the last line (the loop zeroes it at each epoch's end, after :meth:`epoch_end`:
     a window that spans the end keeps the old epoch's last steps), so a step costs the log
     nothing but a modulo; a line costs an all_reduce of 2 numbers and a host sync."""

@@ -61,7 +61,9 @@ HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never i
 SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 # How samples become a batch, for training and evaluation alike: None stacks them (torch's
 # default). Sequences: a function defined in this file that pads them; it may return the model
-# (tokens, lengths) or a dict of tensors as inputs, and -100 marks targets that do not count.
+# (tokens, lengths) or a dict of tensors as inputs, and -100 marks targets that do not count
+# (a step is the mean over every rank's counted targets: section 8). The model's scores: the
+# classes second, (B, C, T) as cross_entropy takes them, or last, (B, T, C), flattened in loss_fn.
 COLLATE = None
 
 
@@ -369,6 +371,7 @@ def train(
     optimizer = kit.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)
     loss_fn = nn.CrossEntropyLoss()  # a mean over the batch; evaluation scores with it too
     amp = kit.amp_dtype(device, args.amp)
+    autocast = partial(torch.autocast, device.type, dtype=amp or torch.float32, enabled=bool(amp))
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16: scale losses
     # 6. The data: a shard per rank, a random stream per rank (data_loader above).
     sampler, loader = data_loader(args, train_set, rank, world_size, cuda)
@@ -400,7 +403,7 @@ def train(
             kit.seed_everything(kit.rank_seed(args.seed, rank, where["step"]))
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
         consumed, samples_seen, history = extra["consumed"], extra["samples_seen"], extra["history"]
-        totals = extra["loss_totals"] if rank == 0 else [0.0, 0.0]  # counted once, on rank 0
+        totals = extra.get("loss_sums", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]  # once
         resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}
         say(
             f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
@@ -424,7 +427,7 @@ def train(
         held = json.loads((ckpt / "best.json").read_text())
         if held.get("best_by", "val_accuracy") == args.best_by:  # older files: accuracy only
             best = max(best, held.get("score", held.get("val_accuracy", -math.inf)))
-    loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, steps]
+    loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, targets]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
     log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum)
     hook = instruments(args, rank, world_size, device, resumed, attempt)  # None without --out
@@ -454,7 +457,7 @@ def train(
                 "best": best,
                 "eval_owed": owed,  # this step's evaluation was stopped: the rerun's first act
                 "history": history,
-                "loss_totals": global_totals.tolist(),
+                "loss_sums": global_totals.tolist(),  # the epoch's [loss sum, targets]
                 "config": {k: v for k, v in vars(args).items() if k != "hook_argv"},
             }
             state = kit.training_state(
@@ -537,18 +540,25 @@ def train(
             loader.generator.manual_seed(kit.rank_seed(args.seed, rank, epoch, 1))  # workers
             micro_batches = len(loader) // args.grad_accum * args.grad_accum
             model.train()
-            done = 0
-            for i, (x, y) in zip(range(micro_batches), loader, strict=False):
-                x, y = kit.to_device(x, device), y.to(device, non_blocking=True)
-                last = (i + 1) % args.grad_accum == 0
-                with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
-                    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=bool(amp)):
-                        loss = loss_fn(model(x), y) / args.grad_accum  # mean over micro-batches
-                    scaler.scale(loss).backward()  # DDP all_reduces buckets while backward runs
-                loss_sum[0] += loss.detach()  # the epoch's loss, summed on the device
-                done, consumed = done + 1, consumed + args.batch_size * world_size
-                if not last:
-                    continue
+            done, batches = 0, iter(loader)
+            for _ in range(micro_batches // args.grad_accum):
+                # The step's micro-batches first: its loss is the mean over every rank's counted
+                # targets (lesson 04, "Tokens, not samples"), so their number comes before it.
+                group = [next(batches) for _ in range(args.grad_accum)]  # inputs on the host
+                targets = [kit.to_device(y, device) for _, y in group]
+                counts = torch.stack([kit.counted_targets(y, loss_fn) for y in targets])
+                total = counts.sum()
+                counting = dist.all_reduce(total, async_op=True)  # while the first forward runs
+                for i, ((x, _), y) in enumerate(zip(group, targets, strict=True)):
+                    x, last = kit.to_device(x, device), i == args.grad_accum - 1
+                    with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
+                        with autocast():
+                            mean = loss_fn(model(x), y)  # a mean over this micro-batch's targets
+                        counting.wait()  # total: every rank's counted targets (sequences: tokens)
+                        loss = mean * counts[i] * world_size / total  # DDP divides by world_size
+                        scaler.scale(loss).backward()  # DDP all_reduces buckets during backward
+                    loss_sum += torch.stack([mean.detach().double() * counts[i], counts[i]])
+                    done, consumed = done + 1, consumed + args.batch_size * world_size
                 lr = kit.lr_at((samples_seen + global_batch) / total_samples, peak_lr, args.warmup)
                 kit.set_lr(optimizer, lr, peak_lr)
                 norm = None
@@ -563,7 +573,6 @@ def train(
                     samples_seen + global_batch,
                     steps_here + 1,
                 )
-                loss_sum[1] += 1
                 checks.observe(step, loss)  # on the device: the first inf/nan step
                 if hook:  # (records only, with --out)
                     hook.step(step, loss.detach())

@@ -38,12 +38,14 @@ def test_step_costs_times_the_calls_train_py_makes(step_costs):
     """Each piece the tool times as the template's is a call the template's loop makes, and
     the bare optimizer is loops.py's: renaming one in the scripts fails here."""
     train = (SCRIPTS / "train.py").read_text()
-    loop = train[train.index("for i, (x, y) in zip(") : train.index("# 9. Metrics")]
-    for call in ("nn.utils.clip_grad_norm_(", "torch.autocast(", "scaler.unscale_(optimizer)",
-                 "set_lr(optimizer, lr, peak_lr)", "lr_at(", "loss_sum[0] += loss.detach()",
-                 "loss_sum[1] += 1", "checks.observe(step, loss)", "checks.check(step)",
-                 "log.step(step,"):  # fmt: skip
+    loop = train[train.index("# 8. The loop.") : train.index("# 9. Metrics")]
+    for call in ("nn.utils.clip_grad_norm_(", "with autocast():", "scaler.unscale_(optimizer)",
+                 "set_lr(optimizer, lr, peak_lr)", "lr_at(", "kit.counted_targets(y, loss_fn)",
+                 "dist.all_reduce(total, async_op=True)", "counting.wait()",
+                 "loss_sum += torch.stack(",
+                 "checks.observe(step, loss)", "checks.check(step)", "log.step(step,"):  # fmt: skip
         assert call in loop, call
+    assert "autocast = partial(torch.autocast," in train
     assert "kit.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)" in train
     loops = (SCRIPTS / "compare" / "loops.py").read_text()
     assert "torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)" in loops

@@ -490,7 +490,8 @@ def sequence_copy(folder: Path):
         assert text.count(old) == 1, f"the template no longer has {old!r}: update the test"
         text = text.replace(old, new)
     assert "\nCOLLATE = None\n" in text, "the template's COLLATE: update its docstring"
-    (folder / "train.py").write_text(text + SEQUENCE_DATA)
+    main = '\n\nif __name__ == "__main__":'  # above it: torchrun runs the file as __main__
+    (folder / "train.py").write_text(text.replace(main, SEQUENCE_DATA + main))
     (folder / "ddp_kit.py").write_bytes((scripts / "ddp_kit.py").read_bytes())
     return script_module(folder / "train.py", f"sequence_{folder.name}")
 
@@ -534,6 +535,45 @@ def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(tmp_path, o
     assert right / tokens > 0.9, "the tags are learnable: the padded training learned them"
 
 
+@pytest.mark.torchrun
+def test_a_step_on_two_ranks_is_the_token_mean_of_the_global_batch(tmp_path):
+    """A practitioner's review: with sentences of different lengths, a step was the mean of each
+    rank's and each micro-batch's mean loss, not one process's mean over the global batch's
+    tokens (lesson 04, "Tokens, not samples"): 0.23 apart with one sentence per micro-batch.
+    Now each micro-batch weighs by its share of every rank's counted targets."""
+    template, ckpt = sequence_copy(tmp_path), tmp_path / "ckpt"
+    world, accum = 2, 3
+    torchrun(tmp_path / "train.py", "--num-samples", 24, "--num-val", 5, "--batch-size", 1,
+             "--grad-accum", accum, "--max-steps", 1, "--optimizer", "sgd", "--weight-decay", 0,
+             "--clip-grad", 0, "--warmup", 0, "--lr", 40, "--no-progress", "--backend", "gloo",
+             "--checkpoint-dir", ckpt, nproc=world, timeout=120)  # fmt: skip
+    kit, train = template.kit, template.Tokens(24, 0)
+    lr = torch.load(kit.latest_snapshot(ckpt), weights_only=True)["optimizer"]["param_groups"]
+    torch.manual_seed(0)  # the template's initial weights: --seed 0, then the model
+    model = template.Tagger()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    after = torch.cat([t.flatten() for t in torch.load(ckpt / "final.pt").values()])
+    stepped = (before - after) / lr[0]["lr"]  # SGD's first step: the momentum buffer is the grad
+    micro = []  # every rank's micro-batches of step 1, as its sampler dealt them
+    for rank in range(world):
+        sampler = kit.ResumableSampler(train, world, rank, seed=0)
+        sampler.set_epoch(0, 0)
+        micro += [template.pad_batch([train[i]]) for i in list(sampler)[:accum]]
+
+    def gradient(loss: torch.Tensor) -> torch.Tensor:
+        model.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    ce = torch.nn.functional.cross_entropy
+    tokens = sum(int((y != -100).sum()) for _, y in micro)
+    token_mean = gradient(sum(ce(model(x), y, reduction="sum") for x, y in micro) / tokens)
+    mean_of_means = gradient(sum(ce(model(x), y) for x, y in micro) / len(micro))
+    apart = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert apart(mean_of_means, token_mean) > 0.05, "the lengths differ enough to tell them apart"
+    assert apart(stepped, token_mean) < 1e-4, apart(stepped, mean_of_means)
+
+
 def test_padded_targets_are_neither_scored_nor_counted(kit):
     """9 real tokens of 12, every one tagged right: accuracy 1, the loss a mean over the 9."""
     cpu = torch.device("cpu")
@@ -551,6 +591,24 @@ def test_padded_targets_are_neither_scored_nor_counted(kit):
     padded_as_0 = torch.nn.CrossEntropyLoss(ignore_index=0)
     correct, count, _ = kit.local_sums(same, [(logits, y.clamp(min=0))], cpu, loss_fn=padded_as_0)
     assert (correct, count) == (6, 6)
+
+
+def test_scores_with_the_classes_last_are_read_there_and_others_named(kit):
+    """A language model gives (B, T, V) and flattens both in its loss: the evaluation took the
+    argmax over T ("size of tensor a (16) must match ... (22)" after a whole epoch, or a wrong
+    accuracy without a word when T == V). The classes are read last there; scores that fit
+    neither layout stop the run with both shapes."""
+    cpu, same = torch.device("cpu"), torch.nn.Identity()
+    y = torch.tensor([[1, 0, 2, 4, 3], [4, 4, 1, -100, -100]])  # (B, T) = (2, 5), 5 classes
+    last = torch.nn.functional.one_hot(y.clamp(min=0), 5).float()  # (B, T, V), V == T
+    flat = lambda scores, targets: torch.nn.functional.cross_entropy(  # noqa: E731
+        scores.flatten(0, 1), targets.flatten()
+    )
+    for scores, loss_fn in ((last[:, :4], flat), (last.transpose(1, 2)[..., :4], None)):
+        correct, count, _ = kit.local_sums(same, [(scores, y[:, :4])], cpu, loss_fn=loss_fn)
+        assert (correct, count) == (7, 7), tuple(scores.shape)
+    with pytest.raises(kit.DataError, match=r"outputs \(2, 3, 5\) do not score the targets"):
+        kit.local_sums(same, [(torch.zeros(2, 3, 5), y[:, :4])], cpu, loss_fn=flat)
 
 
 def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):

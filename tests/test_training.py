@@ -503,7 +503,7 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, 
     state = torch.load(path, weights_only=True)
     # what the 2-rank job saved at its step 1, before evaluating epoch 0
     state.update(epoch=0, world_size=2, rng=state["rng"] * 2)
-    state["extra"].update(consumed=10, history=[], loss_totals=[2.3, 1.0])
+    state["extra"].update(consumed=10, history=[], loss_sums=[23.0, 10.0])  # 10 targets
     torch.save(state, path)
     (tmp_path / "final.pt").unlink()
     capsys.readouterr()
@@ -511,7 +511,7 @@ def test_a_snapshot_of_a_padded_last_step_resumes(template, tmp_path, one_rank, 
     out = capsys.readouterr().out
     assert "resumed from snapshot-000000001.pt: epoch 0, step 1, 10 samples into it" in out, out
     history = read_history(tmp_path)
-    # epoch 0 is not trained again: evaluated at the saved step 1, with the saved loss (2.3 / 1);
+    # epoch 0 is not trained again: evaluated at the saved step 1, with the saved loss (23 / 10);
     # epoch 1 on 1 rank: 9 samples, batch 5, one step
     assert [(h["epoch"], h["step"]) for h in history] == [(0, 1), (1, 2)], history
     assert history[0]["train_loss"] == pytest.approx(2.3)

@@ -35,7 +35,7 @@ import torch.distributed.nn  # noqa: F401  imported before init (lesson 09)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.loop import TrainLog, build_optimizer, lr_at, set_lr
+from ddp_tutorial.loop import TrainLog, build_optimizer, counted_targets, lr_at, set_lr
 from ddp_tutorial.models import MODEL_NAMES, build_model
 from ddp_tutorial.records import format_table, write_json
 from ddp_tutorial.stopping import StopCheck
@@ -99,9 +99,12 @@ def pieces(model: DDP, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     def schedule() -> None:
         set_lr(template_opt, lr_at(0.5, 0.05, 0.05), 0.05)
 
-    def loss_sums() -> None:
-        loss_sum[0] += done
-        loss_sum[1] += 1
+    def token_mean() -> torch.Tensor:  # the step's targets counted over the ranks: a share
+        counts = torch.stack([counted_targets(y, loss_fn)])
+        total = counts.sum()
+        dist.all_reduce(total, async_op=True).wait()
+        loss_sum.add_(torch.stack([done.double() * counts[0], counts[0]]))
+        return done * counts[0] / total  # the micro-batch's loss, weighed by its share
 
     return {
         "forward + backward (all_reduce)": (forward_backward, 1, "both"),
@@ -111,7 +114,7 @@ def pieces(model: DDP, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         "autocast + no_sync contexts": (contexts, 1, "template"),
         "GradScaler calls (disabled)": (scaler_calls, 1, "template"),
         "lr_at + set_lr": (schedule, 1, "template"),
-        "loss sums on the device": (loss_sums, 1, "template"),
+        "target count (all_reduce), loss sums": (token_mean, 1, "template"),
         "StopCheck.observe": (lambda: checks.observe(7, done), 1, "template"),
         "StopCheck.check, not due": (lambda: checks.check(7), 0.9, "template"),
         "StopCheck.check, due (all_reduce)": (lambda: checks.check(10, True), 0.1, "template"),
