@@ -114,7 +114,6 @@ class Recorder:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.per_step, self.keep_indices = args.record_steps, args.record_indices
         self.fail_at_step, self.fail_rank = args.fail_at_step, args.fail_rank
-        self.accum = getattr(args, "grad_accum", 1)  # the loss passed to step() is divided by it
         self.attempt, self.resumed_from = attempt, resumed_from
         self.evaluations: list[dict[str, Any]] = []
         self.indices: dict[int, list[int]] = {}
@@ -160,8 +159,8 @@ class Recorder:
             self._step_log = (self.out / "steps.jsonl").open("a", buffering=1)
 
     def step(self, step: int, loss: torch.Tensor) -> None:
-        """After optimizer step ``step`` (1-based, global); ``loss`` (of the last micro-batch,
-        divided by ``--grad-accum``) stays on the device.
+        """After optimizer step ``step`` (1-based, global); ``loss`` (the last micro-batch's
+        mean) stays on the device.
 
         A timed stretch starts at the end of the :data:`WARMUP_STEPS`-th step (and
         of the first step after each evaluation) and counts the steps after it.
@@ -179,7 +178,7 @@ class Recorder:
                 self.intervals.append((self._previous, now))
             self._previous = now
         if self._step_log is not None:  # .item(): a host sync, the stated cost
-            row = {"attempt": self.attempt, "step": step, "loss": loss.item() * self.accum}
+            row = {"attempt": self.attempt, "step": step, "loss": loss.item()}
             self._step_log.write(json.dumps(row) + "\n")
         if step == self.fail_at_step and self.rank == self.fail_rank and self.attempt == 0:
             print(f"[fault injection] rank {self.rank} dies after step {step}", flush=True)

@@ -1100,12 +1100,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def counted_targets(target: torch.Tensor, loss_fn: Any = None) -> torch.Tensor:
-    """How many targets a mean loss averages over, float64 on the target's device (no host
-    sync): class indices equal to the loss's ``ignore_index`` (-100 by default: padding) are
-    left out, as cross_entropy leaves them out; float targets count every element."""
+    """What a mean loss divides by, float64 on the target's device (no host sync): the number
+    of targets, class indices equal to the loss's ``ignore_index`` (-100 by default: padding)
+    left out, as cross_entropy leaves them out; with class weights (``weight``), the sum of
+    the counted targets' weights, its weighted mean's divisor. Float targets: every element."""
+    if getattr(loss_fn, "reduction", "mean") != "mean":
+        raise DataError(
+            f"loss_fn has reduction={loss_fn.reduction!r}: the template weighs each "
+            f"micro-batch's mean by its share of the step's targets; use reduction='mean'"
+        )
     if target.is_floating_point():
         return torch.full((), float(target.numel()), dtype=torch.float64, device=target.device)
-    return (target != getattr(loss_fn, "ignore_index", -100)).sum(dtype=torch.float64)
+    kept = target[target != getattr(loss_fn, "ignore_index", -100)]
+    if (weight := getattr(loss_fn, "weight", None)) is not None:
+        return weight.to(target.device, torch.float64)[kept].sum()
+    return torch.full((), kept.numel(), dtype=torch.float64, device=target.device)
 
 
 @torch.no_grad()
@@ -1115,17 +1124,20 @@ def local_sums(
     device: torch.device,
     amp: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    class_dim: int = 1,
 ) -> torch.Tensor:
-    """``[correct, count, loss_sum]`` over one loader, float64 (exact counts). ``loss_fn``:
-    training's, a mean over a batch's elements (default: cross-entropy). Accuracy is the
-    argmax's for class indices (integers, one dimension fewer than the scores); other targets
-    (a regression's) count ``nan`` correct: an argmax compared with them would broadcast into
-    a number that means nothing. A class target equal to the loss's ``ignore_index`` (-100 by
-    default: a sequence's padding) is not a sample: not counted, not scored, as in the loss."""
+    """``[correct, count, loss_sum, loss_divisor]`` over one loader, float64 (exact counts).
+    ``loss_fn``: training's, a mean over a batch's targets (default: cross-entropy); its sum is
+    that mean times :func:`counted_targets` (a weighted loss: their weights). Accuracy is the
+    argmax's over ``class_dim`` for class indices (integers, one dimension fewer than the
+    scores); other targets (a regression's) count ``nan`` correct: an argmax compared with them
+    would broadcast into a number that means nothing. A class target equal to the loss's
+    ``ignore_index`` (-100 by default: a sequence's padding) is not a sample: not counted, not
+    scored, as in the loss."""
     model = unwrap_model(model)  # a DDP forward may sync buffers: a collective not all join
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     ignored = getattr(loss_fn, "ignore_index", -100)  # cross_entropy's default, as below
     try:
         for x, y in loader:
@@ -1135,7 +1147,7 @@ def local_sums(
             count = y.numel()
             if not y.is_floating_point() and logits.dim() == y.dim() + 1:
                 kept = y != ignored
-                sums[0] += ((logits.argmax(dim=_class_dim(logits, y)) == y) & kept).sum()
+                sums[0] += ((logits.argmax(dim=_class_dim(logits, y, class_dim)) == y) & kept).sum()
                 count = kept.sum()
             elif not _outgrows(logits, y):
                 sums[0] = math.nan
@@ -1145,27 +1157,31 @@ def local_sums(
                     f"{tuple(y.shape)} differ in shape: make them equal (y.view_as(output))"
                 )
             sums[1] += count
+            divisor = counted_targets(y, loss_fn)  # of the loss's mean: what training weighs by
+            sums[3] += divisor
             if loss_fn is None:
-                sums[2] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
-            elif count:  # a mean over the batch's counted targets, times their number
-                sums[2] += loss_fn(logits.float(), y).double() * count
+                scores = logits.float().movedim(class_dim, 1)  # where cross_entropy takes them
+                sums[2] += nn.functional.cross_entropy(scores, y, reduction="sum").double()
+            elif divisor:  # a mean over the batch's counted targets, times their number
+                sums[2] += loss_fn(logits.float(), y).double() * divisor
     finally:
         model.train(was_training)
     return sums
 
 
-def _class_dim(scores: torch.Tensor, target: torch.Tensor) -> int:
-    """Where the classes are in ``scores``: second, (B, C, T) as cross_entropy takes them, or
-    last, (B, T, C) as a language model gives them (its loss flattens both). Both fit only
-    when T == C: then the second. Scores that fit neither are named, not broadcast."""
-    if scores.shape[:1] + scores.shape[2:] == target.shape:
-        return 1
-    if scores.shape[:-1] == target.shape:
-        return -1
-    raise DataError(
-        f"the model's outputs {tuple(scores.shape)} do not score the targets "
-        f"{tuple(target.shape)}: the classes second (B, C, ...) or last (B, ..., C)"
-    )
+def _class_dim(scores: torch.Tensor, target: torch.Tensor, dim: int) -> int:
+    """``dim``, where the classes are in ``scores`` (1: (B, C, T) as cross_entropy takes them;
+    -1: (B, T, C) as a language model gives them, its loss flattening both), once the other
+    dimensions are the target's: declared, not guessed, since (B, T, C) with T == C fits both.
+    Scores that do not fit are named, not broadcast."""
+    others = scores.shape[:1] + scores.shape[2:] if dim == 1 else scores.shape[:-1]
+    if others != target.shape:
+        raise DataError(
+            f"the model's outputs {tuple(scores.shape)} do not score the targets "
+            f"{tuple(target.shape)} with the classes at dimension {dim}: CLASS_DIM in train.py "
+            f"says where they are (1: (B, C, ...); -1: (B, ..., C))"
+        )
+    return dim
 
 
 def _outgrows(output: torch.Tensor, target: torch.Tensor) -> bool:
@@ -1220,11 +1236,13 @@ def distributed_evaluate(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     stop: Callable[[], bool] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    class_dim: int = 1,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
     ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice.
-    ``collate_fn``: training's (sequences of different lengths padded into one batch).
+    ``collate_fn``: training's (sequences of different lengths padded into one batch);
+    ``class_dim``: where the model's scores hold the classes (:func:`local_sums`).
     ``stop`` (given on every rank, or on none): a SIGTERM's flag, agreed on as training's
     :class:`StopCheck` does (:func:`agreed_batches`): every rank stops at the same batch and the
     result says ``interrupted``, so that a long evaluation never eats the preemption's grace
@@ -1251,15 +1269,15 @@ def distributed_evaluate(
     stopped = torch.zeros(1, dtype=torch.float64, device=device)
     shared = -(-(len(dataset) // world if exact else len(sampler)) // batch_size)  # every rank's
     batches = loader if stop is None else agreed_batches(loader, stop, shared, stopped)
-    sums = torch.cat([local_sums(model, batches, device, amp, loss_fn), stopped])
+    sums = torch.cat([local_sums(model, batches, device, amp, loss_fn, class_dim), stopped])
     local_count = int(sums[1])
     if group_active():
         dist.all_reduce(sums)
-    correct, count, loss_sum, interrupted = (float(v) for v in sums.cpu())
+    correct, count, loss_sum, divisor, interrupted = (float(v) for v in sums.cpu())
     nan = float("nan")
     return EvalResult(
         correct / count if count else nan,
-        loss_sum / count if count else nan,
+        loss_sum / divisor if divisor else nan,  # training's mean, over every rank's targets
         0 if math.isnan(correct) else int(correct),
         int(count),
         local_count,

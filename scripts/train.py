@@ -62,9 +62,11 @@ SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 # How samples become a batch, for training and evaluation alike: None stacks them (torch's
 # default). Sequences: a function defined in this file that pads them; it may return the model
 # (tokens, lengths) or a dict of tensors as inputs, and -100 marks targets that do not count
-# (a step is the mean over every rank's counted targets: section 8). The model's scores: the
-# classes second, (B, C, T) as cross_entropy takes them, or last, (B, T, C), flattened in loss_fn.
+# (a step is the mean over every rank's counted targets: section 8; loss_fn: a mean).
 COLLATE = None
+# Where the model's scores hold the classes: 1, (B, C, ...) as cross_entropy takes them; -1,
+# (B, ..., C) as a language model gives them, with a loss_fn that flattens both.
+CLASS_DIM = 1
 
 
 def positive(text: str) -> int:
@@ -490,6 +492,7 @@ def train(
             num_workers=args.num_workers,
             pin_memory=cuda,
             collate_fn=COLLATE,
+            class_dim=CLASS_DIM,
             stop=lambda: checks.received is not None,  # a SIGTERM meanwhile: stop, save, exit
         )
         if result.interrupted:  # partial sums: scored nowhere, logged nowhere
@@ -554,8 +557,9 @@ def train(
                     with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
                         with autocast():
                             mean = loss_fn(model(x), y)  # a mean over this micro-batch's targets
+                        mean = torch.where(counts[i] > 0, mean, 0.0)  # all padding: nan, not 0
                         counting.wait()  # total: every rank's counted targets (sequences: tokens)
-                        loss = mean * counts[i] * world_size / total  # DDP divides by world_size
+                        loss = mean * counts[i] * world_size / total.clamp(min=1)  # DDP: / world
                         scaler.scale(loss).backward()  # DDP all_reduces buckets during backward
                     loss_sum += torch.stack([mean.detach().double() * counts[i], counts[i]])
                     done, consumed = done + 1, consumed + args.batch_size * world_size
@@ -575,7 +579,7 @@ def train(
                 )
                 checks.observe(step, loss)  # on the device: the first inf/nan step
                 if hook:  # (records only, with --out)
-                    hook.step(step, loss.detach())
+                    hook.step(step, mean.detach())
                 if steps_here == 1:  # compiled and warmed up: a missing rank now fails fast
                     kit.set_collective_timeout(args.timeout)
                 log.step(step, loss_sum, lr, norm)  # every --log-every: an all_reduce, a sync

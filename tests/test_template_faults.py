@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -439,16 +440,18 @@ def test_a_regression_whose_targets_do_not_match_the_outputs_stops_with_both_sha
 SEQUENCE_DATA = """
 
 class Tokens(torch.utils.data.Dataset):  # sentences of 2 to 6 tokens, a tag per token
-    def __init__(self, count, seed):
+    def __init__(self, count, seed, untagged=()):
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(2, 7, (count,), generator=g).tolist()
         self.items = [torch.randint(1, 10, (n,), generator=g) for n in lengths]
+        self.untagged = set(untagged)  # sentences whose every tag is -100
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, i):
-        return self.items[i], self.items[i] % 3
+        tags = self.items[i] % 3
+        return self.items[i], tags.fill_(-100) if i in self.untagged else tags
 
 
 def pad_batch(batch):  # ((tokens, lengths), tags): padding is token 0 and target -100
@@ -459,32 +462,43 @@ def pad_batch(batch):  # ((tokens, lengths), tags): padding is token 0 and targe
 
 
 class Tagger(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, last=False):
         super().__init__()
         self.embed, self.out = torch.nn.Embedding(10, 16), torch.nn.Linear(16, 3)
+        self.last = last
 
     def forward(self, inputs):
         tokens, lengths = inputs
         assert tokens.shape[0] == lengths.shape[0]
-        return self.out(self.embed(tokens)).transpose(1, 2)  # (B, classes, T)
+        scores = self.out(self.embed(tokens))  # (B, T, classes), as a language model's
+        return scores if self.last else scores.transpose(1, 2)  # or (B, classes, T)
 
 
-def sequence_data(args):
-    return Tokens(args.num_samples, args.seed), Tokens(args.num_val, args.seed + 1), 3
+class FlatCrossEntropy(torch.nn.CrossEntropyLoss):  # for (B, T, classes): both flattened
+    def forward(self, scores, targets):
+        return super().forward(scores.flatten(0, 1), targets.flatten())
+
+
+def sequence_data(args, untagged=()):
+    return Tokens(args.num_samples, args.seed, untagged), Tokens(args.num_val, args.seed + 1), 3
 
 
 COLLATE = pad_batch
 """
 
 
-def sequence_copy(folder: Path):
+def sequence_copy(folder: Path, data: str = "sequence_data(args)", loss: str = "",
+                  last: bool = False):  # fmt: skip
     """The template adapted to a tagger over sentences of different lengths, as its docstring
-    says: COLLATE, the data, the model; nothing else edited."""
+    says: COLLATE, the data, the model (and ``loss``, CrossEntropyLoss's arguments; ``last``:
+    scores (B, T, classes), flattened by the loss, and CLASS_DIM -1); nothing else edited."""
     scripts = Path(__file__).parents[1] / "scripts"
     text = (scripts / "train.py").read_text()
     edits = {
-        "kit.build_datasets(args, rank, world_size)": "sequence_data(args)",
-        "kit.build_model(args.model, num_classes, args.image_size)": "Tagger()",
+        "kit.build_datasets(args, rank, world_size)": data,
+        "kit.build_model(args.model, num_classes, args.image_size)": f"Tagger(last={last})",
+        "nn.CrossEntropyLoss()": f"{'FlatCrossEntropy' if last else 'nn.CrossEntropyLoss'}({loss})",
+        "\nCLASS_DIM = 1\n": f"\nCLASS_DIM = {-1 if last else 1}\n",
     }
     for old, new in edits.items():
         assert text.count(old) == 1, f"the template no longer has {old!r}: update the test"
@@ -496,13 +510,16 @@ def sequence_copy(folder: Path):
     return script_module(folder / "train.py", f"sequence_{folder.name}")
 
 
-def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(tmp_path, one_rank, capsys):
+@pytest.mark.parametrize("last", [False, True], ids=["classes second", "classes last"])
+def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(
+    tmp_path, one_rank, capsys, last
+):
     """A practitioner's review: a copy for sequences could not run. The evaluation's own
     DataLoader took no collate_fn (after a whole epoch: "stack expects each tensor to be equal
     size"), inputs of (tokens, lengths) met x.to(device), and padded targets were counted:
     a perfect tagger scored 9 of 12. COLLATE serves both loaders, kit.to_device moves tuples,
-    and a target of -100 is not a sample."""
-    template, ckpt = sequence_copy(tmp_path), tmp_path / "ckpt"
+    and a target of -100 is not a sample. Classes last (a language model's layout): CLASS_DIM."""
+    template, ckpt = sequence_copy(tmp_path, last=last), tmp_path / "ckpt"
     argv = [
         "--num-samples",
         "96",
@@ -522,12 +539,14 @@ def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(tmp_path, o
     ]
     template.main(argv)
     assert "done: 24 steps" in capsys.readouterr().out
-    model = template.Tagger()
+    model, dim = template.Tagger(last=last), template.CLASS_DIM
     model.load_state_dict(torch.load(ckpt / "final.pt", weights_only=True))
     val_set = template.Tokens(37, 1)
-    result = template.kit.distributed_evaluate(model, val_set, 8, collate_fn=template.pad_batch)
+    result = template.kit.distributed_evaluate(
+        model, val_set, 8, collate_fn=template.pad_batch, class_dim=dim
+    )
     tokens = sum(len(t) for t, _ in val_set)
-    right = sum(int((model((t[None], torch.tensor([len(t)]))).argmax(1)[0] == y).sum())
+    right = sum(int((model((t[None], torch.tensor([len(t)]))).argmax(dim)[0] == y).sum())
                 for t, y in val_set)  # one sentence at a time: no padding at all  # fmt: skip
     assert result.count == tokens and result.correct == right, (result, tokens, right)
     last = torch.load(template.kit.latest_snapshot(ckpt), weights_only=True)["extra"]["history"]
@@ -535,13 +554,32 @@ def test_a_sequence_copy_pads_its_batches_and_scores_each_real_token(tmp_path, o
     assert right / tokens > 0.9, "the tags are learnable: the padded training learned them"
 
 
+def test_a_micro_batch_of_padding_alone_trains_on_and_counts_nothing(tmp_path, one_rank, capsys):
+    """Helper 66's review: a micro-batch whose every target is -100 (a one-token sentence of a
+    language model) has a mean of 0/0: nan in the loss, the log and the divergence check, which
+    then stopped the run for good (failed.json) although the gradient is finite."""
+    untagged = tuple(range(0, 48, 3))  # a third of the sentences: some micro-batch is all padding
+    template = sequence_copy(tmp_path, data=f"sequence_data(args, {untagged})")
+    ckpt = tmp_path / "ckpt"
+    template.main(["--num-samples", "48", "--num-val", "8", "--batch-size", "1",
+                   "--grad-accum", "2", "--epochs", "1", "--no-progress", "--backend", "gloo",
+                   "--checkpoint-dir", str(ckpt)])  # fmt: skip
+    assert "done: 24 steps" in capsys.readouterr().out and not (ckpt / "failed.json").exists()
+    [epoch] = torch.load(template.kit.latest_snapshot(ckpt), weights_only=True)["extra"]["history"]
+    assert math.isfinite(epoch["train_loss"]), epoch
+
+
 @pytest.mark.torchrun
 def test_a_step_on_two_ranks_is_the_token_mean_of_the_global_batch(tmp_path):
     """A practitioner's review: with sentences of different lengths, a step was the mean of each
     rank's and each micro-batch's mean loss, not one process's mean over the global batch's
     tokens (lesson 04, "Tokens, not samples"): 0.23 apart with one sentence per micro-batch.
-    Now each micro-batch weighs by its share of every rank's counted targets."""
-    template, ckpt = sequence_copy(tmp_path), tmp_path / "ckpt"
+    Now each micro-batch weighs by its share of every rank's counted targets, and with class
+    weights (helper 66: a mean of weighted means, 2.086 for 2.411) by its share of their
+    weights: one process's weighted mean over the global batch."""
+    weights = torch.tensor([1.0, 5.0, 1.0])
+    template = sequence_copy(tmp_path, loss="weight=torch.tensor([1.0, 5.0, 1.0])")
+    ckpt = tmp_path / "ckpt"
     world, accum = 2, 3
     torchrun(tmp_path / "train.py", "--num-samples", 24, "--num-val", 5, "--batch-size", 1,
              "--grad-accum", accum, "--max-steps", 1, "--optimizer", "sgd", "--weight-decay", 0,
@@ -565,8 +603,8 @@ def test_a_step_on_two_ranks_is_the_token_mean_of_the_global_batch(tmp_path):
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    ce = torch.nn.functional.cross_entropy
-    tokens = sum(int((y != -100).sum()) for _, y in micro)
+    ce = partial(torch.nn.functional.cross_entropy, weight=weights)
+    tokens = sum(weights[y[y != -100]].sum() for _, y in micro)  # the weighted mean's divisor
     token_mean = gradient(sum(ce(model(x), y, reduction="sum") for x, y in micro) / tokens)
     mean_of_means = gradient(sum(ce(model(x), y) for x, y in micro) / len(micro))
     apart = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
@@ -584,31 +622,43 @@ def test_padded_targets_are_neither_scored_nor_counted(kit):
     with_loss = kit.local_sums(same, [(logits, y)], cpu,
                                loss_fn=torch.nn.CrossEntropyLoss())  # fmt: skip
     loss_per_token = torch.nn.functional.cross_entropy(logits, y).item()
-    for correct, count, loss_sum in (by_default.tolist(), with_loss.tolist()):
-        assert (correct, count) == (9, 9)
+    for correct, count, loss_sum, divisor in (by_default.tolist(), with_loss.tolist()):
+        assert (correct, count, divisor) == (9, 9, 9)
         assert loss_sum == pytest.approx(9 * loss_per_token)
     # the loss's own ignore_index, a class the model may predict: those are not scored either
     padded_as_0 = torch.nn.CrossEntropyLoss(ignore_index=0)
-    correct, count, _ = kit.local_sums(same, [(logits, y.clamp(min=0))], cpu, loss_fn=padded_as_0)
-    assert (correct, count) == (6, 6)
+    sums = kit.local_sums(same, [(logits, y.clamp(min=0))], cpu, loss_fn=padded_as_0)
+    assert sums[:2].tolist() == [6, 6]
+    # class weights: the loss is their weighted mean, as training's (helper 66's review)
+    weighted = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 2.0]))
+    correct, count, loss_sum, divisor = kit.local_sums(
+        same, [(logits[:2], y[:2]), (logits[2:], y[2:])], cpu, loss_fn=weighted
+    ).tolist()
+    assert (correct, count, divisor) == (9, 9, 1 * 3 + 5 * 3 + 2 * 3)  # three of each class
+    assert loss_sum / divisor == pytest.approx(weighted(logits, y).item())
+    with pytest.raises(kit.DataError, match="reduction='mean'"):  # a sum would count twice
+        kit.local_sums(same, [(logits, y)], cpu, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
 
 
 def test_scores_with_the_classes_last_are_read_there_and_others_named(kit):
     """A language model gives (B, T, V) and flattens both in its loss: the evaluation took the
     argmax over T ("size of tensor a (16) must match ... (22)" after a whole epoch, or a wrong
-    accuracy without a word when T == V). The classes are read last there; scores that fit
-    neither layout stop the run with both shapes."""
+    accuracy without a word when T == V). CLASS_DIM says where the classes are (guessed from
+    the shapes, a batch of T == V tokens read 5 of 8 right: helper 66); scores that do not fit
+    it stop the run with both shapes."""
     cpu, same = torch.device("cpu"), torch.nn.Identity()
     y = torch.tensor([[1, 0, 2, 4, 3], [4, 4, 1, -100, -100]])  # (B, T) = (2, 5), 5 classes
     last = torch.nn.functional.one_hot(y.clamp(min=0), 5).float()  # (B, T, V), V == T
     flat = lambda scores, targets: torch.nn.functional.cross_entropy(  # noqa: E731
         scores.flatten(0, 1), targets.flatten()
     )
-    for scores, loss_fn in ((last[:, :4], flat), (last.transpose(1, 2)[..., :4], None)):
-        correct, count, _ = kit.local_sums(same, [(scores, y[:, :4])], cpu, loss_fn=loss_fn)
-        assert (correct, count) == (7, 7), tuple(scores.shape)
+    cases = [(last, flat, -1), (last[:, :4], flat, -1), (last.transpose(1, 2), None, 1)]
+    for scores, loss_fn, dim in cases:  # T == V == 5 in the first and the last
+        batch = [(scores, y[:, : scores.shape[1 if dim == -1 else 2]])]
+        sums = kit.local_sums(same, batch, cpu, loss_fn=loss_fn, class_dim=dim)
+        assert sums[0] == sums[1] == (7 if scores.shape[1] == 4 else 8), (scores.shape, dim)
     with pytest.raises(kit.DataError, match=r"outputs \(2, 3, 5\) do not score the targets"):
-        kit.local_sums(same, [(torch.zeros(2, 3, 5), y[:, :4])], cpu, loss_fn=flat)
+        kit.local_sums(same, [(torch.zeros(2, 3, 5), y[:, :4])], cpu, loss_fn=flat, class_dim=-1)
 
 
 def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
