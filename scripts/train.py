@@ -557,7 +557,7 @@ def train(
                     with nullcontext() if last else ddp.no_sync():  # all_reduce on the last only
                         with autocast():
                             mean = loss_fn(model(x), y)  # a mean over this micro-batch's targets
-                        mean = torch.where(counts[i] > 0, mean, 0.0)  # all padding: nan, not 0
+                        mean = torch.where(counts[i] > 0, mean, 0.0)  # all padding: 0 / 0 is nan
                         counting.wait()  # total: every rank's counted targets (sequences: tokens)
                         loss = mean * counts[i] * world_size / total.clamp(min=1)  # DDP: / world
                         scaler.scale(loss).backward()  # DDP all_reduces buckets during backward
