@@ -569,6 +569,25 @@ def test_a_micro_batch_of_padding_alone_trains_on_and_counts_nothing(tmp_path, o
     assert math.isfinite(epoch["train_loss"]), epoch
 
 
+def test_the_recorded_step_loss_is_the_last_micro_batchs_mean(tmp_path, one_rank):
+    """--record-steps' steps.jsonl: the last micro-batch's mean loss (helper 66: it recorded the
+    micro-batch's weighted share times --grad-accum, the same number only for equal batches)."""
+    template, out = sequence_copy(tmp_path), tmp_path / "out"
+    template.main(["--num-samples", "8", "--num-val", "2", "--batch-size", "1", "--grad-accum",
+                   "2", "--max-steps", "1", "--no-progress", "--backend", "gloo",
+                   "--out", str(out), "--record-steps"])  # fmt: skip
+    [row] = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    train = template.Tokens(8, 0)
+    sampler = template.kit.ResumableSampler(train, 1, 0, seed=0)
+    sampler.set_epoch(0, 0)
+    first, second = (template.pad_batch([train[i]]) for i in list(sampler)[:2])
+    assert (first[1] != -100).sum() != (second[1] != -100).sum(), "unequal: the shares differ"
+    torch.manual_seed(0)  # the template's initial weights
+    model = template.Tagger()
+    (x, y) = second  # after step 1's update only; the last micro-batch ran before it
+    assert row["loss"] == pytest.approx(torch.nn.functional.cross_entropy(model(x), y).item())
+
+
 @pytest.mark.torchrun
 def test_a_step_on_two_ranks_is_the_token_mean_of_the_global_batch(tmp_path):
     """A practitioner's review: with sentences of different lengths, a step was the mean of each
