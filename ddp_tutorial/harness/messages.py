@@ -63,22 +63,21 @@ def _other_processes(line: str, text: str) -> str:
     )
 
 
-def _killed_rank(line: str, text: str) -> str | None:
-    if re.search(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)", text):
-        return (
-            "a rank was killed by signal 9: it wrote no traceback, so no error_file or "
-            "line of its own says why (see killed-sigkill)"
-        )
-    return None
+def _said_if(pattern: str, said: str) -> Callable[[str, str], str | None]:
+    """A ``detail`` that says ``said`` when the whole log matches ``pattern``."""
+    return lambda line, text: said if re.search(pattern, text) else None
 
 
-def _reset_at_init(line: str, text: str) -> str | None:
-    if re.search(r"line \d+, in (?:init_process_group|\w*rendezvous\w*)\b", text):
-        return (
-            "the reset came inside init_process_group, before any collective: more likely the "
-            "network (a firewall, a wrong address) or the store's host than a crashed rank"
-        )
-    return None
+_killed_rank = _said_if(
+    r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)",
+    "a rank was killed by signal 9: it wrote no traceback, so no error_file or line of its "
+    "own says why (see killed-sigkill)",
+)
+_reset_at_init = _said_if(
+    r"line \d+, in (?:init_process_group|\w*rendezvous\w*)\b",
+    "the reset came inside init_process_group, before any collective: more likely the "
+    "network (a firewall, a wrong address) or the store's host than a crashed rank",
+)
 
 
 def _cuda_failure(line: str, text: str) -> str | None:
