@@ -1123,12 +1123,15 @@ def local_sums(
     loader: Iterable[Any],
     device: torch.device,
     amp: torch.dtype | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     class_dim: int = 1,
+    prediction: Callable[[Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[correct, count, loss_sum, loss_divisor]`` over one loader, float64 (exact counts).
     ``loss_fn``: training's, a mean over a batch's targets (default: cross-entropy); its sum is
-    that mean times :func:`counted_targets` (a weighted loss: their weights). Accuracy is the
+    that mean times :func:`counted_targets` (a weighted loss: their weights). ``prediction``:
+    what of the model's output is scored, for a model that returns a dict or a tuple (the
+    loss, as in training, receives the whole output). Accuracy is the
     argmax's over ``class_dim`` for class indices (integers, one dimension fewer than the
     scores); other targets (a regression's) count ``nan`` correct: an argmax compared with them
     would broadcast into a number that means nothing. A class target equal to the loss's
@@ -1143,7 +1146,13 @@ def local_sums(
         for x, y in loader:
             x, y = to_device(x, device), y.to(device)
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                logits = model(x)
+                output = model(x)
+            logits = output if prediction is None else prediction(output)
+            if not isinstance(logits, torch.Tensor):
+                raise DataError(
+                    f"the model returns a {type(logits).__name__}, not a tensor of scores: set "
+                    f"PREDICTION in train.py to what holds them (lambda out: out['logits'])"
+                )
             count = y.numel()
             if not y.is_floating_point() and logits.dim() == y.dim() + 1:
                 kept = y != ignored
@@ -1163,10 +1172,29 @@ def local_sums(
                 scores = logits.float().movedim(class_dim, 1)  # where cross_entropy takes them
                 sums[2] += nn.functional.cross_entropy(scores, y, reduction="sum").double()
             elif divisor:  # a mean over the batch's counted targets, times their number
-                sums[2] += loss_fn(logits.float(), y).double() * divisor
+                scored = logits.float() if prediction is None else output  # training's input
+                sums[2] += loss_fn(scored, y).double() * divisor
     finally:
         model.train(was_training)
     return sums
+
+
+def check_scoring(
+    model: nn.Module,
+    dataset: Dataset,
+    device: torch.device,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **scoring: Any,
+) -> None:
+    """Score two samples of ``dataset`` as the evaluation will (:func:`local_sums`, its
+    ``scoring`` keywords), before training: outputs the evaluation cannot score (a dict, a shape
+    the loss would broadcast) stop the run in seconds with a :class:`DataError`, not after an
+    epoch of training that nothing saved."""
+    from torch.utils.data import default_collate
+
+    if len(dataset):
+        batch = (collate_fn or default_collate)([dataset[i] for i in range(min(2, len(dataset)))])
+        local_sums(model, [batch], device, **scoring)
 
 
 def _class_dim(scores: torch.Tensor, target: torch.Tensor, dim: int) -> int:
@@ -1233,16 +1261,17 @@ def distributed_evaluate(
     num_workers: int = 0,
     pin_memory: bool = False,
     amp: torch.dtype | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     stop: Callable[[], bool] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     class_dim: int = 1,
+    prediction: Callable[[Any], torch.Tensor] | None = None,
 ) -> EvalResult:
     """Accuracy and mean loss over ``dataset``, split across the ranks, each sample counted
     once (``exact``: no padding, one all_reduce of the sums); a collective.
     ``exact=False`` is the naive padded DistributedSampler, which counts repeats twice.
     ``collate_fn``: training's (sequences of different lengths padded into one batch);
-    ``class_dim``: where the model's scores hold the classes (:func:`local_sums`).
+    ``class_dim``, ``prediction``: where the model's output holds the scores (:func:`local_sums`).
     ``stop`` (given on every rank, or on none): a SIGTERM's flag, agreed on as training's
     :class:`StopCheck` does (:func:`agreed_batches`): every rank stops at the same batch and the
     result says ``interrupted``, so that a long evaluation never eats the preemption's grace
@@ -1269,7 +1298,8 @@ def distributed_evaluate(
     stopped = torch.zeros(1, dtype=torch.float64, device=device)
     shared = -(-(len(dataset) // world if exact else len(sampler)) // batch_size)  # every rank's
     batches = loader if stop is None else agreed_batches(loader, stop, shared, stopped)
-    sums = torch.cat([local_sums(model, batches, device, amp, loss_fn, class_dim), stopped])
+    scored = local_sums(model, batches, device, amp, loss_fn, class_dim, prediction)
+    sums = torch.cat([scored, stopped])
     local_count = int(sums[1])
     if group_active():
         dist.all_reduce(sums)

@@ -1,8 +1,9 @@
 """The DDP training template: copy it and ddp_kit.py (its sidecar) into your project, change
 the model and the data (the flags of the built-in ones, --model, --data, --image-size, ..., then
-do nothing). It trains a classifier: for a regression, change loss_fn and the data (targets
-shaped like the model's output) and keep best.pt by --best-by val_loss; another score: SCORES;
-samples of different lengths (sequences): COLLATE.
+do nothing). It trains a classifier: for a regression or multi-label classes, change loss_fn
+and the data (float targets shaped like the model's output) and keep best.pt by --best-by
+val_loss; another score: SCORES; samples of different lengths (sequences): COLLATE; a model
+that returns a dict or a tuple: PREDICTION.
 torch 2.10 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
 
     torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
@@ -67,6 +68,10 @@ COLLATE = None
 # Where the model's scores hold the classes: 1, (B, C, ...) as cross_entropy takes them; -1,
 # (B, ..., C) as a language model gives them, with a loss_fn that flattens both.
 CLASS_DIM = 1
+# What of the model's output is scored (class scores, a regression's values): None, the output
+# itself; a model that returns a dict or a tuple: a function of it (lambda out: out["logits"]).
+# loss_fn always receives the whole output. Both are tried on two samples before training.
+PREDICTION = None
 
 
 def positive(text: str) -> int:
@@ -292,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.best_by == "val_accuracy" and target is not None and target.is_floating_point():
         fail(
             "--best-by val_accuracy counts classes, and these targets are floats (a "
-            "regression?): use --best-by val_loss, or make it the default in your copy"
+            "regression, multi-label classes?): use --best-by val_loss, or make it the default "
+            "in your copy"
         )
     if args.deterministic:
         kit.make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
@@ -371,7 +377,9 @@ def train(
     model = torch.compile(ddp, backend=args.compile) if args.compile else ddp  # after DDP
     # AdamW, no weight decay on biases and norm weights; fused: fp16 steps need no host sync
     optimizer = kit.build_optimizer(args.optimizer, ddp, peak_lr, args.weight_decay)
-    loss_fn = nn.CrossEntropyLoss()  # a mean over the batch; evaluation scores with it too
+    loss_fn = nn.CrossEntropyLoss().to(device)  # a mean; .to: class weights on the device
+    scoring = {"loss_fn": loss_fn, "class_dim": CLASS_DIM, "prediction": PREDICTION}
+    kit.check_scoring(ddp, val_set, device, COLLATE, **scoring)  # kit.DataError in seconds
     amp = kit.amp_dtype(device, args.amp)
     autocast = partial(torch.autocast, device.type, dtype=amp or torch.float32, enabled=bool(amp))
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16: scale losses
@@ -488,11 +496,10 @@ def train(
             2 * args.batch_size,
             device,
             amp=amp,
-            loss_fn=loss_fn,
             num_workers=args.num_workers,
             pin_memory=cuda,
             collate_fn=COLLATE,
-            class_dim=CLASS_DIM,
+            **scoring,  # loss_fn, CLASS_DIM, PREDICTION: as before training
             stop=lambda: checks.received is not None,  # a SIGTERM meanwhile: stop, save, exit
         )
         if result.interrupted:  # partial sums: scored nowhere, logged nowhere

@@ -57,20 +57,21 @@ def snapshot_steps(kit, folder: Path) -> list[int]:
     return [step for step, _ in kit.list_snapshots(folder)]
 
 
-def stops_with(template, argv: list[str], capsys, error: str, says: str, error_file=None) -> None:
+def stops_with(template, argv: list[str], capsys, error: str, says: str, error_file=None) -> str:
     """main() stops with exit 1 and one line naming ``error`` and saying ``says`` (an expected
     stop). Under torchrun (``error_file``: its TORCHELASTIC_ERROR_FILE) the traceback goes to
     that file, for torchrun's summary, not to the rank's output; with plain python, no
-    summary: it is printed."""
+    summary: it is printed. Returns what the run printed before it stopped."""
     with pytest.raises(SystemExit) as stopped:
         template.main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert stopped.value.code == 1 and f"[rank0]: train.py: error: {error}: " in err, err[-3000:]
     assert says in err and ("Traceback" in err) == (error_file is None), err[-3000:]
     if error_file is not None:
         recorded = json.loads(error_file.read_text())["message"]
         assert recorded["message"].startswith(f"{error}: ") and says in recorded["message"]
         assert "Traceback" in recorded["extraInfo"]["py_callstack"], recorded
+    return out
 
 
 def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
@@ -334,21 +335,27 @@ def regression_data(args, shape=(1,), val=None):  # float targets, (n, 1) like t
 """
 
 
-def regression_copy(folder: Path, data: str = "regression_data(args)"):
-    """The template as a practitioner adapts it to a regression: the two edits its docstring
-    names (the loss, the data), nothing else; imported beside ddp_kit.py like a copy."""
+def adapted_copy(folder: Path, edits: dict[str, str], code: str, name: str):
+    """The template and ddp_kit.py copied into ``folder`` as a practitioner adapts them: each
+    edit replaces text the template holds once, ``code`` (theirs: data, a model) goes above
+    ``if __name__``, where torchrun finds it too; imported beside ddp_kit.py like a copy."""
     scripts = Path(__file__).parents[1] / "scripts"
     text = (scripts / "train.py").read_text()
-    edits = {
-        "nn.CrossEntropyLoss()": "nn.MSELoss()",
-        "kit.build_datasets(args, rank, world_size)": data,
-    }
     for old, new in edits.items():
-        assert text.count(old) == 1, f"the template no longer has {old!r}: update the docstring"
+        assert text.count(old) == 1, f"the template no longer has {old!r}: update the test"
         text = text.replace(old, new)
-    (folder / "train.py").write_text(text + REGRESSION_DATA)
+    main = '\n\nif __name__ == "__main__":'
+    (folder / "train.py").write_text(text.replace(main, code + main))
     (folder / "ddp_kit.py").write_bytes((scripts / "ddp_kit.py").read_bytes())
-    return script_module(folder / "train.py", f"regression_{folder.name}")
+    return script_module(folder / "train.py", f"{name}_{folder.name}")
+
+
+def regression_copy(folder: Path, data: str = "regression_data(args)"):
+    """The template adapted to a regression: the two edits its docstring names (the loss, the
+    data), nothing else."""
+    edits = {"nn.CrossEntropyLoss()": "nn.MSELoss()",
+             "kit.build_datasets(args, rank, world_size)": data}  # fmt: skip
+    return adapted_copy(folder, edits, REGRESSION_DATA, "regression")
 
 
 def test_a_regression_copy_is_scored_by_its_loss_and_refuses_accuracy(tmp_path, one_rank,
@@ -423,18 +430,73 @@ def test_accuracy_is_counted_for_class_indices_only(kit):
     assert math.isnan(last[0].item()) and last[1].item() == 1
 
 
-def test_a_regression_whose_targets_do_not_match_the_outputs_stops_with_both_shapes(
+def test_a_regression_whose_targets_do_not_match_the_outputs_stops_before_training(
     tmp_path, one_rank, capsys
 ):
     """Targets of shape (B,) against outputs (B, 1): MSE broadcasts them to B x B pairs with a
-    warning only, and the loss means nothing. The evaluation names both shapes, and failed.json
-    keeps every restart from training on."""
+    warning only, and the loss means nothing. The evaluation named both shapes, but after an
+    epoch of that training (helper 67); two samples scored before training name them now."""
     template = regression_copy(tmp_path, "regression_data(args, shape=())")
     argv = [*TINY, "--image-size", "4", "--num-samples", "32", "--batch-size", "16",
-            "--best-by", "val_loss", "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    with pytest.warns(UserWarning, match="target size"):
-        stops_with(template, argv, capsys, "DataError", "outputs (16, 1) and the targets (16,)")
-    assert "differ in shape" in json.loads((tmp_path / "ckpt" / "failed.json").read_text())["error"]
+            "--log-every", "1", "--best-by", "val_loss",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    out = stops_with(template, argv, capsys, "DataError", "outputs (2, 1) and the targets (2,)")
+    assert "step 1:" not in out and not template.kit.list_snapshots(tmp_path / "ckpt"), out
+
+
+DICT_OUTPUT = """
+
+class Named(torch.nn.Module):  # a model that returns a dict, as many libraries' models do
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        logits = self.body(x)
+        return {"logits": logits, "aux": logits.pow(2).mean()}
+
+
+class NamedLoss(torch.nn.Module):  # the whole output in, a mean over the batch out
+    def forward(self, out, y):
+        return torch.nn.functional.cross_entropy(out["logits"], y) + 0.01 * out["aux"]
+"""
+
+
+def test_a_model_that_returns_a_dict_is_scored_by_prediction_or_refused_before_training(
+    tmp_path, one_rank, capsys
+):
+    """Helper 67's review: a model returning {"logits": ..., "aux": ...} trained a whole epoch,
+    then crashed in the evaluation ('dict' object has no attribute 'dim'), nothing saved. Two
+    samples are scored before training: without PREDICTION the run stops before its first
+    step and names it; with it, the evaluation scores the logits, and its loss is training's,
+    of the whole output."""
+    edits = {
+        "kit.build_model(args.model, num_classes, args.image_size)":
+            "Named(kit.build_model(args.model, num_classes, args.image_size))",
+        "nn.CrossEntropyLoss()": "NamedLoss()",
+    }  # fmt: skip
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1",
+            "--log-every", "1"]  # fmt: skip
+    (tmp_path / "plain").mkdir()
+    refused = adapted_copy(tmp_path / "plain", edits, DICT_OUTPUT, "dict")
+    out = stops_with(
+        refused, argv, capsys, "DataError", "a dict, not a tensor of scores: set PREDI"
+    )
+    assert "step 1:" not in out, f"stopped before training, not after an epoch: {out}"
+    edits["\nPREDICTION = None\n"] = "\nPREDICTION = lambda out: out['logits']  # noqa: E731\n"
+    (tmp_path / "declared").mkdir()
+    template, ckpt = adapted_copy(tmp_path / "declared", edits, DICT_OUTPUT, "dict"), tmp_path / "c"
+    template.main([*argv, "--checkpoint-dir", str(ckpt)])
+    assert "done: 4 steps" in capsys.readouterr().out
+    [scored] = torch.load(template.kit.latest_snapshot(ckpt), weights_only=True)["extra"]["history"]
+    model = template.Named(template.kit.build_model("mlp", 10, 8))
+    model.load_state_dict(torch.load(ckpt / "final.pt", weights_only=True))
+    val_set = template.kit.build_datasets(template.parse_args(argv), 0, 1)[1]
+    x, y = torch.utils.data.default_collate(list(val_set))
+    with torch.no_grad():
+        out = model.eval()(x)
+    assert scored["val_loss"] == pytest.approx(template.NamedLoss()(out, y).item(), rel=1e-5)
+    assert scored["val_accuracy"] == (out["logits"].argmax(1) == y).float().mean().item()
 
 
 SEQUENCE_DATA = """
@@ -492,22 +554,14 @@ def sequence_copy(folder: Path, data: str = "sequence_data(args)", loss: str = "
     """The template adapted to a tagger over sentences of different lengths, as its docstring
     says: COLLATE, the data, the model (and ``loss``, CrossEntropyLoss's arguments; ``last``:
     scores (B, T, classes), flattened by the loss, and CLASS_DIM -1); nothing else edited."""
-    scripts = Path(__file__).parents[1] / "scripts"
-    text = (scripts / "train.py").read_text()
     edits = {
         "kit.build_datasets(args, rank, world_size)": data,
         "kit.build_model(args.model, num_classes, args.image_size)": f"Tagger(last={last})",
         "nn.CrossEntropyLoss()": f"{'FlatCrossEntropy' if last else 'nn.CrossEntropyLoss'}({loss})",
         "\nCLASS_DIM = 1\n": f"\nCLASS_DIM = {-1 if last else 1}\n",
+        "\nCOLLATE = None\n": "\nCOLLATE = None  # pad_batch, below\n",
     }
-    for old, new in edits.items():
-        assert text.count(old) == 1, f"the template no longer has {old!r}: update the test"
-        text = text.replace(old, new)
-    assert "\nCOLLATE = None\n" in text, "the template's COLLATE: update its docstring"
-    main = '\n\nif __name__ == "__main__":'  # above it: torchrun runs the file as __main__
-    (folder / "train.py").write_text(text.replace(main, SEQUENCE_DATA + main))
-    (folder / "ddp_kit.py").write_bytes((scripts / "ddp_kit.py").read_bytes())
-    return script_module(folder / "train.py", f"sequence_{folder.name}")
+    return adapted_copy(folder, edits, SEQUENCE_DATA, "sequence")
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["classes second", "classes last"])
@@ -788,7 +842,7 @@ def test_a_signal_during_a_long_evaluation_stops_it_and_saves(
     forward, evaluated, signalled = kit.MLP.forward, [], []
 
     def forward_then_signal(self, x):  # the scheduler's SIGTERM, in a known validation batch
-        if not self.training:
+        if not self.training and len(x) == 8:  # the evaluation's (2: the check before training)
             evaluated.append(len(x))
             if len(evaluated) == 3 and not signalled:
                 signalled.append(signal.SIGTERM)
