@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = not args.deterministic  # GPUs: time conv algorithms once
 
     # 3. The device, then the process group. Bind the GPU first: without set_device
-    #    every rank's first CUDA call lands on cuda:0 (seed 000's bug).
+    #    every rank's first CUDA call lands on cuda:0 (seed 002's stray contexts, lesson 03).
     store, attempt = kit.job_store(rank, world_size, args.init_timeout)  # this restart's keys
     backend, why = kit.agreed_backend(args.backend, rank, world_size, local_world, store)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")

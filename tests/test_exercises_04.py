@@ -191,11 +191,17 @@ CASES = register(
                      "    dist.broadcast(flat, src=0)  #"),)),
         Case(BUFFERS, "the-lessons-version", "4 collectives on each rank for 4 statistics",
              edits=(PER_BUFFER,)),
-        Case(BUFFERS, "flat-never-copied-back", "torch.cat (like .clone() or .flatten()) makes",
+        Case(BUFFERS, "flat-never-copied-back", "torch.cat (like .clone()) makes",
              edits=(("        b.copy_(piece.view_as(b))  # back into the model's own tensor, "
                      "in place\n", "        pass\n"),)),
         Case(BUFFERS, "flat-assigned-not-copied", "copy each piece of the reduced one back",
              edits=(("b.copy_(piece.view_as(b))", "b = piece.view_as(b)"),)),
+        # helper 68: the offset never advanced; the verdict sent the learner after a variance
+        Case(BUFFERS, "flat-copied-back-from-its-start", "an offset that advances",
+             edits=(("    for b, piece in zip(stats, flat.split([b.numel() for b in stats]), "
+                     "strict=True):\n        b.copy_(piece.view_as(b))",
+                     "    offset = 0\n    for b in stats:\n"
+                     "        b.copy_(flat[offset : offset + b.numel()].view_as(b))"),)),
         Case(BUFFERS, "flat-not-divided", "divide by the world size",
              edits=(("    flat /= world\n", ""),)),
         Case(BUFFERS, "flat-async-waited", None,

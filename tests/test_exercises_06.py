@@ -82,6 +82,10 @@ CASES = register([
     Case(EX, "norm-summed-over-the-ranks", "the norm was summed over the ranks",
          edits=(("    scaler.step(optimizer)\n",
                  "    dist.all_reduce(norm)\n    scaler.step(optimizer)\n"),)),
+    # helper 68: averaged, the norm is the same number, and the check said right
+    Case(EX, "norm-averaged-over-the-ranks", "clipping needs none",
+         edits=(("    scaler.step(optimizer)\n", "    dist.all_reduce(norm)\n"
+                 "    norm /= dist.get_world_size()\n    scaler.step(optimizer)\n"),)),
     # the exercise since the twelfth session: the step over K micro-batches (--grad-accum)
     Case(EX, "no-no-sync", "4 all_reduces in step 1 for 4 micro-batches",
          edits=((WITH, "        with nullcontext():\n"),)),

@@ -90,6 +90,18 @@ def _raced(records: list[Record]) -> str | None:
     return None
 
 
+def _misplaced(after: torch.Tensor, records: list[Record], stats: list[str]) -> str | None:
+    """Where in the means of every statistic, laid end to end as a flat all_reduce holds them,
+    ``after`` sits, when that is not its own place (a copy back whose offset never moved)."""
+    T = torch.tensor
+    means = [torch.stack([T(r["before"][k]["values"]) for r in records]).mean(0) for k in stats]
+    flat, n = torch.cat(means), after.numel()
+    for start in range(flat.numel() - n + 1):
+        if torch.allclose(flat[start : start + n], after, rtol=1e-5, atol=1e-6):
+            return f"the reduced tensor's elements {start} to {start + n - 1}"
+    return None
+
+
 def _judge_means(records: list[Record], stats: list[str]) -> str | None:
     """Each statistic, the same on every rank: the mean over the ranks, or which wrong one."""
     T, n = torch.tensor, len(records)
@@ -110,6 +122,11 @@ def _judge_means(records: list[Record], stats: list[str]) -> str | None:
             return (f"{name} is the mean over the ranks divided by {n} again: averaged twice - "
                     "ReduceOp.AVG divides already; with it, no `buffer /= world` (or SUM, then "
                     "divide once)")  # fmt: skip
+        if hit := _misplaced(after, records, stats):
+            return (f"{name} holds the mean of other statistics ({hit}): copying back, "
+                    "each buffer takes its own piece of the reduced tensor - an offset that "
+                    "advances by each buffer's numel(), or flat.split([b.numel() for b in "
+                    "stats])")  # fmt: skip
         pooled = " (not a pooled variance: each statistic as it is)" if "var" in name else ""
         return (f"{name} is the same on every rank but neither the mean over the ranks nor "
                 f"rank 0's: the plain mean of each buffer{pooled} - all_reduce (SUM), wait if "
@@ -124,7 +141,7 @@ def judge_buffers(records: list[Record]) -> str | None:
     if all(r["after"] == r["before"] for r in records):
         if any(r["calls"] for r in records):
             return ("the statistics were reduced, but the model's buffers never changed: "
-                    "torch.cat (like .clone() or .flatten()) makes a new tensor - copy each "
+                    "torch.cat (like .clone()) makes a new tensor - copy each "
                     "piece of the reduced one back into its buffer, in place "
                     "(buffer.copy_(piece.view_as(buffer)))")  # fmt: skip
         return ("the buffers were not touched: each rank still holds the running statistics of "

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.lesson04 import EVERY, counted
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
 from ddp_tutorial.exercises.spies import spying
 
@@ -138,7 +139,9 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         calls.clear()
         clips.clear()
         syncs.clear()
-        with spying(("clip_grad_norm_",), clipped, module, source=torch.nn.utils):
+        collectives: list[str] = []  # the learner's and DDP's (its hook calls dist.all_reduce)
+        with (spying(("clip_grad_norm_",), clipped, module, source=torch.nn.utils),
+              counted(EVERY, collectives, module)):  # fmt: skip
             norm = module.train_step(model, optimizer, scheduler, scaler, micro, MAX_NORM)
         w = _flat(model.module)
         steps.append({
@@ -148,9 +151,18 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
-            "syncs": len(syncs),
+            "syncs": len(syncs), "own": _without(collectives, ["all_reduce"] * len(syncs)),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
+
+
+def _without(calls: list[str], theirs: list[str]) -> list[str]:
+    """``calls`` less one of each of ``theirs`` (DDP's all_reduces, through its comm hook)."""
+    left = list(calls)
+    for name in theirs:
+        if name in left:
+            left.remove(name)
+    return left
 
 
 def judge_clip(records: list[Record]) -> str | None:
@@ -204,6 +216,13 @@ def judge_clip(records: list[Record]) -> str | None:
                         '(lesson 06, "Three things every real loop needs")')  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
                     f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+        if own := max((row.get("own", []) for row in rows), key=len):
+            return (f"the numbers are right, but step {step + 1} made {len(own)} collective(s) "
+                    f"of your own ({', '.join(own)}): clipping needs none - after DDP's "
+                    "all_reduce every rank holds the same gradients, so clip_grad_norm_ "
+                    "measures the same norm on every rank, and each collective makes every "
+                    "rank wait for the slowest, every step "
+                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     return None
 
 
