@@ -80,6 +80,18 @@ def test_an_untouched_stub_is_named_without_a_launch(capsys):
     assert "lesson 01" in out
 
 
+@pytest.mark.torchrun  # a Python process (no launch: an untouched stub)
+def test_python_dash_m_checks_as_the_command_does():
+    """Two learners ran `python -m ddp_tutorial.harness.exercise_check 05 FILE`: it printed
+    nothing and exited 0, which reads as a pass."""
+    import subprocess
+    import sys
+
+    module = [sys.executable, "-m", "ddp_tutorial.harness.exercise_check", "01"]
+    done = subprocess.run(module, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "not started yet" in done.stdout, done
+
+
 def test_unknown_lessons_and_files_get_a_clear_error(capsys, tmp_path):
     assert exercise_check.main("99", []) == 2
     assert "lessons with exercises are" in capsys.readouterr().err

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 RING, GATHER = "01_ring_average", "01_gather_uneven"
 ISEND = "        request = dist.isend(send_buf, dst=(rank + 1) % world)\n"
 TRIM = "    result = [g[: int(n.item())] for g, n in zip(gathered, lengths, strict=True)]\n"
+SOLUTION = Path(__file__).parents[1] / "scripts/exercises/solutions/01_ring_average.py"
+RING_LOOP = SOLUTION.read_text().split("    total = tensor.clone()\n")[1].split("    # END")[0]
+RING_LOOP = RING_LOOP[RING_LOOP.index("    send_buf, recv_buf") : RING_LOOP.index("    total /=")]
 CASES = register([
     # from an eighth learner review: one output tensor for every rank ([t] * world)
     Case(GATHER, "one-buffer-for-every-rank", "",
@@ -75,6 +80,23 @@ CASES = register([
                  "    gathered = [padded.clone() if r == dist.get_rank() else torch.empty_like("
                  "padded) for r in range(world)]\n"
                  "    for r in range(world):\n        dist.broadcast(gathered[r], src=r)\n"),)),
+    # helper 70: on 3 ranks both others are neighbours, and a star or an exchange with
+    # everyone passed as a ring
+    Case(RING, "a-star-through-rank-0", "in a ring each rank sends to one neighbour",
+         edits=((RING_LOOP, "    if rank == 0:\n        for src in range(1, world):\n"
+                 "            buf = torch.empty_like(tensor)\n"
+                 "            dist.recv(buf, src=src)\n            total += buf\n"
+                 "        for dst in range(1, world):\n            dist.send(total, dst=dst)\n"
+                 "    else:\n        dist.send(tensor, dst=0)\n"
+                 "        dist.recv(total, src=0)\n"),)),
+    Case(RING, "an-exchange-with-everyone", "in a ring each rank sends to one neighbour",
+         edits=((RING_LOOP, "    for peer in range(world):\n        if peer != rank:\n"
+                 "            request = dist.isend(tensor, dst=peer)\n"
+                 "            buf = torch.empty_like(tensor)\n"
+                 "            dist.recv(buf, src=peer)\n            request.wait()\n"
+                 "            total += buf\n"),)),
+    Case(GATHER, "padded-with-zero-trimmed-by-value", "lost its 0s",
+         edits=((TRIM, "    result = [g[g != 0] for g in gathered]\n"),)),
     # from a third learner review
     Case(RING, "send-buffer-refilled-before-the-wait", "changed the tensor of an isend",
          edits=(("        request.wait()\n        total += recv_buf\n"

@@ -1,9 +1,11 @@
 """Lesson 01's exercises: collectives built by hand.
 
-``01_ring_average``: the mean over ranks from point-to-point sends around a ring (3 ranks, so
-that a neighbour is not everyone). ``01_gather_uneven``: all_gather of tensors whose lengths
-differ by rank. Each ``run`` records, on its rank, what the learner's function returned and
-which calls it made; each ``judge`` names the first mistake.
+``01_ring_average``: the mean over ranks from point-to-point sends around a ring (3 ranks;
+there both other ranks are neighbours, so a ring is told from a star or an exchange with
+everyone by its links: each rank sends to one of them and receives from the other).
+``01_gather_uneven``: all_gather of tensors whose lengths differ by rank. Each ``run``
+records, on its rank, what the learner's function returned and which calls it made; each
+``judge`` names the first mistake.
 """
 
 from __future__ import annotations
@@ -130,6 +132,20 @@ def run_ring(module: ModuleType, ctx: Context) -> Record:
     return {"got": _values(got), "calls": calls, "dropped": dropped, "touched": touched}
 
 
+def _not_a_ring(rank: int, calls: list[tuple[str, Any]]) -> str | None:
+    """A ring's links: one rank sent to, another received from (a star's centre receives from
+    everyone; an exchange with everyone sends to everyone)."""
+    to = sorted({p for c, p in calls if c in ("send", "isend") and p is not None})
+    came = sorted({p for c, p in calls if c in ("recv", "irecv") and p is not None})
+    if len(to) > 1 or len(came) > 1 or (to and to == came):
+        return (f"rank {rank} sent to rank(s) {to} and received from {came}: in a ring each "
+                "rank sends to one neighbour, (rank + 1) % world_size, and receives from the "
+                "other, (rank - 1) % world_size, passing on what it received - every link "
+                "carries the same load (a rank that gathers from everyone carries them "
+                "all)")  # fmt: skip
+    return None
+
+
 def judge_ring(records: list[Record]) -> str | None:
     n = len(records)
     inputs = [ring_input(r) for r in range(n)]
@@ -146,6 +162,8 @@ def judge_ring(records: list[Record]) -> str | None:
         if far:
             return (f"rank {rank} talked to rank {far[0]}: in a ring, rank r sends only to "
                     "(r + 1) % world_size and receives only from (r - 1) % world_size")  # fmt: skip
+        if mistake := _not_a_ring(rank, rec["calls"]):
+            return mistake
         if rec.get("touched"):  # a race: right or wrong by luck, so named before the numbers
             return (f"rank {rank} changed the tensor of an {rec['touched'][0]} before its .wait(): "
                     "the neighbour may get the old values or the new - wait on it before "
@@ -183,9 +201,12 @@ LENGTHS = (2, 3, 4, 2)
 
 def uneven_input(rank: int) -> torch.Tensor:
     """Labels, say: int64, so that a float padding buffer shows; each starts with -1 (an
-    ignored label), so that a -1 padding trimmed by value shows too."""
+    ignored label) and a longer one holds a 0 inside, so that a padding of -1 or of 0 trimmed
+    by value shows too (a loss of its end would read as a trim to the wrong length)."""
     x = torch.arange(LENGTHS[rank % len(LENGTHS)], dtype=torch.int64) + 100 * rank
     x[0] = -1
+    if len(x) > 2:
+        x[1] = 0
     return x
 
 
@@ -225,10 +246,12 @@ def judge_gather(records: list[Record]) -> str | None:
                     f"on rank {rank}, rank {src}'s tensor still has its padding ({len(g)} "
                     f"values, not {len(w)}): trim each to the length its rank sent"
                 )
-            if isinstance(g, list) and len(g) < len(w) and g == [v for v in w if v != w[0]]:
-                return (f"on rank {rank}, rank {src}'s tensor lost its {w[0]}s: trimmed by "
-                        f"value, like the padding - trim by the lengths gathered ({w[0]} can be "
-                        "a real label)")  # fmt: skip
+            lost = [v for v in dict.fromkeys(w) if isinstance(g, list) and len(g) < len(w)
+                    and g != w[: len(g)] and g == [x for x in w if x != v]]  # fmt: skip
+            if lost:
+                return (f"on rank {rank}, rank {src}'s tensor lost its {lost[0]}s: trimmed by "
+                        f"value, like the padding - trim by the lengths gathered ({lost[0]} can "
+                        "be a real label)")  # fmt: skip
             if isinstance(g, list) and len(g) != len(w):
                 return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
                         "gather every rank's length first, then trim each to its own")  # fmt: skip

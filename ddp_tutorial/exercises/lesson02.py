@@ -106,9 +106,9 @@ def _judge_reads(records: list[Record]) -> str | None:
             "give rank r the samples r, r + N, r + 2N, ..., and add the ranks' counts"
         )
     if n > 1 and whole and not any(reads[r] for r in range(n) if r not in whole):
-        return (f"rank {whole[0]} evaluated the whole set alone while the others waited: split "
-                "it (rank r takes r, r + N, r + 2N, ...) and add the ranks' counts with "
-                'dist.all_reduce (lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
+        return (f"rank {whole[0]} evaluated the whole set alone, the others none of it: the "
+                "right numbers, one rank doing every rank's work - split it (rank r takes r, "
+                "r + N, r + 2N, ...) and add the ranks' counts with dist.all_reduce")  # fmt: skip
     missing = sorted(set(range(VAL_LENGTH)) - set().union(*reads))
     if any(reads) and missing:
         return (f"samples {missing} were never evaluated: drop_last=True (or a split that stops "
@@ -117,22 +117,30 @@ def _judge_reads(records: list[Record]) -> str | None:
     return None
 
 
-def _judge_count(records: list[Record], count: int) -> str | None:
-    """A total count other than the set's length: why."""
+def _judge_repeats(records: list[Record], got: list[Any]) -> str | None:
+    """A sample evaluated on two ranks: its prediction counted twice, whatever the count says
+    (a count set to len(dataset) afterwards hides the repeat, not its prediction)."""
     n = len(records)
     reads = Counter(i for rec in records for i in set(rec["read"]))
     twice = sorted(i for i, k in reads.items() if k > 1)
-    if twice:
-        ranks = [r for r, rec in enumerate(records) if twice[0] in rec["read"]]
-        return (
-            f"counted {count} samples: sample {twice[0]} was evaluated twice (on ranks {ranks}): "
-            f"a DistributedSampler pads {VAL_LENGTH} samples to a multiple of {n} by repeating "
-            "some, and the sums count the repeats - split without padding (rank r takes r, "
-            "r + N, r + 2N, ...)"
-        )
-    if "AVG" in records[0]["ops"]:
+    if not twice:
+        return None
+    ranks = [r for r, rec in enumerate(records) if twice[0] in rec["read"]]
+    return (
+        f"returned {got}: sample {twice[0]} was evaluated twice (on ranks {ranks}): "
+        f"a DistributedSampler pads {VAL_LENGTH} samples to a multiple of {n} by repeating "
+        "some, and the sums count the repeats - split without padding (rank r takes r, "
+        "r + N, r + 2N, ...)"
+    )
+
+
+def _judge_count(records: list[Record], count: int) -> str | None:
+    """A total count other than the set's length: why."""
+    n = len(records)
+    if "AVG" in records[0]["ops"] or count in (VAL_LENGTH // n, round(VAL_LENGTH / n)):
         return (f"counted {count} samples, not {VAL_LENGTH}: the ranks' counts were averaged "
-                "(ReduceOp.AVG) - add them with the default SUM")  # fmt: skip
+                "(ReduceOp.AVG) or divided by the world size after the all_reduce - counts add "
+                "up: add them with the default SUM, and divide nothing")  # fmt: skip
     if count == VAL_LENGTH + (-VAL_LENGTH % n):
         return (f"counted {count} samples, not {VAL_LENGTH}: a padded DistributedSampler counts "
                 "its repeats twice - split without padding")  # fmt: skip
@@ -172,6 +180,9 @@ def judge_accuracy(records: list[Record]) -> str | None:
             "with dist.all_reduce"
         )
     got_correct, count = got[0]
+    if count != VAL_LENGTH or got_correct != truth_correct():  # a repeat first: it explains both
+        if mistake := _judge_repeats(records, got[0]):  # (deduplicated: right, and not here)
+            return mistake
     if count != VAL_LENGTH:
         return _judge_count(records, count)
     if got_correct != truth_correct():

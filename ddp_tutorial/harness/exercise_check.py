@@ -306,3 +306,9 @@ def main(key: str, files: Sequence[str], solution: bool = False) -> int:
     for v in verdicts:
         print(v.line())
     return 0 if all(v.passed for v in verdicts) else 1
+
+
+if __name__ == "__main__":  # `python -m` this module: the same as `ddp-tutorial check`, not silence
+    from ddp_tutorial.harness.cli import main as cli
+
+    sys.exit(cli(["check", *sys.argv[1:]]))

@@ -6,7 +6,7 @@ tensor, in rank order, on every rank, each with its own length and dtype (the ch
 int64 labels, -1 among them), the tensors through ``dist.all_gather`` (not
 ``all_gather_object``: it pickles on the CPU; a few lengths may go either way).
 
-Check it (2 gloo ranks; rank 0 has 1 value, rank 1 has 3):
+Check it (2 gloo ranks; rank 0 has 2 values, rank 1 has 3):
 
     ddp-tutorial check 01
 """
