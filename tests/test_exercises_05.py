@@ -27,6 +27,11 @@ CASES = register([
          edits=(("    if dist.get_rank() == 0:\n", "    if True:\n"),)),
     Case(SNAP, "local-rank-writes", "one writer per node",
          edits=(("if dist.get_rank() == 0:", 'if int(os.environ["LOCAL_RANK"]) == 0:'),)),
+    # helper 69: what the file holds was blamed on the barrier (the file's epoch read as late)
+    Case(SNAP, "next-epoch-saved", "it was asked to save epoch",
+         edits=(('"epoch": epoch, "step": step}', '"epoch": epoch + 1, "step": step}'),)),
+    Case(SNAP, "epoch-left-out", "the snapshot has no ['epoch']",
+         edits=(('"epoch": epoch, "step": step}', '"step": step}'),)),
     Case(SNAP, "no-barrier", "dist.barrier()",
          edits=(("    dist.barrier()\n", ""),)),
     Case(SNAP, "in-place-save", "never half",

@@ -300,7 +300,7 @@ def run_atomic(module: ModuleType, ctx: Context) -> Record:
 
 
 def _judge_writes(records: list[Record]) -> str | None:
-    """Who wrote, whether the others waited, and what the file holds."""
+    """Who wrote, what the file holds, then (a wrong epoch reads as late) who waited."""
     first = records[0]
     writers = [r["rank"] for r in records if r["saves"]]
     if len(writers) > 1:
@@ -331,15 +331,6 @@ def _judge_writes(records: list[Record]) -> str | None:
             return f"rank {r['rank']}: save_snapshot raised {error}"
     if not writers or first["saved"] is None:
         return "no snapshot was written: rank 0 must torch.save the state"
-    late = [r["rank"] for r in records if not r["there_on_return"]]
-    if late:
-        return (
-            f"rank {late[0]} returned from save_snapshot before rank 0's new file was in "
-            "place (rank 0 was still writing or renaming it; the folder held an older "
-            "snapshot): every rank must wait at dist.barrier() after the rename - not before "
-            "it, not by polling for the file - so that no rank reads a file that is not this "
-            'save\'s (lesson 05, "The lines you write")'
-        )
     saved = first["saved"]
     if "error" in saved:
         return f"the snapshot does not load with weights_only=True: {saved['error']}"
@@ -358,6 +349,15 @@ def _judge_writes(records: list[Record]) -> str | None:
                 f"to save epoch {EPOCH}, step {STEP}")  # fmt: skip
     if not saved["momentum"]:
         return "the optimizer's state is empty: save optimizer.state_dict() (its momentum)"
+    late = [r["rank"] for r in records if not r["there_on_return"]]
+    if late:
+        return (
+            f"rank {late[0]} returned from save_snapshot before rank 0's new file was in "
+            "place (rank 0 was still writing or renaming it; the folder held an older "
+            "snapshot): every rank must wait at dist.barrier() after the rename - not before "
+            "it, not by polling for the file - so that no rank reads a file that is not this "
+            'save\'s (lesson 05, "The lines you write")'
+        )
     return None
 
 

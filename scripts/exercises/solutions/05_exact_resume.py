@@ -74,7 +74,10 @@ def train(args: argparse.Namespace, folder: Path, name: str, stop_after: int | N
         if rank == 0:  # the snapshot: rank 0 alone, atomically (exercise 05_atomic_snapshot)
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                      "epoch": epoch}  # fmt: skip
-            torch.save(state, folder / "snapshot.pt.tmp")
+            with open(folder / "snapshot.pt.tmp", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(folder / "snapshot.pt.tmp", snapshot)
         dist.barrier()
         if epoch == stop_after:

@@ -37,7 +37,10 @@ def save_snapshot(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` atomically (lesson 05). Call it on global rank 0 only."""
     SAVES.append({"step": state.get("step"), "in_handler": in_sigterm_handler()})
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes on the disk before the rename (lesson 05, section 2)
     os.replace(tmp, path)
 
 
