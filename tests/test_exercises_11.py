@@ -9,6 +9,22 @@ from exercise_cases import BY_NAME, Case, assert_verdict, register
 EX = "11_bf16_hook"
 AMP = "11_amp_step"
 CASES = register([
+    # helper 72: a scaled loss returned (and logged) passed, backward under autocast passed,
+    # and a hook that cast DDP's own bucket (buffer.data = ...) passed
+    Case(AMP, "scaled-loss-returned", "the loss times the scale",
+         edits=(("            to_backward = scaler.scale(loss)  # fp16: small gradients stay "
+                 "above 0\n", "            loss = scaler.scale(loss)\n"
+                 "            to_backward = loss\n"),)),
+    Case(AMP, "a-made-up-loss-returned", "the step's loss is",
+         edits=(("    return total", "    return 12345.0"),)),
+    Case(AMP, "backward-under-autocast", "backward() ran inside torch.autocast",
+         edits=(("            to_backward.backward()\n",
+                 "            with torch.autocast(x.device.type, dtype=dtype):\n"
+                 "                to_backward.backward()\n"),)),
+    Case(EX, "bucket-cast-in-place", "changed the bucket's own tensor",
+         edits=(("    compressed = buffer.to(torch.bfloat16).div_(world_size)  # divide first: "
+                 "DDP averages\n", "    buffer.data = buffer.to(torch.bfloat16) / world_size\n"
+                 "    compressed = buffer\n"),)),
     Case(AMP, "all-reduce-every-micro-batch", "model.no_sync()",
          edits=(("sync = nullcontext() if last else model.no_sync()", "sync = nullcontext()"),)),
     Case(AMP, "no-autocast", "torch.autocast",
@@ -121,7 +137,7 @@ CASES = register([
 def test_a_bucket_copied_before_the_sum_arrived_is_named():
     """Chained on the stub's completed Future, the copy runs before gloo's sum has arrived
     (when exactly is a race, so this is the judge alone): each rank's own gradient / n."""
-    from ddp_tutorial.exercises.lesson11 import STEPS, judge_hook
+    from ddp_tutorial.exercises.lesson11_hook import STEPS, judge_hook
 
     plain, alone = [[0.5, -1.0, 2.0]] * STEPS, [[1.0, -4.0, 2.0]] * STEPS
     sent = [[("bfloat16", 6, True)]] * STEPS

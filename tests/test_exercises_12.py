@@ -64,6 +64,10 @@ CASES = register(
                      "        work = dist.all_reduce(flat, async_op=True)\n        work.wait()\n"),)),  # noqa: E501
         Case(BUCKETS, "no-wait-before-step", "never waited on before optimizer.step()",
              edits=(("            work.wait()\n", ""),)),
+        # helper 71: a bucket smaller than the others never sent got "reset the counts"
+        Case(BUCKETS, "smaller-bucket-never-sent", "counted in parameters",
+             edits=(("        if self.ready[i] == len(self.buckets[i]):",
+                     "        if self.ready[i] == max(len(b) for b in self.buckets):"),)),
         Case(BUCKETS, "ready-counts-not-reset", "are the ready counts reset",
              edits=(("        self.pending.clear()\n        self.ready = [0] * len(self.buckets)\n",
                      "        self.pending.clear()\n"),)),

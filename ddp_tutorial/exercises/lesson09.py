@@ -99,9 +99,9 @@ def judge_hang(records: list[Record]) -> str | None:
         missed = sorted(set(LABELLED) - set(seen))
         if missed:
             return (f"sample {missed[0]} was never trained on in epoch {epoch} ({len(missed)} "
-                    "missed): cutting the shards to the same length drops samples; pad the "
-                    'short one instead, as DistributedSampler does (lesson 09, "7 · Uneven '
-                    'inputs")')  # fmt: skip
+                    "missed): cutting the shards to the same length (or drop_last=True) drops "
+                    "samples; pad the short one instead, as DistributedSampler does with its "
+                    'default drop_last=False (lesson 09, "7 · Uneven inputs")')  # fmt: skip
         extra = len(seen) - len(LABELLED)
         if extra >= n:  # DistributedSampler repeats at most world_size - 1 samples
             return (f"epoch {epoch} trained {len(seen)} samples for {len(LABELLED)} labelled "

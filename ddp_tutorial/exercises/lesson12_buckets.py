@@ -87,6 +87,18 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
     return None
 
 
+def _miscounted(rank: int, step: int, calls: int, buckets: int) -> str:
+    """Not one all_reduce per bucket in a step: the likely cause by when and which way."""
+    why = ("are the ready counts reset after each step?" if step else "a bucket goes when its "
+           "last parameter is ready, counted in parameters (ready == len(bucket)), not in "
+           "bytes: the last bucket never fills the cap" if calls < buckets
+           else "was a bucket sent twice?")  # fmt: skip
+    return (
+        f"rank {rank} called all_reduce {calls} times in step {step}, for {buckets} "
+        f'buckets: exactly one per bucket per step ({why}) (lesson 12, "Your turn")'
+    )
+
+
 def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> str | None:
     """One rank's all_reduces and waits, step by step: one per bucket, async, overlapped."""
     calls, waits, steps = (per_step(rec, k) for k in ("all_reduce", "wait", "step"))
@@ -99,12 +111,7 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if len(calls[s]) != len(want):
-            return (
-                f"rank {rank} called all_reduce {len(calls[s])} times in step {s}, "
-                f"for {len(want)} buckets: exactly one per bucket per step (are the "
-                "ready counts reset after each step?) "
-                '(lesson 12, "Your turn")'
-            )
+            return _miscounted(rank, s, len(calls[s]), len(want))
         blocking = [c for c in calls[s] if not c["async_op"]]
         if blocking:
             return (

@@ -15,6 +15,8 @@ waits 8 s fails, and the check names the rank and the line it waited at):
     ddp-tutorial check 09
 
 or run it yourself: torchrun --standalone --nproc-per-node 2 scripts/exercises/09_find_the_hang.py
+(as it is it hangs, silently: gloo waits 30 minutes by default - Ctrl-C stops it; lesson
+09's habit 1 shortens the wait, and the check does)
 """
 
 import argparse

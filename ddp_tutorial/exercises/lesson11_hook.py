@@ -1,0 +1,192 @@
+"""Lesson 11's second exercise: a comm hook that compresses the gradients to bf16.
+
+``11_bf16_hook``: the learner writes the hook torch ships as ``default_hooks.bf16_compress_hook``.
+``run`` trains two copies of one model side by side on every rank: plain DDP, and DDP with the
+learner's hook; it records both gradients, what the hook handed to ``dist.all_reduce`` (dtype,
+bytes) and the dtype of DDP's buckets as the hook got and left them. The judge names the
+first mistake: nothing sent, float32 sent, DDP's own bucket changed, the sum instead of the
+mean, ranks that disagree, or gradients further from DDP's than bf16's rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.lesson11 import ready_for_ddp
+from ddp_tutorial.exercises.spies import is_async, spying
+
+STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
+TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
+LATE_S = 0.5  # rank 1 starts the hooked backward this late: rank 0's sum cannot arrive sooner
+
+
+def grads(model: nn.Module) -> list[float]:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+
+
+def run_hook(module: ModuleType, ctx: Context) -> Record:
+    """Plain DDP and DDP with the learner's hook, the same model and data; what each computed."""
+    ready_for_ddp(ctx)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
+    buckets: list[int] = []  # the hook's calls, one per bucket, in this step
+    handed: set[str] = set()  # the dtypes of DDP's buckets as the hook got and left them
+
+    # per call: (whether the Future the hook returned had its sum, when the hook was entered)
+    done_at_return: list[tuple[bool, float]] = []
+
+    @functools.wraps(module.bf16_compress_hook)  # DDP checks the learner's signature
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        buckets.append(1)
+        handed.add(str(bucket.buffer().dtype).removeprefix("torch."))  # DDP's: float32
+        entered = time.monotonic()  # one clock for every process of this machine
+        future = module.bf16_compress_hook(state, bucket)
+        handed.add(str(bucket.buffer().dtype).removeprefix("torch."))  # and left: float32
+        done_at_return.append((bool(getattr(future, "done", lambda: False)()), entered))
+        return future
+
+    hooked.register_comm_hook(None, hook)
+    sent: list[tuple[str, int, bool]] = []
+
+    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensor = args[0] if args else kwargs["tensor"]
+        size = tensor.numel() * tensor.element_size()
+        sent.append((str(tensor.dtype).removeprefix("torch."), size, is_async(args, kwargs)))
+
+    g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
+    record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
+                      "buckets": [], "started": [], "handed": []}  # fmt: skip
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
+            model.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if name == "hooked":  # what the learner's hook hands to the backend
+                if ctx.rank == 1:  # so rank 0's hook cannot have the sum before it returns
+                    time.sleep(LATE_S)
+                record["started"].append(time.monotonic())
+                with spying(("all_reduce",), note, module):
+                    loss.backward()
+            else:
+                loss.backward()
+            record[name].append(grads(model))
+        record["sent"].append(list(sent))
+        record["buckets"].append(len(buckets))
+        record["handed"].append(sorted(handed))
+        handed.clear()
+        record["returned"].append(list(done_at_return))
+        sent.clear()
+        buckets.clear()
+        done_at_return.clear()
+    record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
+    return record
+
+
+def _waited_inside(records: list[Record], step: int) -> str | None:
+    """Rank 0's hook returned a Future already complete although it began before rank 1's
+    backward (LATE_S late on purpose): its sum could not be there unless the hook waited. A
+    host that delayed rank 0 by LATE_S: no verdict."""
+    late = records[1]["started"][step] if len(records) > 1 else 0.0
+    if not any(done and entered < late for done, entered in records[0]["returned"][step]):
+        return None
+    return (f"rank 0's hook returned in step {step} with the sum already in, though rank 1 "
+            f"started its backward {LATE_S:g} s late on purpose: the hook waited inside "
+            "(work.wait(), or .wait() on its future) and backward stopped at the bucket until "
+            "the sum arrived - return work.get_future().then(fn) without waiting; DDP waits on "
+            "it after backward")  # fmt: skip
+
+
+def judge_hook(records: list[Record]) -> str | None:
+    for rank, rec in enumerate(records):
+        for step in range(STEPS):
+            sent = rec["sent"][step]
+            if not sent:
+                return (f"rank {rank}'s hook sent nothing in step {step}: it must "
+                        "dist.all_reduce the bucket (without it each rank keeps its own "
+                        "gradients and the replicas drift apart)")  # fmt: skip
+            if rec.get("handed", [["float32"]] * STEPS)[step] != ["float32"]:
+                return (f"rank {rank}'s hook left DDP's bucket {rec['handed'][step][0]} in step "
+                        f"{step}: it changed the bucket's own tensor (buffer.data = ...), which "
+                        "DDP keeps: its gradients stay in bfloat16 from then on - compress a "
+                        "copy (buffer.to(torch.bfloat16)) and copy the sum back into the float32 "
+                        "buffer")  # fmt: skip
+            dtypes = sorted({d for d, _, _ in sent})
+            if dtypes != ["bfloat16"]:
+                return (f"rank {rank}'s hook sent {', '.join(dtypes)}: cast the bucket to "
+                        "torch.bfloat16 before the all_reduce (half the bytes)")  # fmt: skip
+            if len(sent) > rec["buckets"][step]:
+                return (f"rank {rank}'s hook made {len(sent)} all_reduces for "
+                        f"{rec['buckets'][step]} bucket(s) in step {step}: one per bucket - "
+                        "send bucket.buffer(), whole (its gradients one by one are many small "
+                        "sends)")  # fmt: skip
+            total = sum(b for _, b, _ in sent)
+            if 2 * total != rec["bytes_fp32"]:
+                return (f"rank {rank}'s hook sent {total} bytes in step {step}, not half of "
+                        f"the {rec['bytes_fp32']} float32 bytes of the gradients: send each "
+                        "bucket once, whole")  # fmt: skip
+            if not all(async_op for _, _, async_op in sent):
+                return (f"rank {rank}'s hook waited for its all_reduce (no async_op=True): "
+                        "backward stops at every bucket until the sum has arrived - pass "
+                        "async_op=True and chain .then(fn) on work.get_future(), so that DDP "
+                        "overlaps the sending with the rest of backward")  # fmt: skip
+            want, got = torch.tensor(rec["plain"][step]), torch.tensor(rec["hooked"][step])
+            scale = want.abs().max().item()
+            n = len(records)
+            own = torch.tensor(rec["alone"][step]) / n
+            if n > 1 and (got - own).abs().max().item() <= TOLERANCE * scale:
+                return (f"rank {rank}'s gradients are its own divided by {n}: the bucket was "
+                        "copied back before the sum arrived - chain .then(fn) on the "
+                        "all_reduce's own future (work.get_future()), not on a Future that is "
+                        "already complete")  # fmt: skip
+            if n > 1 and (got - want / n).abs().max().item() <= TOLERANCE * scale:
+                return (f"rank {rank}'s gradients are DDP's divided by {n}: the world size "
+                        "divided them twice - once, before (or after) the sum")  # fmt: skip
+            if (got - n * want).abs().max().item() <= TOLERANCE * n * scale:
+                return (f"rank {rank}'s gradients are {n} times DDP's: divide by the world "
+                        "size (DDP averages the gradients, all_reduce sums them)")  # fmt: skip
+            gap = (got - want).abs().max().item() / scale
+            if gap > TOLERANCE:
+                return (f"rank {rank}'s gradients differ from DDP's by {gap:.2g} of the largest "
+                        f"(more than bf16's rounding, {TOLERANCE:g}) in step {step}: copy the "
+                        "all-reduced sum back into the bucket and return it")  # fmt: skip
+            if rank == 0 and (mistake := _waited_inside(records, step)):
+                return mistake
+    hooked = [rec["hooked"] for rec in records]
+    if any(h != hooked[0] for h in hooked):
+        return "the ranks ended with different gradients: every rank must use the same sum"
+    return None
+
+
+ERRORS = (
+    ("Expected a proper Tensor but got None", "the function given to .then() returned None: "
+     "return the bucket's tensor from it (DDP copies what the Future holds into the "
+     "gradients)"),
+    ("isPyObject()", "the hook returned all_reduce's own Future, whose value is a list [tensor], "
+     "not the bucket's tensor: chain .then(fn) and return the bucket from fn"),
+    ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
+     "time: no `from __future__ import annotations` in this file): keep "
+     "`(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]`"),
+)  # fmt: skip
+
+EXERCISES = [
+    Exercise(
+        name="11_bf16_hook", lesson="11", run=run_hook, judge=judge_hook,
+        title="a comm hook that sends the gradients as bfloat16",
+        teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
+        proves=(
+            "each bucket sent once, as bfloat16, asynchronously; the gradients equal DDP's within"
+            " bfloat16's rounding, on every rank"
+        ),
+    ),
+]  # fmt: skip
