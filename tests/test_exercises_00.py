@@ -8,6 +8,10 @@ from exercise_cases import Case, assert_verdict, register
 EX = "00_convert_loop"
 IDS = 'int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])'
 CASES = register([
+    # helper 73: a loss divided by the world size got "wrap the model in DDP"
+    Case(EX, "loss-divided-by-the-world-size", "divided by the world size",
+         edits=(("            loss = nn.functional.cross_entropy(model(x), y)\n",
+                 "            loss = nn.functional.cross_entropy(model(x), y) / world_size\n"),)),
     Case(EX, "no-set-epoch", "sampler.set_epoch(epoch)",
          edits=(("        sampler.set_epoch(epoch)\n", ""),)),
     Case(EX, "every-rank-saves", "only rank 0 must save",

@@ -79,7 +79,8 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
         # the learning rate scaled by the world size, a rule lesson 00 does not apply
         n = ctx.world_size
         others = {"batch_x_world": reference_weights(n * n),
-                  "lr_x_world": reference_weights(n, LR * n)}  # fmt: skip
+                  "lr_x_world": reference_weights(n, LR * n),
+                  "lr_over_world": reference_weights(n, LR / n)}  # fmt: skip
         for name, other in others.items():
             record[f"gap_{name}"] = max((plain[k] - other[k]).abs().max().item() for k in other)
     return record
@@ -147,8 +148,14 @@ def _judge_saved(first: Record, n: int) -> str | None:
         return (f"the weights are those of a global batch of {n * n * BATCH}, not {n * BATCH}: "
                 "--batch-size is per process - keep batch_size=args.batch_size (2 processes "
                 "x 16 train what 1 x 32 trains)")  # fmt: skip
+    if first.get("gap_lr_over_world", 1.0) <= 1e-5:
+        return (f"the weights are those of a learning rate of --lr / {n}: the loss (or the "
+                "rate) was divided by the world size, but DDP's backward averages the gradients "
+                "over the ranks already - divide neither "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if first["gap_lr_x_world"] <= 1e-5:
-        return (f"the weights are those of a learning rate {n} times --lr: this lesson keeps "
+        return (f"the weights are those of a learning rate {n} times --lr (or of a loss times "
+                f"{n}): this lesson keeps "
                 "--lr as it is, to train exactly what one process trains on the global batch; "
                 "a rate changes with a global batch that grows "
                 '(lesson 02, "The global batch and the learning rate")')  # fmt: skip
