@@ -50,6 +50,9 @@ CASES = register(
         Case(GPU, "rank-minus-node-offset", "RANK - GROUP_RANK x LOCAL_WORLD_SIZE",
              edits=((LOCAL, 'local_rank = int(env["RANK"]) - int(env.get("GROUP_RANK", 0)) '
                             '* int(env["LOCAL_WORLD_SIZE"])'),)),
+        # noticed by the sixteenth session: a hard-coded cuda:0 was told "not os.environ"
+        Case(GPU, "hard-coded-cuda-0", "cuda:0 for every rank in every environment",
+             edits=((DEVICE, 'device = torch.device("cuda", 0)'),)),
     ]
 )  # fmt: skip
 

@@ -45,6 +45,15 @@ CASES = register([
                  "    per_rank = -(-len(rest) // world_size)\n"
                  "    mine = rest[rank::world_size]\n"
                  "    while len(mine) < per_rank:\n        mine.append(rest[0])\n"),)),
+    # noticed by the sixteenth session: a rest shuffled again was told "not strided"
+    Case(EX, "rest-shuffled-again", "not in the epoch's order",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    g = torch.Generator().manual_seed(seed)\n"
+                 "    rest = [rest[i] for i in torch.randperm(len(rest), generator=g)]\n"
+                 "    mine = rest[rank::world_size]\n"),)),
+    Case(EX, "own-share-shuffled", "each rank got the right samples, but in another order",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    mine = sorted(rest[rank::world_size])\n"),)),
 ])  # fmt: skip
 
 

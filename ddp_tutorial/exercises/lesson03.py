@@ -110,6 +110,24 @@ def _judge_physical(where: str, got: int, env: dict[str, str], physical: int) ->
             '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
 
 
+def _indexes(rec: Record) -> dict[str, Any]:
+    """The device index this rank's answer gave in each environment (answers that raised or
+    were malformed left out)."""
+    return {a["where"]: a["index"] for a in rec["answers"] if "index" in a}
+
+
+def _reads_own_rank(records: list[Record], where: str) -> bool:
+    """Whether every launched rank answered ``where`` with its own number: it read the launch's
+    LOCAL_RANK from os.environ, not from the environment it was given."""
+    return all(_indexes(rec).get(where) == rank for rank, rec in enumerate(records))
+
+
+def _constant(records: list[Record]) -> int | None:
+    """The one device index every rank gave in every environment, if so (a hard-coded cuda:0)."""
+    seen = {i for rec in records for i in _indexes(rec).values()}
+    return seen.pop() if len(seen) == 1 else None
+
+
 def judge_gpu(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         for a in rec["answers"]:
@@ -152,10 +170,17 @@ def judge_gpu(records: list[Record]) -> str | None:
                         "- read LOCAL_RANK, which torchrun sets on every node "
                         '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
                     )
-                if a["index"] == rank:  # torchrun's LOCAL_RANK here: one node, rank = local
+                if _reads_own_rank(records, where):  # torchrun's LOCAL_RANK: rank = local
                     return (
                         f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
                         "the variables from `env`, the environment passed in, not os.environ"
+                    )
+                if _constant(records) is not None:
+                    return (
+                        f"{where}: you picked cuda:{a['index']} for every rank in every "
+                        f"environment, expected cuda:{index}: a rank's device is cuda:LOCAL_RANK, "
+                        "read from `env` "
+                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
                     )
                 return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
             if a["physical"] != physical:

@@ -117,6 +117,22 @@ def _padding(where: str, lists: list[list[int]], rest: list[int], dealt: list[in
     return None
 
 
+def _order(where: str, lists: list[list[int]], full: list[int], world: int) -> str | None:
+    """Every sample dealt out once and equally, but not in the epoch's order: shuffled again
+    (the whole rest, or each rank's share), rather than dealt out in blocks."""
+    if [x for mine in lists for x in mine] == full:
+        return None  # blocks of the rest, in order: "not strided"
+    if [sorted(mine) for mine in lists] == [sorted(full[r::world]) for r in range(world)]:
+        return (f"{where}: each rank got the right samples, but in another order: keep the "
+                "epoch's order (a rank's k-th step trains positions consumed + k x batch x "
+                "world_size onward, which is what the next snapshot's `consumed` counts) - "
+                "no shuffling after dealing out")  # fmt: skip
+    return (f"{where}: every sample is there, but not in the epoch's order (shuffled again?): "
+            "the rest is order[consumed:] as it stands, the one seeded order every rank and "
+            "the next resume agree on - pad it and deal it out, rank r taking positions r, "
+            "r + world_size, ...")  # fmt: skip
+
+
 def judge_rest(records: list[Record]) -> str | None:
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
@@ -147,6 +163,8 @@ def judge_rest(records: list[Record]) -> str | None:
         if never:
             return _never_dealt(where, rest, never)
         if mistake := _padding(where, lists, rest, dealt, world):
+            return mistake
+        if mistake := _order(where, lists, padded(rest, world), world):
             return mistake
         return (f"{where}: every sample is there, but not strided: after one step of batch 2 "
                 f"the job must have used the next {2 * world} positions of the order, so that a "
