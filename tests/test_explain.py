@@ -393,3 +393,27 @@ def test_real_logs_give_their_messages_and_verdicts(name):
     assert keys(text) == expected
     assert [phrase for phrase in says if phrase not in report] == [], report
     assert [phrase for phrase in never if phrase in report] == [], report
+
+
+@pytest.mark.parametrize(
+    "line",
+    [  # torch 2.14's wordings: the Python barrier's warning and the C++ backend's guess
+        "UserWarning: barrier(): using the device under current context. You can specify "
+        "`device_id` in `init_process_group` to mute this warning.",
+        "Guessing device ID based on global rank. This can cause a hang if rank to GPU "
+        "mapping is heterogeneous. You can specify device_id in init_process_group()",
+    ],
+)
+def test_the_barrier_device_guess_is_known_in_torch_2_14s_words(line):
+    assert keys(line) == ["barrier-device"]
+
+
+def test_a_weights_only_refusal_of_dtensors_says_to_import_torch_distributed_tensor():
+    refused = (
+        "_pickle.UnpicklingError: Weights only load failed. This file can still be loaded, "
+        "to do so you have two options\n"
+        "WeightsUnpickler error: ``torch.distributed.tensor`` must be imported to load DTensors"
+    )
+    said = explain_log(refused)
+    assert "import torch.distributed.tensor before the load" in said
+    assert "import torch.distributed.tensor" not in explain_log(refused.splitlines()[0])

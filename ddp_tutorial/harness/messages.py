@@ -11,6 +11,15 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddp_tutorial.harness.log_details import (
+    cuda_failure,
+    dtensor_file,
+    killed_rank,
+    other_processes,
+    prefix_explains,
+    reset_at_init,
+)
+
 
 @dataclass(frozen=True)
 class Known:
@@ -30,59 +39,6 @@ class Known:
 
     def applies(self, text: str) -> bool:
         return self.when is None or self.when(text)
-
-
-# Each list up to the other one: a log that joins lines puts both on one
-_KEY_LIST = re.compile(
-    r"(?m)(?P<side>Missing|Unexpected) key\(s\) in state_dict:"
-    r"(?P<names>[^\n]*?)(?=(?:Missing|Unexpected) key|$)"
-)
-
-
-def _prefix_explains(text: str) -> bool:
-    """A name in both lists once a leading 'module.' is stripped: only the prefix differs.
-    A Missing list alone ('module.' names of new layers under DDP) or other names is not that."""
-    sides: dict[str, set[str]] = {"Missing": set(), "Unexpected": set()}
-    for m in _KEY_LIST.finditer(text):
-        names = re.findall(r'"([^"]+)"', m["names"])  # quoted: a list may be cut short
-        sides[m["side"]] |= {n.removeprefix("module.") for n in names}
-    return bool(sides["Missing"] & sides["Unexpected"])
-
-
-def _other_processes(line: str, text: str) -> str:
-    """What the other processes CUDA lists hold on this GPU, beside this one: fix the larger."""
-    found = re.findall(r"Process (\d+) has ([\d.]+) ([MG])iB memory in use", line)
-    others = {pid: (size, unit) for pid, size, unit in found}  # each process once
-    if not others:
-        return "no other process listed (older torch lists none: nvidia-smi shows who holds it)"
-    gib = sum(float(size) / (1 if unit == "G" else 1024) for size, unit in others.values())
-    own = re.search(r"this process has ([\d.]+ [MG]iB) memory in use", line)
-    return (
-        f"{len(others)} other process{'es' * (len(others) > 1)} hold {gib:.2f} GiB of this GPU "
-        f"(other ranks' CUDA contexts){f', this one {own[1]}' if own else ''}"
-    )
-
-
-def _said_if(pattern: str, said: str) -> Callable[[str, str], str | None]:
-    """A ``detail`` that says ``said`` when the whole log matches ``pattern``."""
-    return lambda line, text: said if re.search(pattern, text) else None
-
-
-_killed_rank = _said_if(
-    r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)",
-    "a rank was killed by signal 9: it wrote no traceback, so no error_file or line of its "
-    "own says why (see killed-sigkill)",
-)
-_reset_at_init = _said_if(
-    r"line \d+, in (?:init_process_group|\w*rendezvous\w*)\b",
-    "the reset came inside init_process_group, before any collective: more likely the "
-    "network (a firewall, a wrong address) or the store's host than a crashed rank",
-)
-
-
-def _cuda_failure(line: str, text: str) -> str | None:
-    m = re.search(r"Cuda failure[^\n]*", text)
-    return f"NCCL's own line: {m[0].strip()}" if m else None
 
 
 KNOWN: tuple[Known, ...] = (
@@ -149,8 +105,10 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "barrier-device",
-        r"using GPU \d+ to perform barrier|using GPU \d+ as device used by this process",
-        "the process group does not know this rank's GPU, so barrier() guessed one",
+        r"using GPU \d+ to perform barrier|using GPU \d+ as device used by this process|"
+        r"barrier\(\): using the device under current context|Guessing device ID based on",
+        "the process group does not know this rank's GPU, so barrier() guessed one (the "
+        "current device, or one from the global rank)",
         "init_process_group(..., device_id=torch.device('cuda', local_rank))",
         "03",
     ),
@@ -163,6 +121,7 @@ KNOWN: tuple[Known, ...] = (
         "with torch.serialization.add_safe_globals; never weights_only=False on a file "
         "you did not write",
         "05",
+        detail=dtensor_file,
     ),
     Known(
         "libuv",
@@ -268,7 +227,7 @@ KNOWN: tuple[Known, ...] = (
         "read 'Root Cause (first observed failure)' below it: that rank's error_file or its "
         "own lines ([rankN]: ...) above hold the real traceback",
         "09",
-        detail=_killed_rank,
+        detail=killed_rank,
     ),
     Known(
         "full-mesh",
@@ -295,7 +254,7 @@ KNOWN: tuple[Known, ...] = (
         "a peer process is gone: it crashed or was killed, and this rank noticed in a collective",
         "find the first rank that failed (torchrun's Root Cause), not this one",
         "09",
-        detail=_reset_at_init,
+        detail=reset_at_init,
     ),
     Known(
         "wrapper-keys",
@@ -305,7 +264,7 @@ KNOWN: tuple[Known, ...] = (
         "save model.module.state_dict(); strip the prefix of old files with "
         "consume_prefix_in_state_dict_if_present (not k[7:])",
         "05",
-        when=_prefix_explains,
+        when=prefix_explains,
     ),
     Known(
         "torn-file",
@@ -337,7 +296,7 @@ KNOWN: tuple[Known, ...] = (
         "compare the two lists; strict=False only for layers you mean to skip, then check "
         "the missing and unexpected keys that load_state_dict returns",
         "05",
-        when=lambda text: not _prefix_explains(text),
+        when=lambda text: not prefix_explains(text),
     ),
     Known(
         "nccl-unique-id",
@@ -357,7 +316,7 @@ KNOWN: tuple[Known, ...] = (
         "torch.cuda.set_device(LOCAL_RANK) before any CUDA call; torch.load(..., "
         "map_location=f'cuda:{local_rank}'); else a smaller batch per rank (lesson 12)",
         "03",
-        detail=_other_processes,
+        detail=other_processes,
     ),
     Known(
         "killed-sigkill",
@@ -444,6 +403,6 @@ KNOWN: tuple[Known, ...] = (
         "a CUDA call inside NCCL failed, often after an earlier CUDA error on that rank",
         "read its 'Cuda failure' line; rerun with NCCL_DEBUG=INFO and CUDA_LAUNCH_BLOCKING=1",
         "09",
-        detail=_cuda_failure,
+        detail=cuda_failure,
     ),
 )
