@@ -1,6 +1,6 @@
 """scripts/minimal_ddp.py, resumable: snapshots, an exact resume, exact evaluation, best.pt.
 
-    torchrun --standalone --nproc-per-node 2 scripts/resumable_ddp.py --checkpoint-dir ckpt
+    torchrun --standalone --nproc-per-node 2 scripts/resumable_ddp.py --checkpoint-dir checkpoints
 
 Run it again with the same --checkpoint-dir and it continues from its newest snapshot, at
 the step it reached, ending with the weights an uninterrupted run ends with (bitwise on 2
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--num-samples", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default="ckpt", help="snapshot.pt, best.pt, final.pt")
+    p.add_argument("--checkpoint-dir", default="checkpoints", help="snapshot.pt, best.pt, final.pt")
     p.add_argument("--save-every", type=int, default=0, help="steps between snapshots (0: epochs)")
     args = p.parse_args()
     ckpt = Path(args.checkpoint_dir)
@@ -84,6 +84,7 @@ def main() -> None:
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start_epoch, start_batch, step, best = 0, 0, 0, -1.0
+    resumed_sum = torch.zeros(2, device=device)  # the resumed epoch's loss sums so far
     if (ckpt / "snapshot.pt").is_file():  # resume: every rank reads the file rank 0 wrote
         state = torch.load(ckpt / "snapshot.pt", map_location=device, weights_only=True)
         model.module.load_state_dict(state["model"])
@@ -91,21 +92,25 @@ def main() -> None:
         start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]
         best = state["best"]
         torch.set_rng_state(state["rng"][rank])  # this rank's own random stream
+        if rank == 0:  # every rank's sums in one: counted once, by the epoch's all_reduce
+            resumed_sum = state["loss_sum"]
         if rank == 0:
             print(f"resumed: epoch {start_epoch}, batch {start_batch}, step {step}", flush=True)
 
-    def save_snapshot(epoch: int, batch: int) -> None:  # every rank calls it: a collective
+    def save_snapshot(epoch: int, batch: int, loss_sum: torch.Tensor) -> None:  # a collective
         rngs = [None] * world_size
         dist.all_gather_object(rngs, torch.get_rng_state())  # every rank's random stream
+        loss_sum = loss_sum.clone()
+        dist.all_reduce(loss_sum)  # the epoch's loss so far: its log line survives a resume
         if rank == 0:  # one writer, in the whole job
             atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "epoch": epoch, "batch": batch, "step": step, "best": best,
-                         "rng": rngs}, ckpt / "snapshot.pt")  # fmt: skip
+                         "loss_sum": loss_sum, "rng": rngs}, ckpt / "snapshot.pt")  # fmt: skip
         dist.barrier()  # nobody reads (or exits) before the file is there
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new order every epoch
-        loss_sum = torch.zeros(2, device=device)  # [sum of losses, samples]
+        loss_sum = resumed_sum if epoch == start_epoch else torch.zeros(2, device=device)
         for batch, (x, y) in enumerate(loader):
             if epoch == start_epoch and batch < start_batch:
                 continue  # done before the snapshot: the same order, skipped
@@ -119,7 +124,7 @@ def main() -> None:
             stop = torch.tensor([float(len(received))], device=device)
             dist.all_reduce(stop)  # a signal on any rank stops every rank, at this same step
             if stop.item() or args.save_every and step % args.save_every == 0:
-                save_snapshot(epoch, batch + 1)
+                save_snapshot(epoch, batch + 1, loss_sum)
             if stop.item():
                 if rank == 0:
                     print(f"SIGTERM: saved step {step}, exit 75: rerun to resume", flush=True)
@@ -143,7 +148,7 @@ def main() -> None:
             best = accuracy
             if rank == 0:
                 atomic_save(model.module.state_dict(), ckpt / "best.pt")
-        save_snapshot(epoch + 1, 0)
+        save_snapshot(epoch + 1, 0, torch.zeros(2, device=device))  # the next epoch: none yet
 
     if rank == 0:  # one writer; model.module: the weights without DDP's "module." prefix
         atomic_save(model.module.state_dict(), ckpt / "final.pt")

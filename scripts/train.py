@@ -6,9 +6,9 @@ val_loss; another score: SCORES; samples of different lengths (sequences): COLLA
 that returns a dict or a tuple: PREDICTION.
 torch 2.10 or later (+ torchvision, numpy, tqdm) is all they need (slurm/train.sbatch: 2.12+).
 
-    torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir ckpt       # CPU: gloo
+    torchrun --standalone --nproc-per-node 2 train.py --checkpoint-dir checkpoints       # CPU: gloo
     torchrun --standalone --nproc-per-node 8 --max-restarts 3 train.py --model resnet18 --amp \\
-        --data cifar10 --data-dir data --batch-size 128 --num-workers 4 --checkpoint-dir ckpt
+        --data cifar10 --data-dir data --batch-size 128 --num-workers 4 --checkpoint-dir checkpoints
     python train.py --max-steps 5          # a world of one: step through it in a debugger
 
 Every DDP step is written out below, numbered, in the order it happens on every rank. Rerun
@@ -19,8 +19,9 @@ What a scheduler sees: on SIGTERM or SIGUSR1 (torchrun forwards SIGUSR1 only whe
 signalled too, re-raises the signal and exits 1: the job script requeues the job itself
 (slurm/train.sbatch: scontrol requeue in its USR1 trap). A crash restarts from the newest
 snapshot (torchrun --max-restarts); a loss gone inf/nan or a failed save stops every rank at
-once and writes failed.json (so does data the evaluation cannot score, kit.DataError), which
-makes every restart stop at once until you fix the cause.
+once and writes failed.json (so does data the evaluation cannot score, kit.DataError, once
+training has begun: outputs it cannot score at all stop the start in seconds, with no file),
+which makes every restart stop at once until you fix the cause.
 """
 
 from __future__ import annotations
@@ -152,9 +153,8 @@ def parser() -> argparse.ArgumentParser:
     add("--no-progress", action="store_true", help="no progress bar (none off a terminal)")
     add("--out", help="the course's records (needs the course's package): the one hook")
     for action in p._actions:  # --help shows every default
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in (
-            action.help or ""
-        ):
+        shown = action.default is not None and action.default is not False  # 0 is shown
+        if shown and action.default != argparse.SUPPRESS and "default" not in (action.help or ""):
             action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
     return p
 
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         get_error_handler().record_exception(exc)  # torchrun's summary shows the traceback
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # plain python: no summary, print it
             traceback.print_exc()
-        print(f"[rank{rank}]: train.py: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        line = f"[rank{rank}]: train.py: error: {type(exc).__name__}: {exc}\n"
+        sys.stderr.write(line)  # one write: print's text and newline can interleave across ranks
         sys.exit(1)
     finally:
         dist.destroy_process_group()  # on every exit path (seed 001 never calls it)
@@ -357,6 +358,8 @@ def train(
         f"{args.warmup:.0%} warm-up then cosine"
     )
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt is None:
+        say("WARNING: no --checkpoint-dir: nothing is saved (no snapshot, best.pt or final.pt)")
 
     # 4. The model: the same initial weights on every rank (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
@@ -477,7 +480,8 @@ def train(
             save(state, kit.snapshot_path(".", step).name)
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
-            say(f"{verdict.signal}: saved step {step}, exit {kit.PREEMPTED_EXIT}: rerun to resume")
+            done = f"saved step {step}" if ckpt else "nothing saved (no --checkpoint-dir)"
+            say(f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT}: rerun to resume")
             sys.exit(kit.PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
@@ -625,7 +629,7 @@ def train(
     last = history[-1] if history else {"train_loss": math.nan}
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "
-        f"{last['train_loss']:.4f}, {described(last)}"
+        f"{last['train_loss']:.4f}, {described(last)}{'' if ckpt else ', nothing saved'}"
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
@@ -654,7 +658,7 @@ def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) ->
     """failed.json (rank 0): why the run stopped, so that every restart stops at once."""
     if rank == 0 and ckpt is not None:
         with contextlib.suppress(OSError):
-            write_json(ckpt / FAILED, {"step": step, "error": str(exc)})
+            write_json(ckpt / FAILED, {"stopped_at_step": step, "error": str(exc)})  # error: why
 
 
 def instruments(args: argparse.Namespace, *who: Any) -> Any:

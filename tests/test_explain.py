@@ -160,6 +160,8 @@ EXAMPLES = {
     "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000",
     "barrier-device": "UserWarning: barrier(): using GPU 0 to perform barrier as devices "
     "used by this process are currently unknown.",
+    "job-signalled": "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
+    "7817 got signal: 15",
     "weights-only": "_pickle.UnpicklingError: Weights only load failed. This file can still "
     "be loaded, to do so you have two options",
     "libuv": "RuntimeError: use_libuv was requested but PyTorch was build without libuv "
@@ -417,3 +419,17 @@ def test_a_weights_only_refusal_of_dtensors_says_to_import_torch_distributed_ten
     said = explain_log(refused)
     assert "import torch.distributed.tensor before the load" in said
     assert "import torch.distributed.tensor" not in explain_log(refused.splitlines()[0])
+
+
+def test_a_preempted_template_log_is_a_signal_from_outside_with_the_step_it_saved():
+    """A new user's review: a SIGTERM'd template's log got "no message this course knows"."""
+    log = (
+        "SIGTERM: saved step 346, exit 75: rerun to resume\n"
+        "W1206 torch/distributed/elastic/agent/server/api.py:719] Received 15 death signal, "
+        "shutting down workers\n"
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7817 got "
+        "signal: 15\n"
+    )
+    assert keys(log) == ["job-signalled"]
+    said = explain_log(log)
+    assert "stopped from outside" in said and "saved step 346" in said, said

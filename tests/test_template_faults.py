@@ -8,11 +8,13 @@ fsync order. What needs real processes and real signals is tests/test_template_c
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import re
 import signal
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -103,7 +105,7 @@ def test_a_divergence_before_the_first_evaluation_is_never_scored_or_kept(
     assert not (tmp_path / "c" / "best.pt").exists(), "a diverged model was scored and kept"
     assert not snapshot_steps(kit, tmp_path / "c")
     failed = json.loads((tmp_path / "c" / "failed.json").read_text())
-    assert "stopped being finite" in failed["error"]
+    assert "stopped being finite" in failed["error"] and failed["stopped_at_step"] > 0
     # closed (its buffer written out) on this exit path: the scalars reading back below would
     # pass without it, since a writer left open in this process still flushes on its own
     assert len(opened) == 1 and opened[0].file_writer is None, "the writer was left open"
@@ -1033,3 +1035,63 @@ def test_the_log_line_is_the_mean_over_every_rank(tmp_path, write_script):
     result = torchrun(write_script("log_ranks.py", LOG_ON_RANKS), nproc=3,
                       run_dir=tmp_path / "run", timeout=120, echo=False)  # fmt: skip
     assert "step 2: loss 11.5000" in result.output, result.output[-2000:]
+
+
+def test_without_a_checkpoint_dir_the_template_says_that_nothing_is_saved(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys
+):
+    """A new user's review: with no --checkpoint-dir a finished run wrote no file and said
+    nothing, and a preemption printed "SIGTERM: saved step 346" with nothing on the disk (a
+    rerun started from step 0). Both now say so, and the start warns."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1"]
+    template.main(argv)
+    out = capsys.readouterr().out
+    assert "WARNING: no --checkpoint-dir: nothing is saved" in out, out
+    assert re.search(r"done: 8 steps, .*, nothing saved\n", out), out
+    observe = kit.StopCheck.observe
+
+    def observe_then_signal(self, step, loss):  # the scheduler's SIGTERM, at a known step
+        observe(self, step, loss)
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    out = capsys.readouterr().out
+    assert stopped.value.code == kit.PREEMPTED_EXIT
+    assert (
+        "SIGTERM: nothing saved (no --checkpoint-dir), exit 75" in out and "saved step" not in out
+    )
+    assert list(tmp_path.iterdir()) == [], "no file written anywhere"
+
+
+def test_a_ranks_error_line_is_one_write(tmp_path, one_rank, monkeypatch):
+    """Two ranks failing together printed "...(y.view_as(output))[rank0]: train.py: error: ..."
+    on one line (a learner's review): print() writes the text and the newline apart, and the
+    other rank's line came between. The line is written whole now."""
+    template = regression_copy(tmp_path, "regression_data(args, val=0)")
+    writes: list[str] = []
+
+    class Stderr(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    argv = [*TINY, "--image-size", "4", "--num-samples", "32", "--batch-size", "16",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        template.main(argv)
+    (line,) = [w for w in writes if "train.py: error:" in w]
+    assert line.startswith("[rank0]: train.py: error: DataError: ") and line.endswith("\n")
+
+
+def test_help_shows_every_default_zero_included(template):
+    """`action.default not in (None, False)` also skipped 0 (0 == False): --seed, --num-workers,
+    --save-every and --eval-every showed no default though the comment says "every default"."""
+    shown = {a.dest: a.help for a in template.parser()._actions}
+    for dest in ("seed", "num_workers", "save_every", "eval_every"):
+        assert "(default: %(default)s)" in shown[dest], (dest, shown[dest])
+    assert "default" not in (shown["checkpoint_dir"] or ""), "None: no default to show"

@@ -70,3 +70,11 @@ def cuda_failure(line: str, text: str) -> str | None:
     """NCCL's own "Cuda failure" line, which says more than the exception that follows it."""
     m = re.search(r"Cuda failure[^\n]*", text)
     return f"NCCL's own line: {m[0].strip()}" if m else None
+
+
+def saved_before_exit(line: str, text: str) -> str | None:
+    """The template's (or lesson 08's) own line: which step the ranks saved before exiting."""
+    m = re.search(r"(SIG[A-Z0-9]+): saved step (\d+), exit 75", text)
+    if m is None:
+        return None
+    return f"on {m[1]} the ranks saved step {m[2]}, then exited 75: the rerun resumes there"

@@ -18,6 +18,7 @@ from ddp_tutorial.harness.log_details import (
     other_processes,
     prefix_explains,
     reset_at_init,
+    saved_before_exit,
 )
 
 
@@ -326,6 +327,17 @@ KNOWN: tuple[Known, ...] = (
         'dmesg ("Killed process"), the job\'s memory limit; fewer DataLoader workers or '
         "ranks per node, the dataset out of each rank's RAM",
         "12",
+    ),
+    Known(
+        "job-signalled",
+        r"SignalException: Process \d+ got signal: (?:15|10|2|1)\b",
+        "torchrun itself got a signal (15 SIGTERM, 10 SIGUSR1, 2 SIGINT, 1 SIGHUP): the job "
+        "was stopped from outside (a preemption, a time limit, scancel, Ctrl-C), not by a "
+        "failure of its own; torchrun then exits 1 whatever its ranks did",
+        "nothing in the code: rerun the same command to resume from the last snapshot; to keep "
+        "the work, save on SIGTERM and exit (lesson 08), requeue from the job script (10)",
+        "08",
+        detail=saved_before_exit,
     ),
     Known(
         "host-oom",
