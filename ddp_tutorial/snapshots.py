@@ -37,6 +37,7 @@ restore_training_state = kit.restore_training_state
 snapshot_path = kit.snapshot_path
 list_snapshots = kit.list_snapshots
 latest_snapshot = kit.latest_snapshot
+from_rank0 = kit.from_rank0
 prune_snapshots = kit.prune_snapshots
 agreed_latest_snapshot = kit.agreed_latest_snapshot
 resume_point = kit.resume_point

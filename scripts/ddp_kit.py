@@ -475,7 +475,7 @@ def restore_training_state(
         if state.get("optimizer") is None:
             raise CheckpointError("the training state holds no optimizer state")
         optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and state.get("scaler") is not None:
+    if scaler is not None and state.get("scaler"):  # {}: saved disabled (no fp16): start fresh
         scaler.load_state_dict(state["scaler"])
     if restore_rng:
         rank, world_size = _rank_world()
@@ -532,6 +532,16 @@ def prune_snapshots(directory: PathLike, keep: int = 2) -> list[Path]:
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
+
+
+def from_rank0(value: Any) -> Any:
+    """Global rank 0's ``value`` on every rank (a collective): what rank 0 read from a shared
+    folder (best.json, whether final.pt exists) decides for all, so that a node whose view of
+    the folder lags cannot take another branch and leave the others in a collective save."""
+    box = [value]
+    if group_active() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def agreed_latest_snapshot(directory: PathLike | None) -> Path | None:
@@ -1633,10 +1643,18 @@ class TrainLog:
     a window that spans the end keeps the old epoch's last steps), so a step costs the log
     nothing but a modulo; a line costs an all_reduce of 2 numbers and a host sync."""
 
-    def __init__(self, rank: int, every: int, global_batch: int, directory: str | None = None,
-                 sums: torch.Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        every: int,
+        global_batch: int,
+        directory: str | None = None,
+        sums: torch.Tensor | None = None,
+        window: Iterable[float] = (0.0, 0.0),
+    ):
         self.main, self.every, self.global_batch = rank == 0, every, global_batch
         self.mark = sums.detach().clone() if sums is not None else torch.zeros(2)
+        self.mark -= torch.tensor(list(window), dtype=self.mark.dtype, device=self.mark.device)
         self.carry = torch.zeros_like(self.mark)  # the last epoch's steps since the last line
         self.seconds, self.steps, self.last = 0.0, 0, time.perf_counter()
         self.writer: Any = None
@@ -1657,12 +1675,17 @@ class TrainLog:
         self.carry = self.carry.to(sums.device) + sums.detach() - self.mark.to(sums.device)
         self.mark = torch.zeros_like(self.carry)
 
+    def window(self, sums: torch.Tensor) -> torch.Tensor:
+        """This rank's [loss sum, targets] since the last line: a snapshot keeps them (summed
+        over the ranks) so that the first line after a resume is the whole window's mean."""
+        return self.carry.to(sums.device) + sums.detach() - self.mark.to(sums.device)
+
     def step(self, step: int, sums: torch.Tensor, lr: float, norm: torch.Tensor | None) -> None:
         """After optimizer step ``step``; when due, call it on EVERY rank (an all_reduce)."""
         self.steps += 1
         if step % self.every:
             return
-        window = self.carry.to(sums.device) + sums.detach() - self.mark.to(sums.device)
+        window = self.window(sums)
         self.mark, self.carry = sums.detach().clone(), torch.zeros_like(window)
         if group_active():
             dist.all_reduce(window)

@@ -31,6 +31,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import operator
 import os
 import sys
 import time
@@ -390,7 +391,8 @@ def train(
     sampler, loader = data_loader(args, train_set, rank, world_size, cuda)
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
-    epoch, step, consumed, samples_seen, totals, history, resumed = 0, 0, 0, 0, [0.0, 0.0], [], None
+    epoch, step, consumed, samples_seen, history, resumed = 0, 0, 0, 0, [], None
+    totals, window = [0.0, 0.0], [0.0, 0.0]  # the epoch's [loss sum, targets]; the log line's
     best, owed = -math.inf, False  # the best score so far (best.pt, --best-by); owed: below
     try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
         found = kit.load_resume_point(ckpt, map_location=device)
@@ -417,6 +419,7 @@ def train(
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
         consumed, samples_seen, history = extra["consumed"], extra["samples_seen"], extra["history"]
         totals = extra.get("loss_sums", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]  # once
+        window = extra.get("log_window", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]
         resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}
         say(
             f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
@@ -440,9 +443,10 @@ def train(
         held = json.loads((ckpt / "best.json").read_text())
         if held.get("best_by", "val_accuracy") == args.best_by:  # older files: accuracy only
             best = max(best, held.get("score", held.get("val_accuracy", -math.inf)))
+    best = kit.from_rank0(best)  # as rank 0 reads the folder: a save is a collective
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, targets]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
-    log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum)
+    log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum, window)
     hook = instruments(args, rank, world_size, device, resumed, attempt)  # None without --out
 
     def save(obj: Any, name: str, note: dict[str, Any] | None = None) -> None:  # every rank
@@ -462,22 +466,23 @@ def train(
         if ckpt is not None:  # one model saved; each rank trains on with its own statistics
             own = kit.buffers_of(ddp)
             kit.average_buffers(ddp)
-            global_totals = loss_sum.clone()
-            dist.all_reduce(global_totals)
+            global_totals = torch.cat([loss_sum, log.window(loss_sum)])
+            dist.all_reduce(global_totals)  # every rank's: the epoch's, the log line's so far
             extra = {
                 "consumed": consumed,
                 "samples_seen": samples_seen,
                 "best": best,
                 "eval_owed": owed,  # this step's evaluation was stopped: the rerun's first act
                 "history": history,
-                "loss_sums": global_totals.tolist(),  # the epoch's [loss sum, targets]
+                "loss_sums": global_totals[:2].tolist(),  # the epoch's [loss sum, targets]
+                "log_window": global_totals[2:].tolist(),  # since the last log line
                 "config": {k: v for k, v in vars(args).items() if k != "hook_argv"},
             }
             state = kit.training_state(
                 ddp, optimizer, epoch=epoch, step=step, scaler=scaler, extra=extra, own_buffers=own
             )
-            kit.put_buffers(ddp, own)
-            save(state, kit.snapshot_path(".", step).name)
+            save(state, kit.snapshot_path(".", step).name)  # the model: the averaged buffers
+            kit.put_buffers(ddp, own)  # after: the state's tensors share storage with them
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
             done = f"saved step {step}" if ckpt else "nothing saved (no --checkpoint-dir)"
@@ -536,9 +541,11 @@ def train(
 
     if owed:  # the snapshot was saved inside an evaluation that a signal stopped: do it now
         pause(evaluate)
-    total_samples = args.epochs * len(train_set)
-    planned = len(sampler) // args.batch_size // args.grad_accum * args.epochs
-    finished = args.max_steps is not None and step >= args.max_steps or epoch >= args.epochs
+    # an epoch trains whole accumulation windows of full batches: the LR's epochs are those
+    per_epoch = math.ceil(len(train_set) / world_size) // args.batch_size // args.grad_accum
+    planned, per_epoch = per_epoch * args.epochs, per_epoch * global_batch  # steps; samples
+    stop_at = partial(operator.le, args.max_steps or math.inf)  # stop_at(step): --max-steps done
+    finished = stop_at(step) or epoch >= args.epochs
     bar = tqdm(
         total=min(planned, args.max_steps or planned),
         initial=step,
@@ -574,7 +581,8 @@ def train(
                         scaler.scale(loss).backward()  # DDP all_reduces buckets during backward
                     loss_sum += torch.stack([mean.detach().double() * counts[i], counts[i]])
                     done, consumed = done + 1, consumed + args.batch_size * world_size
-                lr = kit.lr_at((samples_seen + global_batch) / total_samples, peak_lr, args.warmup)
+                into = min(1.0, consumed / per_epoch)  # of this epoch, after this step: any world
+                lr = kit.lr_at((epoch + into) / args.epochs, peak_lr, args.warmup)
                 kit.set_lr(optimizer, lr, peak_lr)
                 norm = None
                 if args.clip_grad:  # after all_reduce, so every rank clips the same gradients
@@ -597,12 +605,13 @@ def train(
                 bar.update()
                 verdict = checks.check(step)  # every 10 steps, fewer if slow: a tiny all_reduce
                 if verdict.stop:  # preempted: save first, within torchrun's grace period
-                    pause(save_snapshot)
+                    owed = bool(args.eval_every and step % args.eval_every == 0 or stop_at(step))
+                    pause(save_snapshot)  # an evaluation due here: owed, the rerun's first act
                 if args.eval_every and step % args.eval_every == 0:
                     pause(evaluate)
                 if verdict.save or args.save_every and step % args.save_every == 0:
                     pause(save_snapshot)
-                if stop := args.max_steps is not None and step >= args.max_steps:
+                if stop := stop_at(step):
                     break
             # 9. Metrics over every rank's batches (all_reduce: every rank has them), then
             #    one model: BatchNorm statistics differ per rank until they are averaged.
@@ -624,7 +633,7 @@ def train(
         log.close()  # TensorBoard's scalars reach the disk on every exit path
 
     # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
-    if ckpt and not (finished and (ckpt / "final.pt").is_file()):  # a finished rerun keeps it
+    if ckpt and not (finished and kit.from_rank0((ckpt / "final.pt").is_file())):  # kept
         save(ddp.module.state_dict(), "final.pt")
     last = history[-1] if history else {"train_loss": math.nan}
     say(

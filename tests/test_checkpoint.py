@@ -564,6 +564,7 @@ with process_group(backend="gloo") as info:
     if info.rank == 1:  # this node's view of the folder lags: it sees only the older snapshot
         snapshots.latest_snapshot = lambda d: snapshots.snapshot_path(d, 5)
     record["chosen"] = snapshots.agreed_latest_snapshot(folder).name
+    record["best"] = snapshots.from_rank0(0.9 if info.rank == 0 else 0.5)  # best.json, lagging
     if info.rank == 1:  # and now the chosen file is not there at all on this node
         Path.is_file = lambda self: False
     try:
@@ -616,6 +617,7 @@ def test_every_rank_resumes_from_the_snapshot_rank_0_chose(launches):
     result = launches["agree"]
     assert result.ok, result.output[-3000:]
     assert [r["chosen"] for r in result.records] == [snapshot_path(".", 10).name] * 2
+    assert [r["best"] for r in result.records] == [0.9, 0.9], "rank 0's reading, on every rank"
     assert result.records[0]["error"] is None
     assert "rank 1 cannot read" in result.records[1]["error"]
     assert "the same checkpoint directory" in result.records[1]["error"]

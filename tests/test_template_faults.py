@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import REPO, load_script
 from ddp_tutorial.harness.launch import torchrun
 from ddp_tutorial.lessons.speed import script_module
 
@@ -1095,3 +1095,112 @@ def test_help_shows_every_default_zero_included(template):
     for dest in ("seed", "num_workers", "save_every", "eval_every"):
         assert "(default: %(default)s)" in shown[dest], (dest, shown[dest])
     assert "default" not in (shown["checkpoint_dir"] or ""), "None: no default to show"
+
+
+def signal_at(kit, monkeypatch, at: int):
+    """The scheduler's SIGTERM, raised in this process right after step ``at``; returns what
+    puts the step back as it was (for the rerun)."""
+    observe = kit.StopCheck.observe
+
+    def observe_then_signal(self, step, loss):
+        observe(self, step, loss)
+        if step == at:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    return partial(monkeypatch.setattr, kit.StopCheck, "observe", observe)
+
+
+def evaluated_steps(out: str) -> list[int]:
+    return [int(s) for s in re.findall(r"epoch \d+: step (\d+),", out)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "at", "evaluations"),
+    [(["--eval-every", "10"], 20, [10, 20, 30, 32]), (["--max-steps", "11"], 11, [11])],
+    ids=["an --eval-every step", "the --max-steps step"],
+)
+def test_a_preemption_on_a_step_due_for_an_evaluation_owes_it_to_the_rerun(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys, flags, at, evaluations
+):
+    """A production read (helper 76): the stop check saved with nothing owed, so the rerun
+    started after the step and its evaluation was never done - at --max-steps no final
+    evaluation, no best.pt, and final.pt with one rank's own BatchNorm statistics."""
+    argv = [*TINY, "--num-samples", "512", "--num-val", "64", "--batch-size", "16", "--epochs",
+            "1", *flags, "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    unsignalled = signal_at(kit, monkeypatch, at)
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    first = capsys.readouterr().out
+    assert stopped.value.code == kit.PREEMPTED_EXIT and f"saved step {at}," in first, first
+    unsignalled()
+    template.main(argv)
+    rerun = capsys.readouterr().out
+    assert evaluated_steps(first) + evaluated_steps(rerun) == evaluations, (first, rerun)
+    assert (tmp_path / "c" / "best.pt").is_file()
+
+
+def test_the_lr_reaches_zero_at_the_last_step_of_an_uneven_accumulated_run(
+    template, tmp_path, one_rank, capsys
+):
+    """Helper 76: the schedule's length counted every sample, but an epoch trains whole
+    accumulation windows of whole batches (1000 samples, 32 x 4: 896): the last step's LR was
+    14 % of the peak. It runs over the steps the loop takes now."""
+    argv = [*TINY, "--num-samples", "1000", "--batch-size", "32", "--grad-accum", "4",
+            "--epochs", "2", "--log-every", "1", "--warmup", "0"]  # fmt: skip
+    template.main(argv)
+    lrs = [
+        float(v)
+        for v in re.findall(r"step \d+: loss [0-9.]+, lr ([0-9.e-]+)", capsys.readouterr().out)
+    ]
+    assert len(lrs) == 14 and lrs[-1] < 1e-3 * lrs[0], lrs
+
+
+def test_fp16_switched_on_at_a_resume_starts_a_fresh_scaler(template, tmp_path, one_rank, capsys):
+    """Helper 76: a snapshot saved without fp16 holds a disabled GradScaler's {}; an enabled
+    one refused it with a RuntimeError on every restart."""
+    argv = [*TINY, "--num-samples", "256", "--batch-size", "16", "--epochs", "1",
+            "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    template.main([*argv, "--max-steps", "2"])
+    template.main([*argv, "--max-steps", "4", "--amp", "fp16"])
+    assert "done: 4 steps" in capsys.readouterr().out
+
+
+def test_the_first_log_line_after_a_resume_is_the_whole_windows_mean(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys
+):
+    """Helper 76: the log's window restarted at the resume, so step 12's line after a stop at
+    step 11 was step 12's loss alone (2.2767 against 2.2989 for steps 9-12). The snapshot keeps
+    the window's sums now."""
+    argv = [*TINY, "--num-samples", "512", "--num-val", "64", "--batch-size", "16", "--epochs",
+            "1", "--max-steps", "16", "--log-every", "4"]  # fmt: skip
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "straight")])
+    straight = dict(re.findall(r"step (\d+): loss ([0-9.]+)", capsys.readouterr().out))
+    unsignalled = signal_at(kit, monkeypatch, 11)
+    with pytest.raises(SystemExit):
+        template.main([*argv, "--checkpoint-dir", str(tmp_path / "c")])
+    unsignalled()
+    capsys.readouterr()
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "c")])
+    resumed = dict(re.findall(r"step (\d+): loss ([0-9.]+)", capsys.readouterr().out))
+    assert resumed["12"] == straight["12"] and resumed["16"] == straight["16"], (resumed, straight)
+
+
+@pytest.mark.torchrun
+def test_a_snapshot_holds_the_averaged_batchnorm_statistics_and_each_ranks_own(tmp_path):
+    """Helper 76: the snapshot's model shares storage with the live buffers, and each rank's
+    own statistics were put back before the file was written: a mid-epoch snapshot held rank
+    0's own running statistics, not their average (what a resume on another world size, or
+    --pretrain from a snapshot, starts from)."""
+    ckpt = tmp_path / "c"
+    torchrun(REPO / "scripts" / "train.py", "--model", "cnn", "--image-size", "8",
+             "--num-samples", "512", "--num-val", "16", "--batch-size", "16", "--epochs", "1",
+             "--max-steps", "6", "--save-every", "3", "--no-progress",
+             "--backend", "gloo", "--checkpoint-dir", ckpt, nproc=2, timeout=120)  # fmt: skip
+    state = torch.load(ckpt / "snapshot-000000003.pt", weights_only=True)
+    own = state["buffers"]
+    names = [k for k in own[0] if k.endswith("running_var")]
+    assert names and not torch.equal(own[0][names[0]], own[1][names[0]]), "the ranks differ"
+    for name in names:
+        average = (own[0][name] + own[1][name]) / 2
+        assert torch.allclose(state["model"][name], average), name
