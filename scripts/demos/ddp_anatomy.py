@@ -170,11 +170,16 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
         if step in (0, args.steps - 1):
             timelines[step] = timeline.record()
 
-    # The same tiny model with DDP's default 25 MB buckets: one all_reduce per step.
+    # The same tiny model with DDP's default 25 MB buckets: one all_reduce per step, also
+    # once the first step (one bucket whatever the cap) has had DDP rebuild them.
     big = wrap(tiny_model(args.seed), info.device)
-    big_counter = CommCounter()
+    big_counter, big_opt = CommCounter(), torch.optim.SGD(big.parameters(), lr=args.lr)
     big.register_comm_hook(big_counter, counting_allreduce_hook)
-    sgd_step(big, *local_batch(0, args, info), torch.optim.SGD(big.parameters(), lr=args.lr))
+    default_calls = []
+    for step in range(2):
+        big_counter.reset()
+        sgd_step(big, *local_batch(step, args, info), big_opt)
+        default_calls.append(big_counter.calls)
     return {
         "params_before_wrap": before,
         "params_after_wrap": after_wrap,
@@ -187,7 +192,7 @@ def exp_wrap(args: argparse.Namespace, info: DistInfo) -> dict:
         "allreduce_numel_per_step": numels_per_step,
         "bucket_numels_last_step": list(timeline.numels),
         "timelines": timelines,
-        "allreduce_calls_default_buckets": big_counter.calls,
+        "allreduce_calls_default_buckets": default_calls,  # steps 0 and 1
         "module_is_wrapped_model": model.module is plain,
     }
 

@@ -421,7 +421,7 @@ def case_overlap(args: argparse.Namespace, info: DistInfo) -> dict:
     width = args.overlap_width or (2048 if info.device.type == "cuda" else 256)
     x, y = batch(0, 8 * args.batch_size, args, info)  # a heavier step: backward worth seeing
     layer_mb = width * (width + 1) * 4 / 2**20
-    small = round(1.2 * layer_mb, 1)  # about one layer per bucket
+    small = round(1.2 * layer_mb, 1)  # just over one layer: two of them per bucket here
     total_mb = sum(p.numel() * 4 for p in overlap_model(args.seed, width).parameters()) / 2**20
     one = max(25.0, 2 * total_mb)  # DDP's default 25 MB, or more if the model is bigger
     knobs = {
