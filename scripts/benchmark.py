@@ -13,7 +13,7 @@ rank's time (``slowest_rank``). It measures:
 * ``ddp_worldN``: N ranks (CPU: 2 × 1 thread; GPUs: one per GPU);
 * ``plain_concurrent``: N plain processes that never communicate (on GPUs one
   GPU each); ``hardware_ceiling`` = their throughput / (N × plain_1thread):
-  the most any N-rank job can reach on this machine, DDP or not;
+  on a quiet machine, about the most any N-rank job can reach here, DDP or not;
 * an all_reduce sweep (1 KiB → 64 MiB on a CPU, → 1 GiB on GPUs) with the
   algorithm and bus bandwidth nccl-tests reports (busbw = algbw · 2(N−1)/N),
   fitted with the ring model t ≈ 2(N−1)·α + 2(N−1)/N · S/B;
@@ -597,7 +597,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": n,
         "model_params": sum(p.numel() for p in new_model(args).parameters()),
         "plain_concurrent": ceiling,
-        # What N communication-free processes achieve: the most any N-rank job can expect here.
+        # What N communication-free processes achieve: about the most an N-rank job reaches (quiet).
         "hardware_ceiling": ceiling["samples_per_sec"] / (n * plain_1["samples_per_sec"]),
         **perf.derive(
             plain_1["samples_per_sec"],

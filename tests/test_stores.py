@@ -1,6 +1,6 @@
 """ddp_tutorial.stores.job_store: every rank of a (re)start agrees on one attempt number.
 
-The multi-node restart itself runs in tests/test_multinode.py (two torchrun "nodes");
+The multi-node restart itself runs in lesson 10 (two torchrun "nodes", asserted there);
 whether its two agents then count restarts differently depends on which of them saw
 the failure first. Here the disagreement is made on purpose: two real processes join
 one shared store (as torchrun's agent store is shared) with different
