@@ -9,9 +9,9 @@ the true gradients back with ``scaler.unscale_(optimizer)`` - once, it refuses a
 before ``update()`` - *before* ``clip_grad_norm_`` (else it measures gradients 65536 times too
 large), the optimizer's step through the scaler, then ``scaler.update()`` and
 ``scheduler.step()`` - on every rank: stepped on rank 0 alone, the ranks' learning rates part,
-and their replicas drift apart without an error (the template sets the rate by hand from the
-samples seen, ``kit.set_lr``; with a torch scheduler, as here, ``scheduler.step()`` after the
-optimizer's step). Return the norm clipping measured (a rising
+and their replicas drift apart without an error (the template sets the rate by hand from
+its position in training, ``kit.set_lr``; with a torch scheduler, as here,
+``scheduler.step()`` after the optimizer's step). Return the norm clipping measured (a rising
 norm is the first sign of divergence: log it).
 
 Check it (2 gloo ranks, three steps of a small DDP model with large gradients, each of 4
