@@ -160,6 +160,18 @@ EXAMPLES = {
     "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000",
     "barrier-device": "UserWarning: barrier(): using GPU 0 to perform barrier as devices "
     "used by this process are currently unknown.",
+    "static-graph-changed": "RuntimeError: Your training graph has changed in this iteration, "
+    "e.g., one parameter is unused in first iteration, but then got used in the second "
+    "iteration. this is not compatible with static_graph set to True.",
+    "model-mismatch": "RuntimeError: DDP expects same model across all ranks, but Rank 0 has 2 "
+    "params, while rank 1 has inconsistent 0 params.",
+    "ddp-before-to": "ValueError: DistributedDataParallel device_ids and output_device arguments "
+    "only work with single-device/multiple-device GPU modules or CPU modules, but got "
+    "device_ids [0], output_device 0, and module parameters {device(type='cpu')}.",
+    "nccl-remote-error": "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp"
+    ":1970, remote process exited or there was a network error, NCCL version 2.21.5\n"
+    "ncclRemoteError: A call failed possibly due to a network error or a remote process "
+    "exiting prematurely.",
     "job-signalled": "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
     "7817 got signal: 15",
     "weights-only": "_pickle.UnpicklingError: Weights only load failed. This file can still "
@@ -367,7 +379,7 @@ REAL_LOGS = {
     ),
     "inplace_bn_pytorch175024": (["inplace-modified"], [], []),  # "modified" a line above
     "inplace_bn_old_pytorch73332": (["inplace-modified"], [], []),
-    "state_dict_prefix_deepthinking5": (["wrapper-keys"], ["'module.' prefix"], []),
+    "state_dict_prefix_deepthinking5": (["wrapper-keys"], ["DDP's 'module.'"], []),
     "state_dict_renamed_mvdet7": (  # other names: no prefix to strip
         ["state-dict-keys"],
         ["layers renamed, added or removed"],
@@ -433,3 +445,35 @@ def test_a_preempted_template_log_is_a_signal_from_outside_with_the_step_it_save
     assert keys(log) == ["job-signalled"]
     said = explain_log(log)
     assert "stopped from outside" in said and "saved step 346" in said, said
+
+
+def test_a_full_gpu_whose_one_listed_process_holds_what_pytorch_allocated_is_this_rank():
+    """A learner's review: in a container torch lists this process by pid; explain read
+    "Process 2109115 has 78.99 GiB" as another rank's context (78.99 + 77.21 GiB > the GPU)."""
+    line = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.02 GiB. GPU 2 has a "
+        "total capacity of 79.15 GiB of which 159.25 MiB is free. Process 2109115 has 78.99 GiB "
+        "memory in use. Of the allocated memory 77.21 GiB is allocated by PyTorch, and 1.12 GiB "
+        "is reserved by PyTorch but unallocated."
+    )
+    said = explain_log(line)
+    assert "likely this rank itself" in said and "other ranks' contexts" in said, said
+
+
+def test_explain_reads_the_static_graph_case_and_torch_compiles_prefix():
+    """A learner's review: the static_graph variant of "Expected to have finished reduction"
+    was told to set static_graph=True (it was set: the cause); keys that differ by
+    torch.compile's '_orig_mod.' were called renamed layers."""
+    static = (
+        "RuntimeError: Expected to have finished reduction in the prior iteration before "
+        "starting a new one. This error indicates that your training graph has changed in this "
+        "iteration, e.g., one parameter is used in first iteration, but then got unused in the "
+        "second iteration. this is not compatible with static_graph set to True."
+    )
+    assert "static_graph=True is set" in explain_log(static)
+    compiled = (
+        'Error(s) in loading state_dict for GPT:\n\tMissing key(s) in state_dict: "wte.weight", '
+        '"lm_head.weight".\n\tUnexpected key(s) in state_dict: "_orig_mod.wte.weight", '
+        '"_orig_mod.lm_head.weight".'
+    )
+    assert keys(compiled) == ["wrapper-keys"]

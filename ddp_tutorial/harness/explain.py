@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ddp_tutorial.harness.messages import KNOWN, Known
+from ddp_tutorial.harness.known import Known
+from ddp_tutorial.harness.messages import KNOWN
 from ddp_tutorial.harness.rank_lines import lagging_ranks, rank_of, where_ranks_failed
 
 # A Python exception's line ("ValueError:", "torch.OutOfMemoryError:"), a tool's "error:",

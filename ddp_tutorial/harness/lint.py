@@ -91,7 +91,8 @@ class Linter(ScopeChecks):
             if name == "init_process_group":
                 if "destroy_process_group" not in names:
                     self.add(call, "DDP111")
-                if self.nccl(call) and keyword(call, "device_id") is None:
+                binds = {"set_device", "set_device_index"} & names  # the current GPU, set
+                if self.nccl(call) and keyword(call, "device_id") is None and not binds:
                     self.add(call, "DDP109")
             elif name == "DataLoader":
                 sampler, shuffle = keyword(call, "sampler"), keyword(call, "shuffle")

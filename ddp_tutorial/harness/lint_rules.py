@@ -48,9 +48,9 @@ RULES: dict[str, tuple[str, str]] = {
         "05",
     ),
     "DDP109": (
-        "init_process_group with nccl and no device_id: pass device_id=torch.device('cuda', "
-        "local_rank) so that the group is bound to this rank's GPU (no guess, no "
-        "'using GPU N to perform barrier' warning)",
+        "init_process_group with nccl, and neither device_id nor torch.cuda.set_device: "
+        "barrier() and object collectives run on the current device, cuda:0 on every rank; "
+        "pass device_id=torch.device('cuda', local_rank) (or set_device(local_rank) first)",
         "03",
     ),
     "DDP110": (

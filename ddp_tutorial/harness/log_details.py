@@ -17,13 +17,17 @@ _KEY_LIST = re.compile(
 )
 
 
+_WRAPPER_PREFIX = re.compile(r"^(?:module\.|_orig_mod\.)+")  # DDP's, torch.compile's
+
+
 def prefix_explains(text: str) -> bool:
-    """A name in both lists once a leading 'module.' is stripped: only the prefix differs.
-    A Missing list alone ('module.' names of new layers under DDP) or other names is not that."""
+    """A name in both lists once the wrappers' prefixes ('module.', torch.compile's
+    '_orig_mod.') are stripped: only the prefix differs. A Missing list alone ('module.' names
+    of new layers under DDP) or other names is not that."""
     sides: dict[str, set[str]] = {"Missing": set(), "Unexpected": set()}
     for m in _KEY_LIST.finditer(text):
         names = re.findall(r'"([^"]+)"', m["names"])  # quoted: a list may be cut short
-        sides[m["side"]] |= {n.removeprefix("module.") for n in names}
+        sides[m["side"]] |= {_WRAPPER_PREFIX.sub("", n) for n in names}
     return bool(sides["Missing"] & sides["Unexpected"])
 
 
@@ -35,6 +39,13 @@ def other_processes(line: str, text: str) -> str:
         return "no other process listed (older torch lists none: nvidia-smi shows who holds it)"
     gib = sum(float(size) / (1 if unit == "G" else 1024) for size, unit in others.values())
     own = re.search(r"this process has ([\d.]+ [MG]iB) memory in use", line)
+    mine = re.search(r"allocated memory ([\d.]+) GiB is allocated by PyTorch", line)
+    if not own and mine and len(others) == 1 and gib >= float(mine[1]):  # a container's pids
+        return (
+            f"the one process listed holds {gib:.2f} GiB, at least the {mine[1]} GiB PyTorch "
+            "allocated in this process: likely this rank itself (a container lists it by pid): "
+            "its batch or model is too large for the GPU, not other ranks' contexts"
+        )
     return (
         f"{len(others)} other process{'es' * (len(others) > 1)} hold {gib:.2f} GiB of this GPU "
         f"(other ranks' CUDA contexts){f', this one {own[1]}' if own else ''}"

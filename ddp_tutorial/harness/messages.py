@@ -7,10 +7,7 @@ whether it applies, ``detail`` adds what this log says (other ranks' memory on a
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
-
+from ddp_tutorial.harness.known import Known
 from ddp_tutorial.harness.log_details import (
     cuda_failure,
     dtensor_file,
@@ -18,29 +15,9 @@ from ddp_tutorial.harness.log_details import (
     other_processes,
     prefix_explains,
     reset_at_init,
+    said_if,
     saved_before_exit,
 )
-
-
-@dataclass(frozen=True)
-class Known:
-    """A message, what causes it, what fixes it, and where the course shows it; ``when(log)``
-    rules it out where its line would mislead, ``detail(line, log)`` adds what the log says."""
-
-    key: str
-    pattern: str
-    cause: str
-    fix: str
-    lesson: str
-    when: Callable[[str], bool] | None = None
-    detail: Callable[[str, str], str | None] | None = None
-
-    def search(self, line: str) -> re.Match[str] | None:
-        return re.search(self.pattern, line)
-
-    def applies(self, text: str) -> bool:
-        return self.when is None or self.when(text)
-
 
 KNOWN: tuple[Known, ...] = (
     Known(
@@ -76,6 +53,44 @@ KNOWN: tuple[Known, ...] = (
         "DDP waited for gradients of parameters that forward() did not use",
         "remove or freeze them; find_unused_parameters=True if the set changes each step; "
         "static_graph=True if it never does",
+        "09",
+        detail=said_if(
+            r"not compatible with static_graph set to True",
+            "static_graph=True is "
+            "set and this step used another set of parameters than the first: "
+            "drop it (find_unused_parameters=True if the set changes)",
+        ),  # fmt: skip
+    ),
+    Known(
+        "static-graph-changed",
+        r"Your training graph has changed in this iteration",
+        "static_graph=True promised the same parameters in every step; this one used others",
+        "drop static_graph=True (find_unused_parameters=True if the set changes)",
+        "04",
+    ),
+    Known(
+        "model-mismatch",
+        r"DDP expects same model across all ranks",
+        "the ranks built different models: a rank-dependent branch or config, weights loaded "
+        "on some ranks only into a model whose shape they change, lazy modules not yet built",
+        "build the model the same way on every rank before DDP (lazy modules: one dummy "
+        "forward first); load weights on every rank, or before wrapping",
+        "04",
+    ),
+    Known(
+        "ddp-before-to",
+        r"device_ids and output_device arguments only work with",
+        "DDP(model, device_ids=[...]) wrapped a model still on the CPU (or on several devices)",
+        "model.to(device) first, then DDP(model, device_ids=[local_rank])",
+        "04",
+    ),
+    Known(
+        "nccl-remote-error",
+        r"ncclRemoteError|Some NCCL operations have failed or timed out",
+        "NCCL on this rank saw a peer fail: its process exited (a crash, the OOM killer) or "
+        "the network between the nodes dropped; this rank is rarely the cause",
+        "find the rank that failed first (its own traceback; dmesg for a kill); between "
+        "nodes, NCCL_DEBUG=INFO names the transport and the peer",
         "09",
     ),
     Known(
@@ -260,10 +275,10 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "wrapper-keys",
         r"(Missing|Unexpected) key\(s\) in state_dict",
-        "weights saved from the DDP wrapper carry a 'module.' prefix the plain model lacks "
-        "(or the other way round)",
-        "save model.module.state_dict(); strip the prefix of old files with "
-        "consume_prefix_in_state_dict_if_present (not k[7:])",
+        "weights saved from a wrapper carry its prefix the plain model lacks, DDP's 'module.' "
+        "or torch.compile's '_orig_mod.' (or the other way round)",
+        "save model.module.state_dict() (compiled: the model before compiling); strip old "
+        "files' prefixes with consume_prefix_in_state_dict_if_present (not k[7:])",
         "05",
         when=prefix_explains,
     ),
@@ -292,7 +307,7 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "state-dict-keys",
         r"(Missing|Unexpected) key\(s\) in state_dict",
-        "the file's names are not the model's, and not by a 'module.' prefix: layers renamed, "
+        "the file's names are not the model's, and not by a wrapper's prefix: layers renamed, "
         "added or removed, or another architecture",
         "compare the two lists; strict=False only for layers you mean to skip, then check "
         "the missing and unexpected keys that load_state_dict returns",
@@ -383,7 +398,7 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "no-backend-for-device",
-        r"No backend type associated with device type",
+        r"No backend type associated with device type|Tensors must be CUDA and dense",
         "a CPU tensor in a collective of an nccl-only group (or a CUDA tensor on gloo)",
         "move the tensor to the group's device, or init_process_group(backend="
         "'cpu:gloo,cuda:nccl')",
