@@ -278,6 +278,23 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         dist.destroy_process_group()
         """,
     ),
+    "DDP126": (
+        """
+        for step, group in enumerate(micro_batches):
+            for x, y in group:
+                with model.no_sync():  # every micro-batch, the last one too
+                    (loss_fn(model(x), y) / len(group)).backward()
+            optimizer.step()
+        """,
+        """
+        for step, group in enumerate(micro_batches):
+            for i, (x, y) in enumerate(group):
+                ctx = nullcontext() if i == len(group) - 1 else model.no_sync()
+                with ctx:
+                    (loss_fn(model(x), y) / len(group)).backward()
+            optimizer.step()
+        """,
+    ),
 }
 
 

@@ -69,6 +69,7 @@ class Linter(ScopeChecks):
             self.order(owner)
             self.uneven(owner, scope)
         self.whole_file()
+        self.never_synced()
         return sorted(set(self.found))
 
     # ---------------------------------------------------------------- rules over the file
@@ -328,6 +329,23 @@ class Linter(ScopeChecks):
             later = any("save" in last_name(c) for s in self.after(loop) for c in calls_in(s))
             if not later:
                 self.add(saves[0], "DDP123")
+
+    def never_synced(self) -> None:
+        """DDP126: every ``backward()`` of the file inside ``with ... no_sync():``."""
+        synced_off = {
+            id(call)
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.With)
+            and any(
+                isinstance(item.context_expr, ast.Call)
+                and last_name(item.context_expr) == "no_sync"
+                for item in node.items
+            )
+            for call in calls_in(node)
+        }
+        backwards = [c for c in self.every if last_name(c) == "backward"]
+        if backwards and all(id(c) in synced_off for c in backwards):
+            self.add(backwards[0], "DDP126")
 
     def saver(self, call: ast.Call) -> bool:
         """A call of this file's function (or method) that itself calls torch.save: the

@@ -139,6 +139,12 @@ RULES: dict[str, tuple[str, str]] = {
         "sampler=DistributedSampler(dataset) (and set_epoch(epoch) each epoch)",
         "02",
     ),
+    "DDP126": (
+        "every backward() runs inside no_sync(): DDP never averages the gradients, and the "
+        "ranks' weights part from the first step on, without an error; leave the last "
+        "micro-batch of each step outside it (`nullcontext() if last else model.no_sync()`)",
+        "04",
+    ),
 }
 
 COLLECTIVES = frozenset(
