@@ -789,3 +789,21 @@ def test_nccl_without_device_id_is_no_finding_once_the_script_sets_its_device(tm
     assert "DDP109" in {f.code for f in lint_source(bare + tail)}
     with_device = bare + "torch.cuda.set_device(local_rank)\n" + tail
     assert "DDP109" not in {f.code for f in lint_source(with_device)}
+
+
+def test_the_state_dict_of_a_wrapper_held_in_an_attribute_is_found():
+    """A practitioner's review: the official series' Trainer style (self.model = DDP(...))
+    saved self.model.state_dict() unflagged; the plain model's own is left alone."""
+    from ddp_tutorial.harness.lint import lint_source
+
+    source = (
+        "class Trainer:\n"
+        "    def __init__(self, model, gpu_id):\n"
+        "        self.model = DDP(model, device_ids=[gpu_id])\n"
+        "        self.plain = model\n"
+        "    def save(self):\n"
+        "        torch.save(self.model.state_dict(), 'w.pt')\n"
+        "        torch.save(self.plain.state_dict(), 'p.pt')\n"
+    )
+    found = [(f.code, f.line) for f in lint_source(source) if f.code == "DDP107"]
+    assert found == [("DDP107", 6)], found

@@ -258,6 +258,18 @@ class ScopeChecks:
                 return stmt.test
         return None
 
+    def wrapped_attributes(self) -> set[str]:
+        """``self.model`` where the file assigns ``self.model = DDP(...)``: the official
+        series' Trainer holds its wrapper in an attribute."""
+        return {
+            dotted(target)
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and last_name(node.value) in ("DDP", "DistributedDataParallel")
+            for target in node.targets
+            if isinstance(target, ast.Attribute)
+        }  # fmt: skip
+
     def saves(self, owner: ast.AST, scope: Scope) -> None:
         """DDP105-DDP107: who writes, and what."""
         for stmt in self.statements(owner):
@@ -267,6 +279,9 @@ class ScopeChecks:
                     if isinstance(holder, ast.Name) and scope.wrapper(holder.id, call.lineno):
                         if not self.overwritten(stmt):
                             self.add(call, "DDP107", name=holder.id)
+                    elif dotted(holder) in self.wrapped_attributes():  # self.model = DDP(...)
+                        if not self.overwritten(stmt):
+                            self.add(call, "DDP107", name=dotted(holder))
                 if dotted(call.func) == "torch.save" and self.distributed:
                     self.writer(call, owner, scope)
 
