@@ -807,3 +807,22 @@ def test_the_state_dict_of_a_wrapper_held_in_an_attribute_is_found():
     )
     found = [(f.code, f.line) for f in lint_source(source) if f.code == "DDP107"]
     assert found == [("DDP107", 6)], found
+
+
+def test_a_device_built_from_the_global_rank_is_found_where_it_is_used():
+    """A practitioner's review: device = f"cuda:{rank}" (rank from RANK), then
+    set_device(device), .to(device), device_ids=[device]: only an f-string written inside the
+    call was read. torch.accelerator.set_device_index(rank) is a GPU slot too."""
+    from ddp_tutorial.harness.lint import lint_source
+
+    source = (
+        "rank = int(os.environ['RANK'])\n"
+        "device = f'cuda:{rank}'\n"
+        "torch.cuda.set_device(device)\n"
+        "model = DDP(model.to(device), device_ids=[device])\n"
+        "torch.accelerator.set_device_index(rank)\n"
+        "local = torch.device('cuda', int(os.environ['LOCAL_RANK']))\n"
+        "x = x.to(local)\n"
+    )
+    lines = sorted({f.line for f in lint_source(source) if f.code == "DDP102"})
+    assert lines == [3, 4, 5], lines

@@ -158,6 +158,7 @@ class Scope:
         kept = kept or Kept()  # what the methods of a class keep on self (self.gpu_id = ...)
         self.rank = {p for p in params if "rank" in p.lower()} | kept.rank
         self.global_rank: set[str] = set(kept.global_rank)
+        self.global_device: set[str] = set()  # device = f"cuda:{rank}", torch.device(..., rank)
         self.local_rank: set[str] = set(kept.local_rank)  # from LOCAL_RANK (`gpu = int(...)`)
         self.always_wrapped: set[str] = set()  # read as x.module, given to Join or no_sync
         self.bound: dict[str, list[tuple[int, bool | None]]] = {}  # name: (line, holds a wrapper)
@@ -191,6 +192,8 @@ class Scope:
     def _learn(self, name: str, value: ast.expr, line: int) -> None:
         if self.is_global_rank(value):
             self.global_rank.add(name)
+        if self.is_global_device(value):
+            self.global_device.add(name)
         if self.is_local_rank(value):
             self.local_rank.add(name)
         if self.depends_on_rank(value):
@@ -232,6 +235,18 @@ class Scope:
         if isinstance(node, ast.Name | ast.Attribute) and dotted(node):
             return dotted(node) in self.global_rank
         return env_key(node) == "RANK"
+
+    def is_global_device(self, value: ast.expr) -> bool:
+        """A CUDA device built from the global rank: ``f"cuda:{rank}"``, ``torch.device("cuda",
+        rank)`` (assigned to a name, then passed where a GPU goes)."""
+        if isinstance(value, ast.Call) and last_name(value) == "device":
+            parts: list[ast.expr] = list(value.args)
+        elif isinstance(value, ast.JoinedStr | ast.BinOp) and "cuda" in ast.unparse(value):
+            parts = [value]
+        else:
+            return False
+        held = (n for p in parts for n in ast.walk(p) if isinstance(n, ast.Name | ast.Attribute))
+        return any(self.is_global_rank(n) for n in held)
 
     def is_local_rank(self, value: ast.expr) -> bool:
         """``int(os.environ["LOCAL_RANK"])`` or a name (``self.gpu_id``) holding it."""

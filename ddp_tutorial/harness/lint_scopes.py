@@ -225,7 +225,10 @@ class ScopeChecks:
         for call in (c for s in self.statements(owner) for c in self.own_calls(s)):
             name = dotted(call.func)
             slots: list[ast.expr] = []
-            if name.endswith("cuda.set_device") or last_name(call) in ("cuda", "to"):
+            if name.endswith(("cuda.set_device", "set_device_index")) or last_name(call) in (
+                "cuda",
+                "to",
+            ):
                 slots = list(call.args[:1])
             elif last_name(call) == "device" and call.args[:1] and self.is_cuda(call.args[0]):
                 slots = list(call.args[1:2])
@@ -236,7 +239,8 @@ class ScopeChecks:
             if isinstance(text, ast.JoinedStr | ast.BinOp) and "cuda" in ast.unparse(text):
                 slots += [n for n in ast.walk(text) if isinstance(n, ast.Name | ast.Attribute)]
             for slot in slots:
-                if scope.is_global_rank(slot):
+                held = isinstance(slot, ast.Name | ast.Attribute) and dotted(slot)
+                if scope.is_global_rank(slot) or held in scope.global_device:
                     label = dotted(slot) or "the rank"
                     self.add(
                         call, "DDP102", name=label + ("()" if isinstance(slot, ast.Call) else "")
