@@ -9,6 +9,7 @@ gone inf/nan, a timed save), the store a restarted job joins through, exact eval
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import multiprocessing
@@ -165,6 +166,26 @@ def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
     return path
 
 
+def _failed_crc(path: Path) -> str | None:
+    """The first member of a zip checkpoint whose bytes fail their CRC-32, if any: torch.load
+    reads no checksum, so bytes damaged on disk load without an error, as other weights.
+    (A member saved with torch's CRC-32 off holds 0 there: not checked.)"""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue
+                try:
+                    with archive.open(info) as member:
+                        while member.read(1 << 24):
+                            pass
+                except zipfile.BadZipFile:  # "Bad CRC-32 for file ..."
+                    return info.filename
+    except (zipfile.BadZipFile, OSError):
+        return None  # not readable as a zip at all: torch.load says why, below
+    return None
+
+
 def share_outcome(failure: BaseException | str | None, path: PathLike) -> None:
     """Rank 0's save outcome on every rank (a broadcast: call it on every rank).
 
@@ -218,6 +239,8 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
     if head and not head.startswith((b"PK", b"\x80")) and head[257:262] != b"ustar":
         what = "zeros" if not head.strip(b"\0") else f"bytes {head[:4]!r}"
         raise _corrupt(path, size, f"not a file torch.save writes: it begins with {what}")
+    if head.startswith(b"PK") and (member := _failed_crc(path)):
+        raise _corrupt(path, size, f"{member} fails its CRC-32: its bytes changed on disk")
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
@@ -791,6 +814,8 @@ def worker_context(
     # mask kept through fork and exec), it ends with its rank instead. Its resource tracker
     # first: starting one unblocks SIGTERM (multiprocessing's own mask dance).
     multiprocessing.resource_tracker.ensure_running()
+    atexit.unregister(_kill_workers)  # once, however many loaders
+    atexit.register(_kill_workers)  # runs before multiprocessing's own exit handler
     blocked = {getattr(signal, name) for name in SIGNALS}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
@@ -798,6 +823,14 @@ def worker_context(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return context
+
+
+def _kill_workers() -> None:
+    """At exit, the workers a crash left running: the traceback keeps their loader alive, they
+    ignore SIGTERM (seed_worker), and multiprocessing's exit handler would terminate() them,
+    then join() for ever: the rank would never end, and torchrun never restart the job."""
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def seed_worker(worker_id: int) -> None:
@@ -1504,8 +1537,12 @@ def image_folder(
     classes, root = check_image_folder(root, rank, world_size), Path(root)
     train = ImageFolder(root / "train", transform=_transforms(image_size, train=True))
     val = ImageFolder(root / "val", transform=_transforms(image_size, train=False))
-    if val.classes != classes:
-        raise DataError(f"--data-dir {root}: val/ classes {val.classes} != train/ {classes}")
+    for split, found in (("train", train.classes), ("val", val.classes)):
+        if found != classes:  # ImageFolder counts hidden folders (.ipynb_checkpoints) as classes
+            raise DataError(
+                f"--data-dir {root}: {split}/ has the class folders {found}, the check expected "
+                f"{classes}: remove the others (hidden ones too), or labels would shift"
+            )
     return train, val, len(classes)
 
 
@@ -1520,6 +1557,11 @@ def cifar10(root: PathLike | None, image_size: int, download: bool) -> tuple[Any
             CIFAR10(root, train=s, download=download, transform=_transforms(image_size, s))
             for s in (True, False)
         )
+    except OSError as exc:  # --download without a network (URLError)
+        raise DataError(
+            f"--data cifar10 --download: {exc}. Download it where there is a network and copy "
+            f"the folder to {root}"
+        ) from None
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted. ..."
         raise DataError(
             f"--data cifar10: no intact copy in {root} ({exc}). Add --download to "
@@ -1651,6 +1693,7 @@ class TrainLog:
         directory: str | None = None,
         sums: torch.Tensor | None = None,
         window: Iterable[float] = (0.0, 0.0),
+        purge_step: int | None = None,
     ):
         self.main, self.every, self.global_batch = rank == 0, every, global_batch
         self.mark = sums.detach().clone() if sums is not None else torch.zeros(2)
@@ -1661,7 +1704,8 @@ class TrainLog:
         if directory and self.main:
             from torch.utils.tensorboard import SummaryWriter  # pip install tensorboard
 
-            self.writer = SummaryWriter(directory)
+            self.writer = SummaryWriter(directory, purge_step=purge_step)  # a resume's: drop
+            # what the last attempt logged after its snapshot, or each later step shows twice
 
     def pause(self) -> None:
         """Evaluating or saving is not training: the clock stops until :meth:`resume`."""

@@ -440,13 +440,18 @@ def train(
             best = -math.inf
             say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
     if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
-        held = json.loads((ckpt / "best.json").read_text())
+        try:
+            held = json.loads((ckpt / "best.json").read_text())
+        except ValueError:  # empty or cut short (a crash): the snapshot's best decides
+            held = {}
+            say("WARNING: best.json is damaged: the snapshot's best score decides over best.pt")
         if held.get("best_by", "val_accuracy") == args.best_by:  # older files: accuracy only
             best = max(best, held.get("score", held.get("val_accuracy", -math.inf)))
     best = kit.from_rank0(best)  # as rank 0 reads the folder: a save is a collective
     loss_sum = torch.tensor(totals, dtype=torch.float64, device=device)  # [sum, targets]
     checks = kit.StopCheck(device, save_minutes=args.save_minutes if ckpt else 0)
-    log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum, window)
+    log = kit.TrainLog(rank, args.log_every, global_batch, args.tensorboard, loss_sum, window,
+                       purge_step=step + 1 if resumed else None)  # fmt: skip
     hook = instruments(args, rank, world_size, device, resumed, attempt)  # None without --out
 
     def save(obj: Any, name: str, note: dict[str, Any] | None = None) -> None:  # every rank
@@ -659,7 +664,10 @@ def described(record: dict[str, Any]) -> str:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Written aside, then renamed over ``path``: a crash leaves the old file or the new one."""
     temp = kit.temp_path_for(path)
-    temp.write_text(json.dumps(data))
+    with open(temp, "w") as f:
+        f.write(json.dumps(data))
+        f.flush()
+        os.fsync(f.fileno())  # the bytes on the disk before the name points at them
     os.replace(temp, path)
 
 

@@ -14,7 +14,9 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -882,7 +884,18 @@ def _zeroed(path: Path) -> None:
     path.write_bytes(bytes(path.stat().st_size))
 
 
-@pytest.mark.parametrize("damage", [_cut, _zeroed], ids=["cut", "zeroed"])
+def _flipped(path: Path) -> None:
+    """Eight bytes of a tensor changed on disk, the zip intact: torch.load reads no checksum,
+    so this loaded as other weights, or as NaNs that stopped the run for good (helper 82)."""
+    with zipfile.ZipFile(path) as archive:
+        member = max(archive.infolist(), key=lambda i: i.file_size)  # the largest tensor
+    data = bytearray(path.read_bytes())
+    start = member.header_offset + 30 + len(member.filename) + len(member.extra) + 64
+    data[start : start + 8] = bytes.fromhex("0000c07f0000c07f")  # two NaNs
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_cut, _zeroed, _flipped], ids=["cut", "zeroed", "flipped"])
 def test_a_damaged_newest_snapshot_is_passed_over_for_the_one_before(
     template, kit, tmp_path, one_rank, capsys, damage
 ):
@@ -1204,3 +1217,91 @@ def test_a_snapshot_holds_the_averaged_batchnorm_statistics_and_each_ranks_own(t
     for name in names:
         average = (own[0][name] + own[1][name]) / 2
         assert torch.allclose(state["model"][name], average), name
+
+
+@pytest.mark.torchrun
+def test_a_crash_with_dataloader_workers_ends_the_rank_in_seconds(tmp_path):
+    """Helper 82: a rank that raised with --num-workers 2 (here a truncated image) never
+    exited: its traceback kept the loader alive, the workers ignore SIGTERM, and
+    multiprocessing's exit handler joined them for ever; torchrun could not restart it."""
+    from ddp_tutorial.real_data import write_example_folder
+
+    folder = write_example_folder(tmp_path / "images", size=16)
+    png = sorted((folder / "train" / "a").glob("*.png"))[0]
+    png.write_bytes(png.read_bytes()[: png.stat().st_size // 2])  # its header intact
+    command = [sys.executable, str(REPO / "scripts" / "train.py"), "--data-dir", str(folder),
+               "--num-workers", "2", "--batch-size", "4", "--epochs", "1", "--image-size", "8",
+               "--no-progress", "--backend", "gloo"]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode != 0 and "truncated" in run.stderr, run.stderr[-2000:]
+
+
+def test_hidden_class_folders_are_refused_before_they_shift_the_labels(kit, tmp_path):
+    """Helper 82: train/.ipynb_checkpoints/ is a class to ImageFolder but not to the folder
+    check: "a" became label 1 in training and 0 in validation."""
+    from ddp_tutorial.real_data import write_example_folder
+
+    folder = write_example_folder(tmp_path / "images", size=8)
+    png = sorted((folder / "train" / "a").glob("*.png"))[0]
+    (folder / "train" / ".ipynb_checkpoints").mkdir()
+    (folder / "train" / ".ipynb_checkpoints" / png.name).write_bytes(png.read_bytes())
+    with pytest.raises(kit.DataError, match="train/ has the class folders"):
+        kit.image_folder(folder, 8)
+
+
+def test_a_damaged_best_json_is_warned_of_not_a_crash_on_every_restart(
+    template, tmp_path, one_rank, capsys
+):
+    """Helper 82: an empty best.json (a crash right after it was created) made every resume
+    raise a JSONDecodeError; torchrun's restarts replayed it."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "2",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "8"])
+    (tmp_path / "best.json").write_text("")
+    capsys.readouterr()
+    template.main(argv)
+    out = capsys.readouterr().out
+    assert "WARNING: best.json is damaged" in out and "done: 16 steps" in out, out
+
+
+def test_tensorboard_drops_what_a_crashed_attempt_logged_after_its_snapshot(
+    template, kit, tmp_path, one_rank, monkeypatch
+):
+    """Helper 82: a restart from the step-4 snapshot of an attempt that had logged step 6 wrote
+    step 6 twice (two samples/s values for one step). The resumed writer purges from step 5."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1", "--log-every",
+            "2", "--save-every", "4", "--tensorboard", str(tmp_path / "tb"),
+            "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
+    observe = kit.StopCheck.observe
+
+    def crash_at_7(self, step, loss):
+        observe(self, step, loss)
+        if step == 7:
+            raise RuntimeError("a rank crashed")
+
+    monkeypatch.setattr(kit.StopCheck, "observe", crash_at_7)
+    with pytest.raises(RuntimeError, match="a rank crashed"):
+        template.main(argv)
+    monkeypatch.setattr(kit.StopCheck, "observe", observe)
+    template.main(argv)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == [2, 4, 6, 8], steps
+
+
+def test_a_download_without_a_network_is_a_data_error(kit, tmp_path, monkeypatch):
+    """Helper 82: --download with no network printed urllib's traceback (an OSError the
+    RuntimeError handler let through)."""
+    import urllib.error
+
+    import torchvision.datasets
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)  # no network here, or in CI
+    with pytest.raises(kit.DataError, match="--download: .*Name or service not known"):
+        kit.cifar10(tmp_path, 32, download=True)
