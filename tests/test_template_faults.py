@@ -61,6 +61,20 @@ def snapshot_steps(kit, folder: Path) -> list[int]:
     return [step for step, _ in kit.list_snapshots(folder)]
 
 
+def signal_at(kit, monkeypatch, at: int):
+    """The scheduler's SIGTERM, raised in this process right after step ``at``; returns what
+    puts the step back as it was (for the rerun)."""
+    observe = kit.StopCheck.observe
+
+    def observe_then_signal(self, step, loss):
+        observe(self, step, loss)
+        if step == at:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    return partial(monkeypatch.setattr, kit.StopCheck, "observe", observe)
+
+
 def stops_with(template, argv: list[str], capsys, error: str, says: str, error_file=None) -> str:
     """main() stops with exit 1 and one line naming ``error`` and saying ``says`` (an expected
     stop). Under torchrun (``error_file``: its TORCHELASTIC_ERROR_FILE) the traceback goes to
@@ -804,14 +818,7 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     period, and the snapshot says it is owed, so the rerun's first act is step 15's evaluation
     (a mutation review: without the check's save, the evaluation's own stop saved the same;
     and the owed evaluation was lost for good, the rerun's history went 30, 32)."""
-    observe = kit.StopCheck.observe
-
-    def observe_then_signal(self, step, loss):  # the scheduler's SIGTERM, at a known step
-        observe(self, step, loss)
-        if step == 12:
-            signal.raise_signal(signal.SIGTERM)
-
-    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    unsignalled = signal_at(kit, monkeypatch, 12)
     argv = [*TINY, "--num-samples", "512", "--batch-size", "16", "--epochs", "1",
             "--eval-every", "15", "--checkpoint-dir", str(tmp_path / "c")]  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
@@ -822,7 +829,7 @@ def test_a_signal_before_a_due_evaluation_saves_first(template, kit, tmp_path, o
     assert snapshot_steps(kit, tmp_path / "c") == [15]
     (path,) = [p for _, p in kit.list_snapshots(tmp_path / "c")]
     assert kit.load_checkpoint(path)["extra"]["eval_owed"], "the snapshot owes step 15's"
-    monkeypatch.setattr(kit.StopCheck, "observe", observe)  # the rerun: no signal
+    unsignalled()  # the rerun: no signal
     template.main(argv)
     out = capsys.readouterr().out
     evaluated = [int(s) for s in re.findall(r"epoch \d+: step (\d+), loss", out)]
@@ -1000,20 +1007,15 @@ def test_tensorboard_scalars_reach_the_disk_on_a_preemptions_exit_75(
     import torch.utils.tensorboard as tb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    opened, observe = [], kit.StopCheck.observe
+    opened = []
 
     class Writer(tb.SummaryWriter):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             opened.append(self)
 
-    def observe_then_signal(self, step, loss):
-        observe(self, step, loss)
-        if step == 5:
-            signal.raise_signal(signal.SIGTERM)
-
     monkeypatch.setattr(tb, "SummaryWriter", Writer)
-    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    signal_at(kit, monkeypatch, 5)
     argv = [*TINY, "--num-samples", "256", "--batch-size", "8", "--epochs", "1",
             "--log-every", "1", "--checkpoint-dir", str(tmp_path / "c"),
             "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
@@ -1062,14 +1064,7 @@ def test_without_a_checkpoint_dir_the_template_says_that_nothing_is_saved(
     out = capsys.readouterr().out
     assert "WARNING: no --checkpoint-dir: nothing is saved" in out, out
     assert re.search(r"done: 8 steps, .*, nothing saved\n", out), out
-    observe = kit.StopCheck.observe
-
-    def observe_then_signal(self, step, loss):  # the scheduler's SIGTERM, at a known step
-        observe(self, step, loss)
-        if step == 2:
-            signal.raise_signal(signal.SIGTERM)
-
-    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
+    signal_at(kit, monkeypatch, 2)
     with pytest.raises(SystemExit) as stopped:
         template.main(argv)
     out = capsys.readouterr().out
@@ -1108,20 +1103,6 @@ def test_help_shows_every_default_zero_included(template):
     for dest in ("seed", "num_workers", "save_every", "eval_every"):
         assert "(default: %(default)s)" in shown[dest], (dest, shown[dest])
     assert "default" not in (shown["checkpoint_dir"] or ""), "None: no default to show"
-
-
-def signal_at(kit, monkeypatch, at: int):
-    """The scheduler's SIGTERM, raised in this process right after step ``at``; returns what
-    puts the step back as it was (for the rerun)."""
-    observe = kit.StopCheck.observe
-
-    def observe_then_signal(self, step, loss):
-        observe(self, step, loss)
-        if step == at:
-            signal.raise_signal(signal.SIGTERM)
-
-    monkeypatch.setattr(kit.StopCheck, "observe", observe_then_signal)
-    return partial(monkeypatch.setattr, kit.StopCheck, "observe", observe)
 
 
 def evaluated_steps(out: str) -> list[int]:
