@@ -22,6 +22,7 @@ import re
 import signal
 import site
 import sys
+import threading
 import time
 import uuid
 import zipfile
@@ -839,13 +840,26 @@ def seed_worker(worker_id: int) -> None:
 
     A scheduler signals every process of the job: a worker killed by SIGTERM makes its
     rank raise "DataLoader worker ... killed by signal" before the rank can save. Ignored
-    in the worker, the rank saves, then shuts its workers down itself."""
-    if multiprocessing.parent_process() is not None:  # in a worker process, not the rank
+    in the worker, the rank saves, then shuts its workers down itself.
+
+    A rank killed outright (SIGKILL: the OOM killer, a scheduler's second signal) shuts down
+    nothing. torch's own check in the worker watches the worker's parent, here the fork
+    server, which lives on as long as a worker does: the worker would wait for batches for
+    ever, holding its memory. A thread waits on the rank itself and ends the worker with it."""
+    if (rank := multiprocessing.parent_process()) is not None:  # in a worker, not the rank
         for name in SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+        threading.Thread(target=_end_with, args=(rank,), daemon=True).start()
     info = torch.utils.data.get_worker_info()
     if info is not None and callable(reseed := getattr(info.dataset, "reseed", None)):
         reseed(info.seed)
+
+
+def _end_with(rank: multiprocessing.process.BaseProcess) -> None:
+    """In a DataLoader worker: wait until the rank is gone, then end (what it would have sent
+    has no reader left)."""
+    rank.join()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------ joining, one decision

@@ -211,3 +211,36 @@ def test_a_dataset_of_too_many_tensors_is_refused_with_what_to_do(tmp_path):
     refused, ran = out.stdout.strip().splitlines()
     assert "a DataLoader worker cannot start" in refused and "--num-workers 0" in refused
     assert "set_sharing_strategy('file_system')" in refused and ran == "3 batches"
+
+
+@pytest.mark.torchrun
+def test_a_rank_killed_outright_takes_its_workers_and_fork_server_with_it(tmp_path):
+    """A rank SIGKILLed (the OOM killer, a scheduler's second signal) shuts nothing down. Its
+    workers come from the fork server, and torch's check in a worker watches the worker's
+    parent (the server), which lives as long as a worker holds its pipe: before seed_worker's
+    thread, both workers and the server were still running 19 s after the kill (measured),
+    holding their memory for ever. Now they end with the rank."""
+    import psutil
+
+    folder, env = copied(tmp_path)
+    rank = (
+        "import sys, time, torch, ddp_kit, multiprocessing.forkserver as fs\n"
+        "from torch.utils.data import DataLoader\n"
+        "data = torch.arange(64.0)\n"
+        "loader = DataLoader(data, 4, num_workers=2, worker_init_fn=ddp_kit.seed_worker,\n"
+        "                    multiprocessing_context=ddp_kit.worker_context(2, data))\n"
+        "batches = iter(loader)\n"
+        "next(batches)\n"
+        "print(fs._forkserver._forkserver_pid, *(w.pid for w in batches._workers), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", rank], cwd=folder, env=env, text=True,
+                            stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    children = [psutil.Process(pid) for pid in pids]
+    proc.kill()
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=20)
+    for child in alive:
+        child.kill()
+    assert len(pids) == 3 and not alive, f"still running 20 s after their rank died: {alive}"
