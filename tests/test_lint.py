@@ -295,6 +295,23 @@ RULE_CASES: dict[str, tuple[str, str]] = {
             optimizer.step()
         """,
     ),
+    "DDP127": (  # the official DDP tutorial's demo_checkpoint, without its barrier
+        """
+        rank = dist.get_rank()
+        path = "model.checkpoint"
+        if rank == 0:
+            torch.save(model.state_dict(), path)
+        state = torch.load(path, map_location={"cuda:0": f"cuda:{rank}"}, weights_only=True)
+        """,
+        """
+        rank = dist.get_rank()
+        path = "model.checkpoint"
+        if rank == 0:
+            torch.save(model.state_dict(), path)
+        dist.barrier()  # the others load only once rank 0 has written it
+        state = torch.load(path, map_location={"cuda:0": f"cuda:{rank}"}, weights_only=True)
+        """,
+    ),
 }
 
 
@@ -314,6 +331,8 @@ def test_every_rule_has_a_case_and_names_a_lesson_that_exists():
     assert set(RULE_CASES) == set(RULES)
     lessons = {p.name[:2] for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert {lesson for _, lesson in RULES.values()} <= lessons
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"(lesson NN)` for {len(RULES)} mistakes" in readme, "the README's count of rules"
 
 
 @pytest.mark.parametrize("code", sorted(RULE_CASES))
@@ -826,3 +845,26 @@ def test_a_device_built_from_the_global_rank_is_found_where_it_is_used():
     )
     lines = sorted({f.line for f in lint_source(source) if f.code == "DDP102"})
     assert lines == [3, 4, 5], lines
+
+
+def test_a_load_of_rank_0s_file_is_judged_by_who_loads_it_and_what_waits_between():
+    """DDP127 only where a rank other than the writer reads the written file before any
+    collective: rank 0 reading its own file back, another file, or a load after an
+    all_reduce rank 0 joins once its save returned, is no finding; a load in the other ranks'
+    branch, or under another test, is one."""
+    save = "rank = dist.get_rank()\nif rank == 0:\n    torch.save(state, 'ck.pt')\n"
+    quiet = [
+        "if rank == 0:\n    back = torch.load('ck.pt', map_location='cpu')\n",
+        "other = torch.load('init.pt', map_location='cpu')\n",
+        "dist.all_reduce(t)\nstate = torch.load('ck.pt', map_location='cpu')\n",
+        "dist.barrier()\nstate = torch.load(f='ck.pt', map_location='cpu')\n",
+    ]
+    for after in quiet:
+        assert "DDP127" not in codes(save + after), after
+    flagged = [
+        "else:\n    state = torch.load('ck.pt', map_location='cpu')\n",
+        "if rank != 0:\n    state = torch.load('ck.pt', map_location='cpu')\n",
+        "state = torch.load(f='ck.pt', map_location='cpu')\n",
+    ]
+    for after in flagged:
+        assert codes(save + after).count("DDP127") == 1, after

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ddp_tutorial.harness.lint_ast import (
+    Scope,
     calls_in,
     dotted,
     env_key,
@@ -68,6 +69,7 @@ class Linter(ScopeChecks):
             self.saves(owner, scope)
             self.order(owner)
             self.uneven(owner, scope)
+            self.read_before_written(owner, scope)
         self.whole_file()
         self.never_synced()
         return sorted(set(self.found))
@@ -346,6 +348,29 @@ class Linter(ScopeChecks):
         backwards = [c for c in self.every if last_name(c) == "backward"]
         if backwards and all(id(c) in synced_off for c in backwards):
             self.add(backwards[0], "DDP126")
+
+    def read_before_written(self, owner: ast.AST, scope: Scope) -> None:
+        """DDP127: rank 0 saves a file, then other ranks load it with nothing between that
+        waits for the write (a barrier, or any collective rank 0 joins after it)."""
+        saved: dict[str, ast.expr] = {}  # the path as written -> the rank test of its save
+        for stmt in self.statements(owner):
+            for call in self.own_calls(stmt):
+                if is_collective(call):
+                    saved.clear()
+                    continue
+                kind = dotted(call.func)
+                if kind not in ("torch.save", "torch.load"):
+                    continue
+                where = call.args[kind == "torch.save"] if len(call.args) > (
+                    kind == "torch.save") else keyword(call, "f")  # fmt: skip
+                guard = self.guard(call, owner, scope)
+                if where is None:
+                    continue
+                if kind == "torch.save" and guard is not None:
+                    saved[ast.unparse(where)] = guard
+                elif kind == "torch.load" and (test := saved.get(ast.unparse(where))) is not None:
+                    if guard is None or ast.unparse(guard) != ast.unparse(test):
+                        self.add(call, "DDP127", path=ast.unparse(where))
 
     def saver(self, call: ast.Call) -> bool:
         """A call of this file's function (or method) that itself calls torch.save: the

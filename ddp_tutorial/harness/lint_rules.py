@@ -145,6 +145,13 @@ RULES: dict[str, tuple[str, str]] = {
         "micro-batch of each step outside it (`nullcontext() if last else model.no_sync()`)",
         "04",
     ),
+    "DDP127": (
+        "torch.load({path}) right after rank 0's torch.save to it, and nothing waits for "
+        "the write: the other ranks read the file before rank 0 has written it (an older "
+        "checkpoint, a torn one, or none: FileNotFoundError); call dist.barrier() between "
+        "the save and the load",
+        "05",
+    ),
 }
 
 COLLECTIVES = frozenset(
