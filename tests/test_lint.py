@@ -676,6 +676,20 @@ def test_a_file_per_rank_a_world_of_one_and_the_hyphenated_argument():
     assert codes(alone) == []
     assert codes('os.environ["RANK"] = "0"\n') == ["DDP117"]
     assert codes('parser.add_argument("--local-rank", type=int)\n') == ["DDP113"]
+    # a practitioner's run (helper 81): memory held in a name, and a tokenizer written (fast)
+    # by rank 0 alone, were flagged; tokenising or training one alone still is
+    in_memory = own_files.replace("io.BytesIO())", "buffer)").replace(
+        "    torch.save(model", "    buffer = io.BytesIO()\n    torch.save(model"
+    )
+    assert "buffer = io.BytesIO()" in in_memory and codes(in_memory) == []
+    assert codes(in_memory.replace("buffer)", '"w.pt")')) == ["DDP105"]
+    first = (
+        'dist.init_process_group("gloo")\nif dist.get_rank() == 0:\n    {}(tok)\n'
+        "dist.barrier()\ndist.destroy_process_group()\n"
+    )
+    assert codes(first.format("write_tokenizer")) == codes(first.format("load_tokenizer")) == []
+    for slow in ("tokenize_dataset", "train_tokenizer", "pretokenize"):
+        assert codes(first.format(slow)) == ["DDP122"], slow
 
 
 def test_the_official_tutorials_trainer_saves_once_per_node():

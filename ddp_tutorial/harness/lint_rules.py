@@ -161,7 +161,10 @@ COLLECTIVES = frozenset(
 )
 DIST_PREFIXES = ("dist", "torch.distributed", "distributed")
 GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
-SLOW_WORK = re.compile(r"download|prepare|preprocess|tokeni[sz]e|build_cache|extract|sleep")
+SLOW_WORK = re.compile(  # tokenising is; a tokenizer written or loaded is not, one trained is
+    r"download|prepare|preprocess|tokeni[sz]e(?!r)|(train|build|fit)_?tokeni[sz]er|build_cache|"
+    r"extract|sleep"
+)
 IGNORE = re.compile(r"#\s*ddp-lint:\s*ignore(?:\[(?P<codes>[A-Z0-9, ]+)\])?")
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 ALIASED = frozenset({"DistributedSampler", "DistributedDataParallel", "DataLoader"})  # `as X`

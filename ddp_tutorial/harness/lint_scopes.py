@@ -61,6 +61,13 @@ class ScopeChecks:
         self.functions = {  # this file's functions by name, a helper's collectives for DDP101
             f.name: f for f in ast.walk(self.tree) if isinstance(f, ast.FunctionDef)
         }
+        self.buffers = {  # `buffer = io.BytesIO()`: a save into it writes memory, no file
+            name
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and last_name(node.value) == "BytesIO"
+            for name in map(dotted, node.targets)
+        }  # fmt: skip
         # mp.spawn(fn, ...) calls fn(index, ...): that index is the rank
         self.spawned = {dotted(c.args[0]) for c in self.every if last_name(c) == "spawn" and c.args}
         self.kept = {  # each method: the ranks its class keeps on self
@@ -295,6 +302,7 @@ class ScopeChecks:
         if target is not None and (
             any("rank" in n.rsplit(".", 1)[-1].lower() for n in names_in(target))
             or "BytesIO" in ast.unparse(target)
+            or dotted(target) in self.buffers
         ):
             return  # a file per rank (f"rng_rank{rank}.pt"), or memory: no shared file
         test = self.guard(call, owner, scope)
