@@ -1531,6 +1531,18 @@ def check_image_folder(root: PathLike, rank: int = 0, world_size: int = 1) -> li
     return names
 
 
+def load_image(path: str) -> Any:
+    """ImageFolder's loader, naming the file it cannot decode. The check at the start reads
+    headers only: a file cut short (a copy that stopped) passes it, and fails when its pixels
+    are read, mid-epoch, where PIL says "image file is truncated" and not which file."""
+    from torchvision.datasets.folder import pil_loader
+
+    try:
+        return pil_loader(path)
+    except OSError as exc:
+        raise DataError(f"{path} cannot be decoded ({exc}); delete or replace it") from None
+
+
 def _transforms(image_size: int, train: bool) -> Any:
     from torchvision import transforms as T
 
@@ -1549,8 +1561,8 @@ def image_folder(
     from torchvision.datasets import ImageFolder
 
     classes, root = check_image_folder(root, rank, world_size), Path(root)
-    train = ImageFolder(root / "train", transform=_transforms(image_size, train=True))
-    val = ImageFolder(root / "val", transform=_transforms(image_size, train=False))
+    train = ImageFolder(root / "train", transform=_transforms(image_size, True), loader=load_image)
+    val = ImageFolder(root / "val", transform=_transforms(image_size, False), loader=load_image)
     for split, found in (("train", train.classes), ("val", val.classes)):
         if found != classes:  # ImageFolder counts hidden folders (.ipynb_checkpoints) as classes
             raise DataError(

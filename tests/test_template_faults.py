@@ -791,6 +791,23 @@ def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypat
     assert len(opened) == 18 == len(set(opened)), "together once each"
 
 
+def test_an_image_cut_short_passes_the_header_check_and_is_named_when_read(kit, tmp_path):
+    """A file cut short (a copy that stopped) has a whole header: the check at the start
+    passes it, and PIL's error when the epoch reaches it ("image file is truncated") did not
+    say which of the dataset's files it was. The loader's error names it."""
+    from ddp_tutorial.real_data import write_example_folder
+
+    root = write_example_folder(tmp_path, train=4, val=2)
+    train, _, _ = kit.image_folder(root, 8)
+    path, _ = train.samples[5]
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) * 2 // 3])
+    kit.check_image_folder(root)  # the header is whole
+    with pytest.raises(kit.DataError, match=f"{re.escape(path)} cannot be decoded"):
+        train[5]
+    assert train[4][0].shape == (3, 8, 8), "the others still load"
+
+
 def test_the_log_line_is_the_windows_mean_and_says_when_clipping_is_off(kit, capsys):
     """Every --log-every steps: the mean loss of the window (not its last step's), and
     "grad norm off" with --clip-grad 0 (no norm was computed: not "nan"). A window that spans
