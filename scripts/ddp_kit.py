@@ -1509,8 +1509,12 @@ def check_image_folder(root: PathLike, rank: int = 0, world_size: int = 1) -> li
     files = []
     for split in ("train", "val"):
         for name in names:
-            folder = root / split / name
-            found = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS)
+            found = sorted(  # as ImageFolder walks: into linked folders too (rglob does not)
+                Path(folder, file)
+                for folder, _, names in os.walk(root / split / name, followlinks=True)
+                for file in names
+                if Path(file).suffix.lower() in IMG_EXTENSIONS
+            )
             if not found:
                 raise DataError(
                     f"--data-dir {root}: class {name!r} has no images in {split}/ "

@@ -791,6 +791,26 @@ def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypat
     assert len(opened) == 18 == len(set(opened)), "together once each"
 
 
+def test_the_check_sees_the_images_imagefolder_loads_through_a_linked_folder(kit, tmp_path):
+    """A class whose images sit in a linked folder (a dataset assembled from symlinks): the
+    check walked with Path.rglob, which does not enter one, and refused the folder ("class
+    'a' has no images") that ImageFolder, following links, loads. Now both see the same
+    files, and the check opens those headers too."""
+    from ddp_tutorial.real_data import write_example_folder
+
+    root = write_example_folder(tmp_path / "data", train=4, val=2)
+    first = root / "train" / "a"
+    (tmp_path / "store").mkdir()
+    first.rename(tmp_path / "store" / "a")
+    first.mkdir()
+    (first / "part1").symlink_to(tmp_path / "store" / "a", target_is_directory=True)
+    train, _, _ = kit.image_folder(root, 8)
+    assert sum(label == 0 for _, label in train.samples) == 4
+    (tmp_path / "store" / "a" / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(kit.DataError, match="bad.png is not a readable image"):
+        kit.check_image_folder(root)
+
+
 def test_an_image_cut_short_passes_the_header_check_and_is_named_when_read(kit, tmp_path):
     """A file cut short (a copy that stopped) has a whole header: the check at the start
     passes it, and PIL's error when the epoch reaches it ("image file is truncated") did not
