@@ -16,8 +16,10 @@ read): it can miss a mistake spread over files, and a line it flags wrongly can 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -89,6 +91,7 @@ class Linter(ScopeChecks):
 
     def whole_file(self) -> None:
         names, guarded = {last_name(c) for c in self.every}, self.rank_guarded()
+        reads_env = any(env_key(n) == "LOCAL_RANK" for n in ast.walk(self.tree))
         for call in self.every:
             name = last_name(call)
             if name == "init_process_group":
@@ -108,10 +111,14 @@ class Linter(ScopeChecks):
             elif dotted(call.func) == "torch.load":
                 if keyword(call, "map_location") is None and len(call.args) < 2:
                     self.add(call, "DDP108")
-            elif name == "add_argument" and any(
-                isinstance(a, ast.Constant) and a.value in ("--local_rank", "--local-rank")
-                for a in call.args
-            ):
+            elif (
+                name == "add_argument"
+                and not reads_env
+                and any(
+                    isinstance(a, ast.Constant) and a.value in ("--local_rank", "--local-rank")
+                    for a in call.args
+                )
+            ):  # kept for old launch commands, while LOCAL_RANK is read from the environment
                 self.add(call, "DDP113", what="an argument --local_rank")
             elif name in ("DistributedDataParallel", "DDP"):
                 unused = keyword(call, "find_unused_parameters")
@@ -129,7 +136,7 @@ class Linter(ScopeChecks):
             elif name == "bincount" and unbounded_bincount(call) and self.reaches_collective(call):
                 self.add(call, "DDP120", what="torch.bincount without minlength")
         self.samplers()
-        for i, text in enumerate(self.lines, 1):
+        for i, text in enumerate(self.code_lines(), 1):
             if "torch.distributed.launch" in text:
                 self.add(ast.Pass(lineno=i), "DDP113", what="torch.distributed.launch")
         self.rank_constants()
@@ -137,6 +144,17 @@ class Linter(ScopeChecks):
         self.unused_modules()
         self.last_epoch()
         self.unsampled_loaders()
+
+    def code_lines(self) -> list[str]:
+        """The file's lines without their comments (a comment that names the old launcher
+        is no use of it)."""
+        lines = list(self.lines)
+        tokens = tokenize.generate_tokens(io.StringIO(self.source).readline)
+        for token in tokens:
+            if token.type == tokenize.COMMENT:
+                row, col = token.start
+                lines[row - 1] = lines[row - 1][:col]
+        return lines
 
     def unsampled_loaders(self) -> None:
         """DDP125: a DataLoader with no sampler that a loop with a backward() iterates."""

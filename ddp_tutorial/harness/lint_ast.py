@@ -188,6 +188,19 @@ class Scope:
             for stmt in assigns:
                 for name, value in pairs(stmt):
                     self._learn(name, value, stmt.lineno)
+        self.none_by_rank = {  # `x = load() if rank == 0 else None`, or set in a rank branch:
+            name  # whether x is None depends on the rank (not so for a shard made from it)
+            for branch in nodes
+            if isinstance(branch, ast.If) and self.depends_on_rank(branch.test)
+            for stmt in own_nodes([*branch.body, *branch.orelse])
+            if isinstance(stmt, ast.stmt)
+            for name, _ in pairs(stmt)
+        } | {
+            name
+            for stmt in assigns
+            for name, value in pairs(stmt)
+            if isinstance(value, ast.IfExp) and self.depends_on_rank(value.test)
+        }
 
     def _learn(self, name: str, value: ast.expr, line: int) -> None:
         if self.is_global_rank(value):
@@ -224,6 +237,8 @@ class Scope:
         before = [w for at, w in self.bound.get(name, []) if at < line]
         if before and before[-1] is not None:
             return before[-1]
+        if any(at > line and w is True for at, w in self.bound.get(name, [])):
+            return False  # `model = DDP(model)` comes later: here it is the plain model
         return name in self.always_wrapped
 
     def is_global_rank(self, node: ast.AST) -> bool:
@@ -236,6 +251,15 @@ class Scope:
             return dotted(node) in self.global_rank
         return env_key(node) == "RANK"
 
+    def per_node(self, node: ast.AST) -> bool:
+        """``rank % gpus_per_node`` (``% torch.cuda.device_count()``): the global rank brought
+        to a slot of this node, a local rank where the nodes are alike."""
+        return (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mod)
+            and (self.is_global_rank(node.left) or "rank" in dotted(node.left).lower())
+        )
+
     def is_global_device(self, value: ast.expr) -> bool:
         """A CUDA device built from the global rank: ``f"cuda:{rank}"``, ``torch.device("cuda",
         rank)`` (assigned to a name, then passed where a GPU goes)."""
@@ -245,13 +269,16 @@ class Scope:
             parts = [value]
         else:
             return False
+        local = {id(n) for p in parts for m in ast.walk(p) if self.per_node(m) for n in ast.walk(m)}
         held = (n for p in parts for n in ast.walk(p) if isinstance(n, ast.Name | ast.Attribute))
-        return any(self.is_global_rank(n) for n in held)
+        return any(self.is_global_rank(n) for n in held if id(n) not in local)
 
     def is_local_rank(self, value: ast.expr) -> bool:
         """``int(os.environ["LOCAL_RANK"])`` or a name (``self.gpu_id``) holding it."""
         inner = value.args[0] if isinstance(value, ast.Call) and value.args else value
         if isinstance(inner, ast.Name | ast.Attribute) and dotted(inner) in self.local_rank:
+            return True
+        if self.per_node(value):
             return True
         return env_key(inner) == "LOCAL_RANK" or env_key(value) == "LOCAL_RANK"
 
@@ -327,14 +354,31 @@ def launched_test(node: ast.AST) -> bool:
 
 
 def is_rank_test(test: ast.expr, scope: Scope) -> bool:
-    """``rank == 0``, ``not rank``, ``is_main``-like names: a test only some ranks pass."""
+    """``rank == 0``, ``not rank``, ``is_main``-like names: a test only some ranks pass;
+    not ``x is None`` where x is a value every rank has (a shard of the data, by rank)."""
+    if isinstance(test, ast.BoolOp):
+        return any(is_rank_test(part, scope) for part in test.values)
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Is | ast.IsNot)
+        and is_none(test.comparators[0])
+        and dotted(test.left)
+        and dotted(test.left) not in scope.none_by_rank
+        and not scope.is_global_rank(test.left)
+    ):
+        return False
     return scope.depends_on_rank(test) or any(
         re.search(r"(main|master)_?(process|rank)|is_main|is_master", n) for n in names_in(test)
     )
 
 
 def only_local(test: ast.expr, scope: Scope) -> str | None:
-    """The local-rank name a guard tests when it tests no global rank ('args.local_rank')."""
+    """The local-rank name a guard tests when it tests no global rank ('args.local_rank'),
+    or the global rank brought to a slot of the node ('rank % ngpus_per_node')."""
+    for node in ast.walk(test):
+        if scope.per_node(node):
+            return ast.unparse(node)
     names = [
         n for n in names_in(test) if "rank" in n.rsplit(".", 1)[-1].lower() or n in scope.local_rank
     ]

@@ -4,6 +4,7 @@ at a time: branches on the rank, devices, saves, what must come before CUDA, une
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -60,6 +61,18 @@ class ScopeChecks:
         )
         self.functions = {  # this file's functions by name, a helper's collectives for DDP101
             f.name: f for f in ast.walk(self.tree) if isinstance(f, ast.FunctionDef)
+        }
+        self.resumed = {  # `model.load_state_dict(...)`, `resume(..., model=model)`: a model
+            dotted(node)  # whose own checkpoint comes back into it, prefix and all
+            for c in self.every
+            for node in (
+                [c.func.value]
+                if last_name(c) == "load_state_dict" and isinstance(c.func, ast.Attribute)
+                else [*c.args, *(k.value for k in c.keywords)]
+                if re.search(r"load|resume|restart|restore", last_name(c).lower())
+                else []
+            )
+            if isinstance(node, ast.Name | ast.Attribute)
         }
         self.buffers = {  # `buffer = io.BytesIO()`: a save into it writes memory, no file
             name
@@ -287,6 +300,8 @@ class ScopeChecks:
             for call in self.own_calls(stmt):
                 if last_name(call) == "state_dict" and isinstance(call.func, ast.Attribute):
                     holder = call.func.value
+                    if dotted(holder) in self.resumed:
+                        continue  # loaded back into the same wrapper: its keys agree
                     if isinstance(holder, ast.Name) and scope.wrapper(holder.id, call.lineno):
                         if not self.overwritten(stmt):
                             self.add(call, "DDP107", name=holder.id)
@@ -333,10 +348,11 @@ class ScopeChecks:
         """DDP110, DDP112: what must come before CUDA starts."""
         touched: int | None = None  # the line CUDA was first used on (the driver started)
         context: int | None = None  # the line a CUDA context was first made on
+        made: ast.Call | None = None  # the call that made it
         for stmt in self.statements(owner):
             for call in self.own_calls(stmt):
                 name = dotted(call.func)
-                if name.endswith("cuda.set_device") and context is not None:
+                if name.endswith("cuda.set_device") and made and not self.apart(made, call, owner):
                     self.add(call, "DDP110", line=context)
                 makes = (
                     last_name(call) == "cuda"
@@ -348,11 +364,24 @@ class ScopeChecks:
                     or (".cuda." in f".{name}" and not name.endswith("set_device"))
                     or (last_name(call) == "init_process_group" and self.nccl(call))
                 )
-                context = call.lineno if makes and context is None else context
+                if makes and context is None:
+                    context, made = call.lineno, call
                 touched = call.lineno if starts and touched is None else touched
             if touched is not None and isinstance(stmt, ast.Assign) and touched < stmt.lineno:
                 if any(env_key(t) == VISIBLE_DEVICES_ENV for t in stmt.targets):
                     self.add(stmt, "DDP112", line=touched)
+
+    @staticmethod
+    def apart(a: ast.AST, b: ast.AST, owner: ast.AST) -> bool:
+        """Whether ``a`` and ``b`` sit on two sides of one ``if``/``else``: no run reaches both."""
+        for node in ast.walk(owner):
+            if isinstance(node, ast.If):
+                sides = [
+                    {id(n) for s in side for n in ast.walk(s)} for side in (node.body, node.orelse)
+                ]
+                if any(id(a) in one and id(b) in other for one, other in (sides, sides[::-1])):
+                    return True
+        return False
 
     def uneven(self, owner: ast.AST, scope: Scope) -> None:
         """DDP121: a DDP model trained on a number of batches computed from the rank."""
