@@ -91,7 +91,7 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]
         best = state["best"]
-        torch.set_rng_state(state["rng"][rank])  # this rank's own random stream
+        torch.set_rng_state(state["rng"][rank].cpu())  # its own stream (a CPU tensor, always)
         if rank == 0:  # every rank's sums in one: counted once, by the epoch's all_reduce
             resumed_sum = state["loss_sum"]
         if rank == 0:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import DEMOS, gpu_count
+from conftest import DEMOS, SCRIPTS, gpu_count
 from ddp_tutorial.harness.launch import torchrun
 
 pytestmark = pytest.mark.gpu
@@ -47,3 +47,18 @@ def test_device_id_binds_the_group_but_only_set_device_moves_the_current_device(
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     expected = (1, 1, "cuda:1") if set_device else (0, 0, "cuda:0")
     assert (seen["before"], seen["after"], seen["tensor"]) == expected, seen
+
+
+def test_the_resumable_rung_resumes_on_gpus(tmp_path):
+    """The rung's snapshot is loaded onto the rank's GPU (map_location), its CPU generator
+    states too: given back as they came, torch.set_rng_state refused them ("RNG state must be
+    a torch.ByteTensor") on every resume, a crash no CPU run can show (helper 83's read)."""
+    n = gpu_count()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(n), str(SCRIPTS / "resumable_ddp.py"),
+               "--num-samples", "512", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    first = subprocess.run([*command, "--epochs", "1"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    rerun = subprocess.run([*command, "--epochs", "2"], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert "resumed: epoch 1" in rerun.stdout, rerun.stdout
