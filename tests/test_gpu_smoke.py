@@ -8,6 +8,7 @@ hanging step each become a row while the steps after them still run.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -90,7 +91,27 @@ def test_the_real_plan_rehearses_on_a_cpu_all_but_the_cuda_only_steps(tmp_path):
 
 @pytest.mark.gpu
 def test_the_smoke_probes_run_on_a_gpu(tmp_path):
+    """Each probe in a process of its own, as the smoke runs them: in this one, the memory
+    probe's CUDA context (and its cache) would stay on GPU 0 for the rest of the session,
+    and on GPUs in EXCLUSIVE_PROCESS mode every later test's context would be refused."""
     for name in ("inventory", "memory"):
-        assert gpu_probes.main([name, str(tmp_path)]) == 0, (tmp_path / f"{name}.json").read_text()
+        done = subprocess.run([sys.executable, "-m", "ddp_tutorial.harness.gpu_probes", name,
+                               str(tmp_path)], capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert memory["max_allocated_mib"] > 4 * 64 * 4  # the weights alone: 64 M floats
+
+
+def test_the_inventory_keeps_every_gpu_row_when_nvml_refuses_one_fact(nvml):
+    """Helper 83: only MIG and compute mode were guarded; a GPU outside this container's
+    cgroup (its handle refused) or a memory query refused on a MIG parent failed the whole
+    inventory, and with it the MIG facts the smoke exists to collect."""
+    from conftest import fake_gpu as gpu
+
+    nvml([gpu(0), gpu(1, mig=True), gpu(2)], refused={2: "Insufficient Permissions"},
+         failing={"nvmlDeviceGetMemoryInfo"})  # fmt: skip
+    facts = gpu_probes._nvml_facts()
+    assert [g["index"] for g in facts["gpus"]] == [0, 1, 2]
+    assert facts["gpus"][1]["mig"] == [1, 1] and "H100" in str(facts["gpus"][1]["name"])
+    assert facts["gpus"][0]["memory_mib"].startswith("n/a (")
+    assert facts["gpus"][2] == {"index": 2, "error": "n/a (Insufficient Permissions)"}

@@ -53,7 +53,7 @@ NEEDS = {"torch": "torch", "torchvision": "torchvision", "pytest": "pytest", "ps
 # with fewer GPUs its launches run on the CPU, and the row says so instead of "ok".
 LESSON_RANKS = {"04_ddp_wrapping": 2, "06_training_and_utilization": 2, "08_fault_tolerance": 2,
                 "11_speed_tools": 2, "12_beyond_ddp": 2}  # fmt: skip
-GPU_TEST_LAUNCHES = 21  # torchrun launches of `pytest -m gpu`, most with every GPU
+GPU_TEST_LAUNCHES = 23  # torchrun launches of `pytest -m gpu`, most with every GPU
 COLD_COMPILE_S = {"11_speed_tools": 90.0}  # inductor's first compile on a fresh machine
 # A rank that dies on purpose (--fail-at-step) leaves its peers in an nccl collective, which
 # notices no dead peer: torchrun SIGTERMs them, and the template's handler only sets a flag

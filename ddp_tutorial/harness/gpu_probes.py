@@ -34,19 +34,30 @@ def _nvml_facts() -> dict[str, Any]:
     try:
         facts: dict[str, Any] = {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": []}
         for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            gpu: dict[str, Any] = {"index": i, "name": pynvml.nvmlDeviceGetName(h)}
-            for key, call in (("mig", pynvml.nvmlDeviceGetMigMode),
-                              ("compute_mode", pynvml.nvmlDeviceGetComputeMode)):  # fmt: skip
-                try:
-                    gpu[key] = call(h)
-                except pynvml.NVMLError as exc:  # not supported on this GPU: say so
-                    gpu[key] = f"n/a ({exc})"
-            gpu["memory_mib"] = pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20
-            facts["gpus"].append(gpu)
+            facts["gpus"].append(_nvml_gpu(pynvml, i))
         return facts
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_gpu(pynvml: Any, i: int) -> dict[str, Any]:
+    """One GPU's row; each fact NVML refuses (a GPU outside this container's cgroup:
+    "Insufficient Permissions"; a MIG parent's memory without privilege) says why, in
+    place, and the other facts and GPUs are still read."""
+    gpu: dict[str, Any] = {"index": i}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    except pynvml.NVMLError as exc:
+        return {**gpu, "error": f"n/a ({exc})"}
+    for key, call in (("name", pynvml.nvmlDeviceGetName), ("mig", pynvml.nvmlDeviceGetMigMode),
+                      ("compute_mode", pynvml.nvmlDeviceGetComputeMode),
+                      ("memory_mib", lambda h: pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20)
+                      ):  # fmt: skip
+        try:
+            gpu[key] = call(h)
+        except pynvml.NVMLError as exc:  # not supported, or not allowed: say so
+            gpu[key] = f"n/a ({exc})"
+    return gpu
 
 
 def inventory(out: Path) -> dict[str, Any]:

@@ -41,7 +41,9 @@ BUDGET_S = 480.0  # 8 minutes: the steps' limits add up to this
 def smoke_plan(out: Path, python: str = sys.executable) -> list[Step]:
     """The steps, in order; their limits sum to :data:`BUDGET_S`."""
     probe = [python, "-m", "ddp_tutorial.harness.gpu_probes"]
-    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o",
+    # -v: a line per test as it ends, so a step stopped at its limit (one GPU: about 9
+    # launches and 9 processes, estimated near the 150 s) still shows which tests ran
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-o",
               "addopts=", f"--junitxml={out / 'gpu-tests.xml'}", "tests"]  # fmt: skip
     speed = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
              "scripts/demos/speed_tools.py", "--out", str(out / "speed_tools")]  # fmt: skip
