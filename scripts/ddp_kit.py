@@ -1168,10 +1168,13 @@ def counted_targets(target: torch.Tensor, loss_fn: Any = None) -> torch.Tensor:
         )
     if target.is_floating_point():
         return torch.full((), float(target.numel()), dtype=torch.float64, device=target.device)
-    kept = target[target != getattr(loss_fn, "ignore_index", -100)]
+    # a mask, not target[mask]: a selection's size is known only on the host (a GPU sync
+    # before every forward); ignored targets read weight[0], then count 0
+    counted = target != getattr(loss_fn, "ignore_index", -100)
     if (weight := getattr(loss_fn, "weight", None)) is not None:
-        return weight.to(target.device, torch.float64)[kept].sum()
-    return torch.full((), kept.numel(), dtype=torch.float64, device=target.device)
+        weight = weight.to(target.device, torch.float64)
+        return (weight[torch.where(counted, target, 0)] * counted).sum()
+    return counted.sum(dtype=torch.float64)
 
 
 @torch.no_grad()

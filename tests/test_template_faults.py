@@ -791,6 +791,30 @@ def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypat
     assert len(opened) == 18 == len(set(opened)), "together once each"
 
 
+def test_counted_targets_are_the_losss_divisor_and_need_no_host_sync(kit):
+    """What cross_entropy's mean divides by (padding left out, class weights summed), with
+    shapes known before the values: helper 83 found the boolean selection it used before
+    (target[target != ignore]), whose size only the host learns, so every micro-batch on a
+    GPU waited for the step before it. FakeTensorMode refuses such a data-dependent shape;
+    it fails on the old code (DynamicOutputShapeException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    target = torch.tensor([[1, -100, 2], [0, 2, -100]])
+    logits = torch.randn(2, 3, 3)
+    weight = torch.tensor([0.5, 2.0, 4.0])
+    for loss_fn in (torch.nn.CrossEntropyLoss(), torch.nn.CrossEntropyLoss(weight=weight)):
+        count = kit.counted_targets(target, loss_fn)
+        total = torch.nn.functional.cross_entropy(logits, target, weight=loss_fn.weight,
+                                                  reduction="sum")  # fmt: skip
+        mean = (total / count).float()
+        assert count.dtype == torch.float64 and torch.isclose(mean, loss_fn(logits, target))
+    assert kit.counted_targets(target, torch.nn.CrossEntropyLoss(weight=weight)) == 2 + 4 + 0.5 + 4
+    assert kit.counted_targets(torch.rand(2, 3), torch.nn.MSELoss()) == 6
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        for loss_fn in (torch.nn.CrossEntropyLoss(), torch.nn.CrossEntropyLoss(weight=weight)):
+            assert kit.counted_targets(fake.from_tensor(target), loss_fn).shape == ()
+
+
 def test_the_check_sees_the_images_imagefolder_loads_through_a_linked_folder(kit, tmp_path):
     """A class whose images sit in a linked folder (a dataset assembled from symlinks): the
     check walked with Path.rglob, which does not enter one, and refused the folder ("class
