@@ -1652,7 +1652,10 @@ def amp_dtype(
 
 def make_deterministic() -> dict[str, object]:
     """Deterministic kernels from here on (before the first CUDA call: cuBLAS reads its
-    workspace setting once); an op without a deterministic version then raises."""
+    workspace setting once); an op without a deterministic version then raises. One a
+    template may meet: cross_entropy on CUDA over scores of more than two dimensions
+    (``CLASS_DIM = 1`` with (B, C, T): nll_loss2d, in torch's list of ops that raise); the
+    same loss over the scores flattened to (N, C) and the targets to (N,) runs."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.use_deterministic_algorithms(True)

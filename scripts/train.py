@@ -142,7 +142,12 @@ def parser() -> argparse.ArgumentParser:
     add("--sync-bn", action="store_true", help="SyncBatchNorm (GPUs with nccl only)")
     add("--pretrain", help="initial weights: a state_dict file (any device, any prefix)")
     add("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    add("--deterministic", action="store_true", help="bitwise-reproducible kernels (slower)")
+    add(
+        "--deterministic",
+        action="store_true",
+        help="bitwise-reproducible kernels (slower; "
+        "CUDA has none for cross_entropy over (B, C, T...): flatten those to (N, C))",
+    )
     add(
         "--timeout",
         type=float,
