@@ -379,9 +379,12 @@ def exp_bn_cpu(args: argparse.Namespace, info: DistInfo) -> dict:
             with torch.no_grad():
                 model(global_batch(0, 2)[0].to(info.device))  # a forward through the wrapper
             out["buffers_after_wrapper_forward"] = norm_buffers(model.module)  # rank 0's
-            model.train()
             for buffer, mine in zip(model.module.buffers(), own, strict=True):
-                buffer.copy_(mine)  # back to this rank's own, then the fix:
+                buffer.copy_(mine)  # back to this rank's own
+            with torch.no_grad():  # a second one: the forward before it had no gradients
+                model(global_batch(1, 2)[0].to(info.device))
+            out["buffers_after_second_forward"] = norm_buffers(model.module)  # still its own
+            model.train()  # then the fix:
         average_buffers(model.module)  # every run is evaluated with the ranks' mean statistics
         if shown:
             out["buffers_averaged"] = norm_buffers(model.module)
