@@ -13,6 +13,7 @@ sees after ``CUDA_VISIBLE_DEVICES``: ``"5,6,7"`` makes physical 5 appear as
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -152,8 +153,8 @@ def _resolve(entry: str, inventory: Sequence[GpuInfo] | int) -> int:
     if entry.startswith(UUID_PREFIXES):
         if isinstance(inventory, int):
             raise DeviceError(f"cannot resolve UUID {entry!r} without the NVML inventory")
-        if entry.startswith("MIG-"):
-            raise DeviceError(
+        if entry.startswith("MIG-"):  # a MigError: the lessons then run on the CPU
+            raise MigError(
                 f"{VISIBLE_DEVICES_ENV}: {entry!r} is a MIG instance, not a whole GPU. CUDA "
                 "shows a process one MIG instance at most, so one node cannot run several "
                 "ranks on them; the course runs one rank per whole GPU. List whole GPUs "
@@ -299,13 +300,17 @@ def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo
     for i in range(nvml.nvmlDeviceGetCount()):
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             name = nvml_text(nvml.nvmlDeviceGetName(handle))
             uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
         except nvml.NVMLError as exc:
             if problems is not None:
                 problems.append(f"GPU {i}: NVML refused to describe it ({exc}); left out")
             continue
+        # a MIG parent's memory needs privileges a container may lack: the GPU stays listed
+        # (NaN MiB), or its MIG mode, which decides the CPU plan, would go unseen
+        mem = _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
+        if mem is None and problems is not None:
+            problems.append(f"GPU {i}: NVML gives no memory figures for it (NaN below)")
         capability = _optional(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
         mode = _optional(nvml, "nvmlDeviceGetComputeMode", handle)
         gpus.append(
@@ -313,8 +318,8 @@ def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo
                 index=i,
                 name=name,
                 uuid=uuid,
-                memory_total_mib=mem.total / 2**20,
-                memory_used_mib=mem.used / 2**20,
+                memory_total_mib=mem.total / 2**20 if mem else math.nan,
+                memory_used_mib=mem.used / 2**20 if mem else math.nan,
                 mig=_mig_enabled(nvml, handle),
                 capability=tuple(capability) if capability else None,
                 exclusive=mode == getattr(nvml, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS", 3),

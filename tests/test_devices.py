@@ -317,6 +317,12 @@ def test_mig_is_refused_with_what_to_do_not_counted_as_gpus(nvml):
     assert devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "1,2"}) == 2  # MIG-free GPUs
     with pytest.raises(DeviceError, match="is a MIG instance, not a whole GPU"):
         devices.visible_gpu_count({"CUDA_VISIBLE_DEVICES": "MIG-0a1b2c3d"})
+    # a slice picked by its UUID (the usual way) is MIG too: the lessons run on the CPU
+    # (helper 85: a plain DeviceError passed mig_fallback and failed every GPU lesson's launch)
+    from ddp_tutorial.harness.gpu_plan import launch_gpu_count, mig_fallback
+
+    slice_ = {"CUDA_VISIBLE_DEVICES": "MIG-0a1b2c3d"}
+    assert launch_gpu_count(slice_) == 0 and "MIG instance" in mig_fallback(slice_)[1]
 
 
 def test_collection_survives_a_mig_machine(nvml):
@@ -338,3 +344,17 @@ def test_setup_calls_bind_then_join_outside_any_job(monkeypatch):
     assert [name for name, _ in calls] == ["set_device", "init_process_group"]
     assert calls[0][1] == calls[1][1]["device_id"] == torch.device("cuda", 1)
     assert calls[1][1]["rank"] == 1 and calls[1][1]["world_size"] == 2
+
+
+def test_a_mig_parent_whose_memory_nvml_refuses_is_still_seen_as_mig(nvml):
+    """Helper 85: the memory query of a MIG-mode parent needs privileges (NVML's docs); it
+    was read first, and the refused GPU was left out of the inventory, MIG mode and all: the
+    refusal that puts the lessons on the CPU never fired. Now it stays, NaN MiB, said."""
+    import math
+
+    nvml([fake_gpu(0, mig=True)], failing={"nvmlDeviceGetMemoryInfo"})
+    problems: list[str] = []
+    (gpu,) = devices.gpu_inventory(problems)
+    assert gpu.mig and math.isnan(gpu.memory_total_mib) and "no memory figures" in problems[0]
+    with pytest.raises(devices.MigError):
+        devices.visible_gpu_count({})
