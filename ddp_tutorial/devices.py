@@ -13,7 +13,6 @@ sees after ``CUDA_VISIBLE_DEVICES``: ``"5,6,7"`` makes physical 5 appear as
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -292,10 +291,9 @@ def _optional(nvml: Any, call: str, handle: Any) -> Any:
 def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo]:
     """Every physical GPU from an initialised ``pynvml`` module (a fake in tests).
 
-    A device NVML will not describe ("Insufficient Permissions" for a GPU outside
-    the container's cgroup, "GPU is lost") is left out and said in ``problems``:
-    one bad device must not stop the course from using the others.
-    """
+    A device NVML will not describe ("Insufficient Permissions" for a GPU outside the
+    container's cgroup, "GPU is lost") is left out and said in ``problems``: one bad
+    device must not stop the course from using the others."""
     gpus = []
     for i in range(nvml.nvmlDeviceGetCount()):
         try:
@@ -306,11 +304,9 @@ def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo
             if problems is not None:
                 problems.append(f"GPU {i}: NVML refused to describe it ({exc}); left out")
             continue
-        # a MIG parent's memory needs privileges a container may lack: the GPU stays listed
-        # (NaN MiB), or its MIG mode, which decides the CPU plan, would go unseen
-        mem = _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
-        if mem is None and problems is not None:
-            problems.append(f"GPU {i}: NVML gives no memory figures for it (NaN below)")
+        # a MIG parent's memory needs privileges: kept (NaN MiB), its MIG mode must be seen
+        if (mem := _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)) is None:
+            (problems if problems is not None else []).append(f"GPU {i}: no memory figures")
         capability = _optional(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
         mode = _optional(nvml, "nvmlDeviceGetComputeMode", handle)
         gpus.append(
@@ -318,8 +314,8 @@ def read_inventory(nvml: Any, problems: list[str] | None = None) -> list[GpuInfo
                 index=i,
                 name=name,
                 uuid=uuid,
-                memory_total_mib=mem.total / 2**20 if mem else math.nan,
-                memory_used_mib=mem.used / 2**20 if mem else math.nan,
+                memory_total_mib=mem.total / 2**20 if mem else float("nan"),
+                memory_used_mib=mem.used / 2**20 if mem else float("nan"),
                 mig=_mig_enabled(nvml, handle),
                 capability=tuple(capability) if capability else None,
                 exclusive=mode == getattr(nvml, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS", 3),
