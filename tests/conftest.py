@@ -435,7 +435,7 @@ def fake_gpu(
 def fake_pynvml(
     gpus: list | None,
     pids: dict[int, list[int]] | None = None,
-    driver_cuda: int = 12040,
+    driver_cuda: int = 13000,
     failing: set[str] = frozenset(),
     refused: dict[int, str] | None = None,
     p2p: bool = True,
@@ -445,7 +445,8 @@ def fake_pynvml(
     Utilization of GPU ``i`` is ``10 * i`` %, its memory used ``(i + 1)`` GiB;
     ``failing`` names NVML calls that raise (as MIG and vGPU devices do for
     utilization: "Not Supported"); ``driver_cuda`` is what
-    ``nvmlSystemGetCudaDriverVersion`` reports (12040: CUDA 12.4); ``refused``
+    ``nvmlSystemGetCudaDriverVersion`` reports (13000: CUDA 13.0, a driver this torch's
+    CUDA 13 build runs on; an older one hides the GPUs from torch); ``refused``
     maps a physical index to the error NVML gives for that one device
     ("Insufficient Permissions": a GPU outside the container's cgroup).
     """

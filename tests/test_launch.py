@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import DEMOS, processes_running
+from conftest import DEMOS, fake_gpu, processes_running
 from ddp_tutorial.harness import processes
 from ddp_tutorial.harness.failures import (
     LaunchError,
@@ -593,3 +593,25 @@ def test_a_launch_on_a_mig_machine_runs_its_ranks_on_the_cpu(nvml, monkeypatch, 
     assert {(r["CUDA_VISIBLE_DEVICES"], r["DDP_TUTORIAL_BACKEND"]) for r in result.records} == {
         ("", "gloo")
     }
+
+
+def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, monkeypatch):
+    """Helper 85: NVML lists the GPUs when torch sees none (a CUDA 13 build on a driver for
+    12.4; a CPU-only build): the lessons counted them and ran their GPU branches, with the
+    ranks on gloo (lesson 03's tensor on the GPU, lesson 12's GPU memory failed). Now the
+    launches' count is 0, the lesson's note says why, the monitor samples the ranks."""
+    import torch
+
+    from ddp_tutorial.harness.gpu_plan import gpu_branch_note, launch_gpu_count
+    from ddp_tutorial.harness.monitor import Monitor
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    nvml([fake_gpu(0), fake_gpu(1)], driver_cuda=12040)
+    assert launch_gpu_count() == 0
+    assert "built for CUDA 13.0, the driver supports 12.4" in gpu_branch_note(2)
+    monitor = Monitor(nproc=2)
+    assert monitor._ranks_gpus([fake_gpu(0), fake_gpu(1)]) == [] and "13.0" in monitor.note
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert launch_gpu_count() == 0 and "CPU-only build" in gpu_branch_note(2)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # a build the driver runs: counted
+    assert launch_gpu_count() == 2 and gpu_branch_note(2) == ""

@@ -30,14 +30,39 @@ def mig_fallback(env: Mapping[str, str] | None = None) -> tuple[dict[str, str], 
     return {}, ""
 
 
+def torch_sees_no_gpu() -> str:
+    """Why this torch will see none of the GPUs NVML lists ("" when it can see them): a
+    CPU-only build, or one built for a newer CUDA than the driver's (the 2.14 wheels for
+    CUDA 13 need driver R580). Its ranks then pick gloo on the CPU, while NVML still counts
+    the cards. No CUDA call: safe in the notebook kernel."""
+    import torch
+
+    from ddp_tutorial.devices import driver_cuda_version
+    from ddp_tutorial.harness.advice import release
+
+    driver = driver_cuda_version()
+    if driver is None:
+        return ""  # no driver: NVML counts no GPU either
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build"
+    if release(torch.version.cuda)[0] > driver[0]:
+        return (f"this torch is built for CUDA {torch.version.cuda}, the driver supports "
+                f"{driver[0]}.{driver[1]} (ddp-tutorial doctor says what to install)")  # fmt: skip
+    return ""
+
+
 def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """GPUs the lessons' launches compute on: what a lesson's GPU branch asks for.
 
     The visible count, but 0 on a MIG machine, whose launches run on the CPU
-    (:func:`mig_fallback`), where :func:`~ddp_tutorial.devices.visible_gpu_count` raises.
+    (:func:`mig_fallback`), where :func:`~ddp_tutorial.devices.visible_gpu_count` raises,
+    and 0 where this torch cannot use the GPUs NVML lists (:func:`torch_sees_no_gpu`).
     """
     merged = {**os.environ, **(env or {})}
-    return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
+    if mig_fallback(merged)[0]:
+        return 0
+    gpus = visible_gpu_count(merged)
+    return 0 if gpus and torch_sees_no_gpu() else gpus
 
 
 def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
@@ -47,6 +72,8 @@ def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
     rank): a GPU machine that silently ran the CPU branch would teach the CPU's numbers as
     the GPU's. gpu-check's table says the same for the lesson (``gpu_check.LESSON_RANKS``).
     """
+    if visible_gpu_count({**os.environ, **(env or {})}) and (why := torch_sees_no_gpu()):
+        return f"GPU branch not run: {why}; this lesson's launches run on the CPU with gloo"
     gpus = launch_gpu_count(env)
     if 0 < gpus < nproc:
         return (

@@ -123,8 +123,12 @@ class Monitor:
         sample, not the GPUs.
         """
         from ddp_tutorial.distributed import BackendError, choose_backend
+        from ddp_tutorial.harness.gpu_plan import torch_sees_no_gpu
 
         if not visible:
+            return []
+        if why := torch_sees_no_gpu():
+            self.note = f"GPU sampling off: the ranks run on the CPU ({why})"
             return []
         nproc = self.nproc if self.nproc is not None else len(visible)
         try:
