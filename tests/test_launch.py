@@ -615,3 +615,14 @@ def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, 
     assert launch_gpu_count() == 0 and "CPU-only build" in gpu_branch_note(2)
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # a build the driver runs: counted
     assert launch_gpu_count() == 2 and gpu_branch_note(2) == ""
+
+
+def test_the_ranks_number_gpus_as_nvml_does_unless_told_otherwise(monkeypatch):
+    """Helper 85: the monitor and lesson 03 map cuda:N to a card in NVML's order (PCI bus);
+    CUDA's default puts the fastest card first, another one on a node of mixed models. The
+    launches set CUDA_DEVICE_ORDER=PCI_BUS_ID; a value the user set stands."""
+    spec = LaunchSpec(DEMOS / "hello.py", echo=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert spec.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    assert spec.child_env()["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"

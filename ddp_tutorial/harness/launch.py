@@ -158,8 +158,10 @@ class LaunchSpec:
 
     def child_env(self) -> dict[str, str]:
         # PYTHONFAULTHANDLER: a rank killed by SIGABRT or SIGSEGV prints every thread's
-        # Python stack, so even a crash inside C++ says where Python was.
+        # Python stack, so even a crash inside C++ says where Python was. CUDA_DEVICE_ORDER:
+        # cuda:N is NVML's (the monitor's) N, not the fastest first on a mixed node.
         env = {
+            settings.DEVICE_ORDER_ENV: "PCI_BUS_ID",
             **os.environ,
             **processes.PLAIN_OUTPUT,
             "PYTHONFAULTHANDLER": "1",
