@@ -1547,6 +1547,8 @@ def load_image(path: str) -> Any:
     try:
         return pil_loader(path)
     except OSError as exc:
+        if exc.errno is not None:  # no such file, permission, an I/O error: not the image
+            raise
         raise DataError(f"{path} cannot be decoded ({exc}); delete or replace it") from None
 
 

@@ -525,6 +525,10 @@ def nvml(monkeypatch: pytest.MonkeyPatch):
     def install(gpus, **kwargs):
         mod = fake_pynvml(gpus, **kwargs)
         monkeypatch.setitem(sys.modules, "pynvml", mod)
+        import torch
+
+        if torch.version.cuda is None:  # a CPU-only torch would see none of the fake GPUs
+            monkeypatch.setattr(torch.version, "cuda", "13.0")  # (gpu_plan.torch_sees_no_gpu)
         return mod
 
     return install

@@ -358,3 +358,14 @@ def test_a_mig_parent_whose_memory_nvml_refuses_is_still_seen_as_mig(nvml):
     assert gpu.mig and math.isnan(gpu.memory_total_mib) and "no memory figures" in problems[0]
     with pytest.raises(devices.MigError):
         devices.visible_gpu_count({})
+
+
+def test_a_gpu_without_memory_figures_is_reported_not_a_crash(nvml):
+    """Helper 86: with the GPU kept at NaN MiB, ``ddp-tutorial env`` (and lesson 00) rounded
+    NaN: ValueError. It prints "?" now, the note under "gpu problem" (the GPU is not left out)."""
+    from ddp_tutorial.harness.environment import environment_report, format_report
+
+    nvml([fake_gpu(0)], failing={"nvmlDeviceGetMemoryInfo"})
+    text = format_report(report := environment_report())
+    assert report["gpus"][0]["memory_total_mib"] is None and "?/? MiB used" in text
+    assert "gpu problem" in text and "no memory figures" in text

@@ -564,6 +564,9 @@ def test_a_mig_machine_plans_the_cpu_instead_of_raising(nvml, monkeypatch, tmp_p
     _mig_machine(nvml, monkeypatch)
     assert default_nproc() == 2  # the CPU plan, as lesson 00's report says
     assert launch_gpu_count() == 0  # what the lessons' GPU branches ask: none, they run on the CPU
+    from ddp_tutorial.harness.gpu_plan import gpu_branch_note
+
+    assert gpu_branch_note(2) == gpu_branch_note(2, {"CUDA_VISIBLE_DEVICES": "MIG-0a"}) == ""
     assert launch_gpu_count({"CUDA_VISIBLE_DEVICES": "1,2,3"}) == 3
     hide, why = mig_fallback()
     assert hide == {"CUDA_VISIBLE_DEVICES": "", "DDP_TUTORIAL_BACKEND": "gloo"}

@@ -872,7 +872,14 @@ def test_a_load_of_rank_0s_file_is_judged_by_who_loads_it_and_what_waits_between
         "other = torch.load('init.pt', map_location='cpu')\n",
         "dist.all_reduce(t)\nstate = torch.load('ck.pt', map_location='cpu')\n",
         "dist.barrier()\nstate = torch.load(f='ck.pt', map_location='cpu')\n",
+        # helper 86: a barrier in this file's helper (detectron2's synchronize()), Accelerate's
+        # wait, DDP's constructor (a broadcast); rank 0 under a test written another way
+        "synchronize()\nstate = torch.load('ck.pt', map_location='cpu')\n",
+        "accelerator.wait_for_everyone()\nstate = torch.load('ck.pt', map_location='cpu')\n",
+        "model = DDP(net)\nstate = torch.load('ck.pt', map_location='cpu')\n",
+        "if dist.get_rank() == 0:\n    back = torch.load('ck.pt', map_location='cpu')\n",
     ]
+    save = "def synchronize():\n    dist.barrier()\n" + save
     for after in quiet:
         assert "DDP127" not in codes(save + after), after
     flagged = [
@@ -1023,3 +1030,16 @@ def test_the_false_findings_of_public_scripts_are_gone_and_the_mistakes_still_fo
 
     assert found(good) == good_codes, "a false finding"
     assert found(good.replace(old, new)) == bad_codes, "the mistake is no longer found"
+
+
+def test_the_reviews_variants_of_the_new_logic_helper_86():
+    """A name that merely holds "load" (log_upload, a DataLoader) is no resume (DDP107 stays);
+    a name set to a value only in a rank branch is None on the others (DDP101); a form feed
+    in a file no longer moves the comments that lint ignores (DDP113 read them as code)."""
+    wrapped = "model = DDP(net)\nlog_upload(model)\nif dist.get_rank() == 0:\n"
+    assert "DDP107" in codes(wrapped + '    torch.save(model.state_dict(), "w.pt")\n')
+    branch = 'dist.init_process_group("gloo")\nrank = dist.get_rank()\ny = None\n'
+    branch += "if rank == 0:\n    y = t\nif y is not None:\n    dist.all_reduce(y)\n"
+    assert "DDP101" in codes(branch + "dist.destroy_process_group()\n")
+    fed = "x = 1\n\x0c\n# torch.distributed.launch was the old way\ny = 2\n"
+    assert codes(fed) == []

@@ -850,6 +850,9 @@ def test_an_image_cut_short_passes_the_header_check_and_is_named_when_read(kit, 
     with pytest.raises(kit.DataError, match=f"{re.escape(path)} cannot be decoded"):
         train[5]
     assert train[4][0].shape == (3, 8, 8), "the others still load"
+    Path(path).unlink()  # not an image's fault (helper 86): said as the OS says it
+    with pytest.raises(FileNotFoundError):
+        train[5]
 
 
 def test_the_log_line_is_the_windows_mean_and_says_when_clipping_is_off(kit, capsys):

@@ -7,6 +7,7 @@ from NVML and the backend plan is computed from that count.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -60,13 +61,18 @@ def environment_report() -> dict[str, Any]:
                 "logical": i,
                 "physical": g.index,
                 "name": g.name,
-                "memory_total_mib": round(g.memory_total_mib),
-                "memory_used_mib": round(g.memory_used_mib),
+                "memory_total_mib": _mib(g.memory_total_mib),
+                "memory_used_mib": _mib(g.memory_used_mib),
             }
             for i, g in enumerate(gpus)
         ],
         "plan": {"nproc": nproc, "backend": backend, "reason": reason},
     }
+
+
+def _mib(value: float) -> int | None:
+    """Whole MiB; None where NVML gave no figure (a MIG parent without privileges: NaN)."""
+    return None if math.isnan(value) else round(value)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -88,12 +94,14 @@ def format_report(report: dict[str, Any]) -> str:
                 (
                     f"gpu cuda:{g['logical']}",
                     f"{g['name']} (physical {g['physical']}, "
-                    f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB used)",
+                    f"{g['memory_used_mib'] if g['memory_used_mib'] is not None else '?'}/"
+                    f"{g['memory_total_mib'] if g['memory_total_mib'] is not None else '?'} "
+                    "MiB used)",
                 )
             )
     else:
         rows.append(("gpus", report["gpu_error"] or "none visible (NVML found no GPU)"))
-    rows += [("gpu left out", problem) for problem in report.get("gpu_problems", [])]
+    rows += [("gpu problem", problem) for problem in report.get("gpu_problems", [])]
     plan = report["plan"]
     rows.append(("course plan", f"{plan['nproc']} ranks, {plan['backend']} ({plan['reason']})"))
     width = max(len(k) for k, _ in rows)

@@ -58,11 +58,14 @@ def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
     (:func:`mig_fallback`), where :func:`~ddp_tutorial.devices.visible_gpu_count` raises,
     and 0 where this torch cannot use the GPUs NVML lists (:func:`torch_sees_no_gpu`).
     """
-    merged = {**os.environ, **(env or {})}
-    if mig_fallback(merged)[0]:
-        return 0
-    gpus = visible_gpu_count(merged)
+    gpus = nvml_gpu_count(env)
     return 0 if gpus and torch_sees_no_gpu() else gpus
+
+
+def nvml_gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """The GPUs NVML makes visible to the launches: 0 on a MIG machine (the CPU plan)."""
+    merged = {**os.environ, **(env or {})}
+    return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
 
 
 def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
@@ -72,7 +75,7 @@ def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
     rank): a GPU machine that silently ran the CPU branch would teach the CPU's numbers as
     the GPU's. gpu-check's table says the same for the lesson (``gpu_check.LESSON_RANKS``).
     """
-    if visible_gpu_count({**os.environ, **(env or {})}) and (why := torch_sees_no_gpu()):
+    if nvml_gpu_count(env) and (why := torch_sees_no_gpu()):
         return f"GPU branch not run: {why}; this lesson's launches run on the CPU with gloo"
     gpus = launch_gpu_count(env)
     if 0 < gpus < nproc:

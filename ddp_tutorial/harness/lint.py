@@ -16,10 +16,8 @@ read): it can miss a mistake spread over files, and a line it flags wrongly can 
 from __future__ import annotations
 
 import ast
-import io
 import re
 import sys
-import tokenize
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -27,6 +25,7 @@ from typing import TextIO
 from ddp_tutorial.harness.lint_ast import (
     Scope,
     calls_in,
+    complementary,
     dotted,
     env_key,
     is_collective,
@@ -144,17 +143,6 @@ class Linter(ScopeChecks):
         self.unused_modules()
         self.last_epoch()
         self.unsampled_loaders()
-
-    def code_lines(self) -> list[str]:
-        """The file's lines without their comments (a comment that names the old launcher
-        is no use of it)."""
-        lines = list(self.lines)
-        tokens = tokenize.generate_tokens(io.StringIO(self.source).readline)
-        for token in tokens:
-            if token.type == tokenize.COMMENT:
-                row, col = token.start
-                lines[row - 1] = lines[row - 1][:col]
-        return lines
 
     def unsampled_loaders(self) -> None:
         """DDP125: a DataLoader with no sampler that a loop with a backward() iterates."""
@@ -373,7 +361,7 @@ class Linter(ScopeChecks):
         saved: dict[str, ast.expr] = {}  # the path as written -> the rank test of its save
         for stmt in self.statements(owner):
             for call in self.own_calls(stmt):
-                if is_collective(call):
+                if self.waits(call):
                     saved.clear()
                     continue
                 kind = dotted(call.func)
@@ -387,8 +375,20 @@ class Linter(ScopeChecks):
                 if kind == "torch.save" and guard is not None:
                     saved[ast.unparse(where)] = guard
                 elif kind == "torch.load" and (test := saved.get(ast.unparse(where))) is not None:
-                    if guard is None or ast.unparse(guard) != ast.unparse(test):
+                    if guard is None or complementary(guard, test):  # every rank, the others
                         self.add(call, "DDP127", path=ast.unparse(where))
+
+    def waits(self, call: ast.Call) -> bool:
+        """A call every rank waits in: a collective, DDP's constructor (a broadcast),
+        Accelerate's ``wait_for_everyone``, or a function of this file that runs one
+        (detectron2's ``synchronize()``)."""
+        if is_collective(call) or last_name(call) in ("DDP", "DistributedDataParallel",
+                                                      "wait_for_everyone"):  # fmt: skip
+            return True
+        helper = self.functions.get(last_name(call))
+        return helper is not None and any(
+            is_collective(c) for stmt in helper.body for c in calls_in(stmt)
+        )
 
     def saver(self, call: ast.Call) -> bool:
         """A call of this file's function (or method) that itself calls torch.save: the

@@ -364,10 +364,9 @@ def is_rank_test(test: ast.expr, scope: Scope) -> bool:
         and isinstance(test.ops[0], ast.Is | ast.IsNot)
         and is_none(test.comparators[0])
         and dotted(test.left)
-        and dotted(test.left) not in scope.none_by_rank
         and not scope.is_global_rank(test.left)
     ):
-        return False
+        return dotted(test.left) in scope.none_by_rank  # None on some ranks only, or on none
     return scope.depends_on_rank(test) or any(
         re.search(r"(main|master)_?(process|rank)|is_main|is_master", n) for n in names_in(test)
     )

@@ -4,7 +4,9 @@ at a time: branches on the rank, devices, saves, what must come before CUDA, une
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -69,7 +71,7 @@ class ScopeChecks:
                 [c.func.value]
                 if last_name(c) == "load_state_dict" and isinstance(c.func, ast.Attribute)
                 else [*c.args, *(k.value for k in c.keywords)]
-                if re.search(r"load|resume|restart|restore", last_name(c).lower())
+                if re.search(r"(^|_)(load|resume|restart|restore)(_|$)", last_name(c).lower())
                 else []
             )
             if isinstance(node, ast.Name | ast.Attribute)
@@ -97,6 +99,17 @@ class ScopeChecks:
                 if isinstance(body, list):
                     for stmt in body:
                         self.parents[id(stmt)] = body
+
+    def code_lines(self) -> list[str]:
+        """The file's lines without their comments (a comment that names the old launcher
+        is no use of it)."""
+        lines = [line.rstrip("\r\n") for line in io.StringIO(self.source).readlines()]
+        tokens = tokenize.generate_tokens(io.StringIO(self.source).readline)  # rows as these
+        for token in tokens:
+            if token.type == tokenize.COMMENT:
+                row, col = token.start
+                lines[row - 1] = lines[row - 1][:col]
+        return lines
 
     def add(self, node: ast.AST, code: str, **fmt: object) -> None:
         line = getattr(node, "lineno", 1)
