@@ -171,6 +171,16 @@ def test_at_least_eighteen_exercises_and_one_in_every_lesson():
     assert len(EXERCISES) >= 18
 
 
+def test_a_hang_is_named_within_the_30_s_a_check_may_take():
+    """A wrong answer that hangs costs the launch (~8 s here), the collective timeout and the
+    teardown: at 20 s (00 and 05_exact_resume until the eighteenth session) such a check took
+    29.4 s on a quiet machine and more beside other work; at 12 s, 21 s (24 s beside two CPU
+    hogs). The runner imports torch._dynamo before the first candidate, so DDP's constructor
+    no longer needs a long timeout to tell a slow import from a hang."""
+    slow = {ex.name: ex.collective_timeout_s for ex in EXERCISES if ex.collective_timeout_s > 12}
+    assert not slow, slow
+
+
 def test_a_launch_that_died_outside_the_file_says_what_it_said(tmp_path):
     """No line of the learner's file in the output: the error the launch printed, and what to
     do next - for a file the check imports, not "torchrun it" (it defines functions only)."""

@@ -222,7 +222,7 @@ EXERCISES = [
         name="00_convert_loop", lesson="00", kind="script", run=run_convert,
         judge=judge_convert, title="a single-process training loop, turned into DDP",
         args=("--seed", str(SEED)),
-        teaches='lesson 00, "Every changed line, once"', collective_timeout_s=20.0, errors=ERRORS,
+        teaches='lesson 00, "Every changed line, once"', collective_timeout_s=12.0, errors=ERRORS,
         around=one_machine_each,
         proves=(
             "every process reported its rank; each epoch dealt every sample once, in the "

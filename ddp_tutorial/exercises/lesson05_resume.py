@@ -175,7 +175,7 @@ EXERCISES = [
     Exercise(
         name="05_exact_resume", lesson="05", kind="script", run=run_resume,
         judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
-        teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=20.0,
+        teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=12.0,
         around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
         hidden=(
             (r"stop_after", "start_epoch came from --stop-after-epoch, a flag of this "
