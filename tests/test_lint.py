@@ -312,6 +312,21 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         state = torch.load(path, map_location={"cuda:0": f"cuda:{rank}"}, weights_only=True)
         """,
     ),
+    "DDP128": (  # a metric summed on the CPU, written with gloo, then run on GPUs
+        """
+        dist.init_process_group("nccl")
+        totals = torch.tensor([loss_sum, count])
+        dist.all_reduce(totals)
+        dist.destroy_process_group()
+        """,
+        """
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        totals = torch.tensor([loss_sum, count], device=device)
+        dist.all_reduce(totals)
+        dist.destroy_process_group()
+        """,
+    ),
 }
 
 
@@ -1043,3 +1058,35 @@ def test_the_reviews_variants_of_the_new_logic_helper_86():
     assert "DDP101" in codes(branch + "dist.destroy_process_group()\n")
     fed = "x = 1\n\x0c\n# torch.distributed.launch was the old way\ny = 2\n"
     assert codes(fed) == []
+
+
+def test_a_cpu_tensor_in_an_nccl_collective_is_found_however_it_was_made():
+    """DDP128 for a tensor the factories made without device=, directly or by name, or
+    moved with .cpu(); not where the group also has a CPU backend, the tensor was moved to
+    the GPU since, the default device is a GPU, or the collective pickles objects."""
+    init = 'dist.init_process_group(backend="nccl", device_id=device)\n'
+    found = {
+        "direct": "dist.all_reduce(torch.zeros(2))",
+        "moved back": "t = loss.detach().cpu()\ndist.broadcast(t, src=0)",
+        "all_gather's outputs": "outs = [torch.empty(3) for _ in range(world)]\n"
+        "dist.all_gather(outs, x)",
+        "in a function": "def mean(v):\n    t = torch.tensor([v, 1.0])\n"
+        "    dist.all_reduce(t)\n    return t[0] / t[1]",
+        "by keyword": "t = torch.ones(1)\ndist.all_reduce(tensor=t)",
+    }
+    for label, body in found.items():
+        assert codes(init + body).count("DDP128") == 1, label
+    clean = {
+        "on the device": "dist.all_reduce(torch.zeros(2, device=device))",
+        "moved since": "t = torch.tensor([1.0])\nt = t.to(device)\ndist.all_reduce(t)",
+        "made on the device": "t = torch.tensor([1.0]).cuda()\ndist.all_reduce(t)",
+        "objects": "out = [None] * 2\ndist.all_gather_object(out, torch.tensor(1))",
+        "default device": "torch.set_default_device(device)\n"
+        "t = torch.zeros(1)\ndist.all_reduce(t)",
+        "entered device": "with torch.device(device):\n    t = torch.zeros(1)\ndist.all_reduce(t)",
+    }
+    for label, body in clean.items():
+        assert "DDP128" not in codes(init + body), label
+    for backend in ('"gloo"', '"cpu:gloo,cuda:nccl"', "args.backend", ""):
+        source = f"dist.init_process_group({backend})\ndist.all_reduce(torch.zeros(2))"
+        assert "DDP128" not in codes(source), backend

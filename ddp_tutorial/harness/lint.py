@@ -41,6 +41,7 @@ from ddp_tutorial.harness.lint_ast import (
 )
 from ddp_tutorial.harness.lint_rules import RULES, WRAPPER_PREFIXES, LintFinding
 from ddp_tutorial.harness.lint_scopes import ScopeChecks
+from ddp_tutorial.harness.lint_tensors import cpu_tensors_in_collectives
 
 __all__ = ["RULES", "LintFinding", "lint_paths", "lint_source", "main"]
 
@@ -143,6 +144,8 @@ class Linter(ScopeChecks):
         self.unused_modules()
         self.last_epoch()
         self.unsampled_loaders()
+        for call, what, line in cpu_tensors_in_collectives(self.tree):
+            self.add(call, "DDP128", what=what, line=line)
 
     def unsampled_loaders(self) -> None:
         """DDP125: a DataLoader with no sampler that a loop with a backward() iterates."""

@@ -152,6 +152,13 @@ RULES: dict[str, tuple[str, str]] = {
         "the save and the load",
         "05",
     ),
+    "DDP128": (
+        "{what}, made on the CPU (line {line}), goes to a collective of an nccl group, which "
+        "takes CUDA tensors only ('No backend type associated with device type cpu'); make it "
+        "on this rank's GPU (device=...) or .to(device) it, or "
+        "init_process_group('cpu:gloo,cuda:nccl')",
+        "01",
+    ),
 }
 
 COLLECTIVES = frozenset(

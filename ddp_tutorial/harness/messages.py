@@ -402,7 +402,7 @@ KNOWN: tuple[Known, ...] = (
         "a CPU tensor in a collective of an nccl-only group (or a CUDA tensor on gloo)",
         "move the tensor to the group's device, or init_process_group(backend="
         "'cpu:gloo,cuda:nccl')",
-        "03",
+        "01",
     ),
     Known(
         "nccl-heartbeat",
