@@ -1031,6 +1031,68 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "if rank % ngpus_per_node == 0:",
         ["DDP106"],
     ),
+    # helper 87, 25 more public scripts
+    "a test of whether a launcher ran it, by a name (yolov5's early stop)": (
+        """
+        RANK = int(os.getenv("RANK", -1))
+        dist.init_process_group("gloo")
+        if RANK != -1:
+            dist.broadcast_object_list(stop, 0)
+        dist.destroy_process_group()
+        """,
+        [],
+        "if RANK != -1:",
+        "if RANK != 0:",
+        ["DDP101"],
+    ),
+    "a module's function named like one of this file's (guided-diffusion's save)": (
+        """
+        import torch as th
+        class Loop:
+            def save(self):
+                if dist.get_rank() == 0:
+                    th.save(state, "model.pt")
+                dist.barrier()
+        """,
+        [],
+        'th.save(state, "model.pt")',
+        "self.save()",
+        ["DDP101"],
+    ),
+    "a DistributedSampler inside an if in the DataLoader call, told through it (flow)": (
+        """
+        loader = DataLoader(data, sampler=DistributedSampler(data) if ddp else None)
+        for epoch in range(3):
+            loader.sampler.set_epoch(epoch)
+            for x in loader:
+                pass
+        """,
+        [],
+        "            loader.sampler.set_epoch(epoch)\n",
+        "",
+        ["DDP103"],
+    ),
+    "an evaluation's DistributedSampler, shuffling but harmless (retinanet)": (
+        """
+        test_sampler = DistributedSampler(test_set)
+        loader = DataLoader(test_set, sampler=test_sampler)
+        """,
+        [],
+        "test_sampler",
+        "train_sampler",
+        ["DDP103"],
+    ),
+    "a CPU tensor behind .int() and an if, broadcast on nccl (yolov7)": (
+        """
+        dist.init_process_group("nccl")
+        indices = (torch.tensor(idx) if rank == 0 else torch.zeros(n)).int().to(device)
+        dist.broadcast(indices, 0)
+        """,
+        [],
+        ".int().to(device)",
+        ".int()",
+        ["DDP128"],
+    ),
 }
 
 

@@ -16,7 +16,6 @@ read): it can miss a mistake spread over files, and a line it flags wrongly can 
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -36,22 +35,19 @@ from ddp_tutorial.harness.lint_ast import (
     names_in,
     pairs,
     targets,
-    unbounded_bincount,
     under_modulo,
 )
-from ddp_tutorial.harness.lint_rules import RULES, WRAPPER_PREFIXES, LintFinding
+from ddp_tutorial.harness.lint_rules import (
+    EVALUATION,
+    PARAMETER_FREE,
+    RULES,
+    WRAPPER_PREFIXES,
+    LintFinding,
+)
 from ddp_tutorial.harness.lint_scopes import ScopeChecks
-from ddp_tutorial.harness.lint_tensors import cpu_tensors_in_collectives
+from ddp_tutorial.harness.lint_tensors import cpu_tensors_in_collectives, unbounded_bincount
 
 __all__ = ["RULES", "LintFinding", "lint_paths", "lint_source", "main"]
-
-
-# torch.nn modules that hold no parameters (an activation, dropout, a loss, pooling): unused
-# in forward, they leave DDP no gradient to wait for
-PARAMETER_FREE = re.compile(
-    r"\w*(Loss|Pool[123]d|Dropout\w*|Pad[123]d)|Identity|Flatten|Unflatten|Upsample\w*|"
-    r"(Leaky|R)?ReLU6?|[GS]ELU|[CS]?ELU|SiLU|Mish|Tanh\w*|Sigmoid|Hard\w+|Soft\w+|LogSoftmax"
-)
 
 
 def sharded(data: ast.expr | None) -> bool:
@@ -232,9 +228,14 @@ class Linter(ScopeChecks):
             for target in node.targets
             if dotted(target)
         }  # fmt: skip
-        inline = {id(s): loader for loader, s in held.items() if isinstance(s, ast.Call)}
+        inline = {  # made in the DataLoader call, also through `... if ddp else None`
+            id(sub): loader
+            for loader, s in held.items()
+            for sub in ast.walk(s)
+            if isinstance(sub, ast.Call) and last_name(sub) == "DistributedSampler"
+        }
         named = {at: name for at, name in named.items() if at not in inline}  # not the loader's
-        told = {id(held[e[: -len(".sampler")]]) for e in epochs if e[: -len(".sampler")] in held}
+        told = {at for at, loader in inline.items() if f"{loader}.sampler" in epochs}
         epochs |= {dotted(s) for e in epochs if e.endswith(".sampler")
                    and isinstance(s := held.get(e[: -len(".sampler")]), ast.Name | ast.Attribute)
                    } - {""}  # fmt: skip
@@ -248,8 +249,8 @@ class Linter(ScopeChecks):
             ):
                 continue  # an evaluation sampler: one order is the point
             name = named.get(id(call))
-            if id(call) in told or name in epochs or lenient:
-                continue
+            if id(call) in told or name in epochs or lenient or EVALUATION.search(name or ""):
+                continue  # an evaluation's (test_sampler): its order changes nothing
             if name is None and (loader := inline.get(id(call))):
                 self.add(call, "DDP103", name=f"of {loader}", fix=f"{loader}.sampler")
             else:
@@ -388,7 +389,7 @@ class Linter(ScopeChecks):
         if is_collective(call) or last_name(call) in ("DDP", "DistributedDataParallel",
                                                       "wait_for_everyone"):  # fmt: skip
             return True
-        helper = self.functions.get(last_name(call))
+        helper = self.functions.get(call)
         return helper is not None and any(
             is_collective(c) for stmt in helper.body for c in calls_in(stmt)
         )
@@ -396,7 +397,7 @@ class Linter(ScopeChecks):
     def saver(self, call: ast.Call) -> bool:
         """A call of this file's function (or method) that itself calls torch.save: the
         official series' ``self._save_snapshot(epoch)``."""
-        helper = self.functions.get(last_name(call))
+        helper = self.functions.get(call)
         return helper is not None and any(
             dotted(c.func) == "torch.save" for c in ast.walk(helper) if isinstance(c, ast.Call)
         )

@@ -339,9 +339,12 @@ def _membership(test: ast.expr) -> tuple[str, bool, frozenset[object]] | None:
 
 def launched_test(node: ast.AST) -> bool:
     """``int(os.environ.get("RANK", -1)) != -1`` or ``"RANK" in os.environ`` (nanoGPT's
-    ``ddp = ...``): whether a launcher set the variable, not which rank this is."""
+    ``ddp = ...``), or ``RANK != -1`` (yolov5): whether a launcher set the variable, not which
+    rank this is (-1: the default where none did)."""
     if not isinstance(node, ast.Compare) or len(node.ops) != 1:
         return False
+    if (kept := _membership(node)) and all(isinstance(v, int) and v < 0 for v in kept[2]):
+        return True
     left, right = node.left, node.comparators[0]
     if isinstance(node.ops[0], ast.In | ast.NotIn):
         return isinstance(left, ast.Constant) and dotted(right).endswith("environ")
@@ -391,6 +394,26 @@ def only_local(test: ast.expr, scope: Scope) -> str | None:
     return None
 
 
+class Helpers:
+    """This file's functions by name, for the calls that reach them: ``evaluate(...)``,
+    ``self.save()``, ``trainer.save()``; not ``torch.save`` or ``th.save``, a module's function
+    that shares a name with one of this file's (guided-diffusion's ``save``)."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+        self.modules = {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+
+    def get(self, call: ast.Call) -> ast.FunctionDef | None:
+        if isinstance(call.func, ast.Attribute) and dotted(call.func).split(".")[0] in self.modules:
+            return None
+        return self.by_name.get(last_name(call))
+
+
 def calls_in(node: ast.AST) -> list[ast.Call]:
     """Every call in ``node`` (itself included), not in the functions defined inside it."""
     return [c for c in own_nodes([node]) if isinstance(c, ast.Call)]  # type: ignore[list-item]
@@ -415,14 +438,3 @@ def under_modulo(loop: ast.For, call: ast.Call) -> bool:
             if modulo(node.test):  # `or epoch == epochs - 1`: the last epoch is saved too
                 return True
     return False
-
-
-def unbounded_bincount(call: ast.Call) -> bool:
-    """``torch.bincount(x)`` whose length can be this rank's largest label + 1."""
-    minlength = keyword(call, "minlength")
-    if minlength is None:
-        return True
-    options = (
-        [minlength.body, minlength.orelse] if isinstance(minlength, ast.IfExp) else [minlength]
-    )
-    return any(isinstance(o, ast.Constant) and o.value == 0 for o in options)

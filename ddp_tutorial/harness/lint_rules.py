@@ -172,6 +172,13 @@ SLOW_WORK = re.compile(  # tokenising is; a tokenizer written or loaded is not, 
     r"download|prepare|preprocess|tokeni[sz]e(?!r)|(train|build|fit)_?tokeni[sz]er|build_cache|"
     r"extract|sleep"
 )
+# torch.nn modules that hold no parameters (an activation, dropout, a loss, pooling): unused
+# in forward, they leave DDP no gradient to wait for
+PARAMETER_FREE = re.compile(
+    r"\w*(Loss|Pool[123]d|Dropout\w*|Pad[123]d)|Identity|Flatten|Unflatten|Upsample\w*|"
+    r"(Leaky|R)?ReLU6?|[GS]ELU|[CS]?ELU|SiLU|Mish|Tanh\w*|Sigmoid|Hard\w+|Soft\w+|LogSoftmax"
+)
+EVALUATION = re.compile(r"(^|[._])(val|valid|validation|test|eval|evaluation)(_|$)", re.I)
 IGNORE = re.compile(r"#\s*ddp-lint:\s*ignore(?:\[(?P<codes>[A-Z0-9, ]+)\])?")
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 ALIASED = frozenset({"DistributedSampler", "DistributedDataParallel", "DataLoader"})  # `as X`

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from ddp_tutorial.harness.lint_ast import (
+    Helpers,
     Kept,
     Scope,
     calls_in,
@@ -61,9 +62,7 @@ class ScopeChecks:
             or is_collective(c)
             for c in self.every
         )
-        self.functions = {  # this file's functions by name, a helper's collectives for DDP101
-            f.name: f for f in ast.walk(self.tree) if isinstance(f, ast.FunctionDef)
-        }
+        self.functions = Helpers(self.tree)  # a helper's collectives for DDP101
         self.resumed = {  # `model.load_state_dict(...)`, `resume(..., model=model)`: a model
             dotted(node)  # whose own checkpoint comes back into it, prefix and all
             for c in self.every
@@ -204,7 +203,7 @@ class ScopeChecks:
                 out.append((last_name(call), call))
             elif self.forward(call, scope):
                 out.append(("forward", call))
-            elif helpers and (helper := self.functions.get(last_name(call))) is not None:
+            elif helpers and (helper := self.functions.get(call)) is not None:
                 inner = [c for s in helper.body for c in calls_in(s)]
                 out += [(last_name(c), call) for c in inner if is_collective(c)]
         return out

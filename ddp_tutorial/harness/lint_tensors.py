@@ -1,4 +1,5 @@
-"""Lint's DDP128: a tensor made on the CPU, handed to a collective of an nccl-only group.
+"""What lint reads about tensors: DDP120's unbounded ``bincount``, and DDP128, a tensor made on
+the CPU and handed to a collective of an nccl-only group.
 
 ``init_process_group("nccl")`` gives the group one backend, for CUDA tensors: a collective on
 a CPU tensor fails with "No backend type associated with device type cpu" (a mixed
@@ -20,6 +21,11 @@ from ddp_tutorial.harness.lint_ast import dotted, is_collective, keyword, last_n
 FACTORIES = frozenset(
     "tensor zeros ones empty full arange linspace rand randn randint eye from_numpy".split()
 )
+# methods whose result is on the device of the tensor they are called on
+KEEPS_DEVICE = frozenset(
+    "int long float double half bfloat16 bool byte short contiguous clone detach view reshape "
+    "flatten squeeze unsqueeze".split()
+)
 # these pickle any object and move it through the group's device themselves
 PICKLING = frozenset(
     "all_gather_object broadcast_object_list gather_object scatter_object_list".split()
@@ -27,9 +33,14 @@ PICKLING = frozenset(
 
 
 def made_on_cpu(node: ast.AST) -> bool:
-    """A factory call without ``device=``, or ``x.cpu()``."""
+    """A factory call without ``device=``, or ``x.cpu()``; through calls that keep the device
+    (``.int()``, ``.view(...)``) and both sides of an ``if`` (yolov7's broadcast indices)."""
+    if isinstance(node, ast.IfExp):
+        return made_on_cpu(node.body) and made_on_cpu(node.orelse)
     if not isinstance(node, ast.Call):
         return False
+    if isinstance(node.func, ast.Attribute) and node.func.attr in KEEPS_DEVICE:
+        return made_on_cpu(node.func.value)
     if isinstance(node.func, ast.Attribute) and node.func.attr == "cpu" and not node.args:
         return True
     head, _, tail = dotted(node.func).rpartition(".")
@@ -100,3 +111,14 @@ def cpu_tensors_in_collectives(tree: ast.Module) -> list[tuple[ast.Call, str, in
                 if made_on_cpu(value):
                     found.append((call, ast.unparse(arg), line))
     return found
+
+
+def unbounded_bincount(call: ast.Call) -> bool:
+    """``torch.bincount(x)`` whose length can be this rank's largest label + 1."""
+    minlength = keyword(call, "minlength")
+    if minlength is None:
+        return True
+    options = (
+        [minlength.body, minlength.orelse] if isinstance(minlength, ast.IfExp) else [minlength]
+    )
+    return any(isinstance(o, ast.Constant) and o.value == 0 for o in options)
