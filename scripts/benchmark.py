@@ -93,12 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.knobs = [k for k in args.knobs.split(",") if k]
     if unknown := set(args.knobs) - set(KNOB_GROUPS):
         p.error(f"unknown knob groups {sorted(unknown)}; choose from {KNOB_GROUPS}")
-    args.steps = args.steps or (8 if args.quick else 40)
-    args.warmup = args.warmup or (2 if args.quick else 5)
-    args.knob_hidden = args.knob_hidden or (256 if args.quick else 1024)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    defaults = {"steps": (8, 40), "warmup": (2, 5), "knob_hidden": (256, 1024), "repeats": (1, 3)}
+    for name, (quick, full) in defaults.items():  # `is None`: --warmup 0 is a choice
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    for name in ("steps", "repeats", "knob_hidden", "batch_size", "image_size", "nproc"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be 0 or more, not {args.warmup}")
     return args
 
 
@@ -549,21 +552,33 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
     return {"samples_per_sec": max(rates), "launches": rates}
 
 
-def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
-    from ddp_tutorial.devices import visible_gpu_count
+def device_plan(n: int) -> int:
+    """The GPUs the comparison runs on: ``n`` (nccl, one per rank), or 0 and then every run
+    on the CPU, like for like, with the GPUs hidden from each launch (MIG, fewer GPUs than
+    ranks, a torch that cannot use them, gloo asked for): else a one-rank launch, which
+    chooses its backend for itself, would put ``ddp_world1`` alone on a GPU."""
     from ddp_tutorial.distributed import choose_backend
-    from ddp_tutorial.harness.gpu_plan import mig_fallback
-    from ddp_tutorial.harness.launch import default_nproc
+    from ddp_tutorial.harness.gpu_plan import launch_gpu_count, mig_fallback
 
     hide, why = mig_fallback()
-    if hide:  # MIG: every run of the comparison on the CPU, like for like
+    if not hide:
+        backend, why = choose_backend(settings.backend(), n, gpus=launch_gpu_count())
+        if backend == "nccl":
+            return n
+        if launch_gpu_count():
+            hide = {settings.VISIBLE_DEVICES_ENV: "", settings.BACKEND_ENV: "gloo"}
+            why += ": every run on the CPU, like for like"
+    if hide:
         print(f"benchmark: {why}", flush=True)
         os.environ.update(hide)  # this process and every launch it starts
+    return 0
+
+
+def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    from ddp_tutorial.harness.launch import default_nproc
+
     n = args.nproc or default_nproc()
-    # GPU baselines only where the ranks will be on GPUs (nccl: one GPU per rank); with
-    # gloo (asked for, or too few GPUs) everything runs on the CPU, compared like for like.
-    backend, _ = choose_backend(settings.backend(), n, gpus=visible_gpu_count())
-    gpus = n if backend == "nccl" else 0
+    gpus = device_plan(n)
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmpdir:
         tmp = Path(tmpdir)
         print(f"benchmark: model {args.model}, batch {args.batch_size}/rank, "
@@ -577,8 +592,9 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             # one GPU is "all cores" of a GPU process: the same run, not measured twice
             all_cores = runs["p1"][-1] if gpus else run_plain(args, usable_cores(), tmp, gpus)
             runs["pall"].append(all_cores)
-            runs["w1"].append(run_ddp(args, 1, tmp, extras=False))
             runs["wn"].append(run_ddp(args, n, tmp, extras=repeat == 0))
+            # one rank (one GPU): ddp_world1 is that run, under the same key of the result
+            runs["w1"].append(runs["wn"][-1] if n == 1 else run_ddp(args, 1, tmp, extras=False))
             runs["c"].append(run_plain_concurrent(args, n, tmp, gpus))
         plain_1, plain_all, world1, ceiling = (best_run(runs[k]) for k in ("p1", "pall", "w1", "c"))
         # The best run's timings over the first run, which alone measured the extras
