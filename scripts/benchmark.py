@@ -118,10 +118,18 @@ def make_batches(args: argparse.Namespace, count: int, rank: int = 0) -> list[An
     return out
 
 
+DEPTH = 8  # hidden layers of the bucket rows' MLP: at width 1024, 8 buckets, 2 and 1 (measured)
+
+
 def new_model(args: argparse.Namespace, name: str | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "knob":
         return MLP(3 * args.image_size**2, 10, hidden=args.knob_hidden)
+    if name == "deep":  # the bucket rows': gradients that fill several buckets
+        hidden = args.knob_hidden
+        layers = [nn.Linear(hidden, hidden) if i % 2 else nn.ReLU() for i in range(2 * DEPTH - 2)]
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * args.image_size**2, hidden), nn.ReLU(),
+                             *layers, nn.Linear(hidden, 10))  # fmt: skip
     return build_model(args.model, 10, args.image_size)
 
 
@@ -178,8 +186,11 @@ def accumulation_step(
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     loss_fn: nn.Module,
     device: torch.device | None,
+    set_to_none: bool = True,
 ) -> None:
-    """One optimizer step over the micro-batches; with DDP all but the last under no_sync()."""
+    """One optimizer step over the micro-batches; with DDP all but the last under no_sync().
+    ``set_to_none=False`` zeroes the gradients in place: with ``gradient_as_bucket_view`` they
+    stay views into DDP's buckets (None, they are new tensors each step, copied again)."""
     for micro, (x, y) in enumerate(micro_batches):
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -189,7 +200,7 @@ def accumulation_step(
             loss = loss_fn(model(x), y) / len(micro_batches)
             loss.backward()
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def timed_loop(
@@ -200,6 +211,7 @@ def timed_loop(
     warmup: int,
     accumulate: int = 1,
     device: torch.device | None = None,
+    set_to_none: bool = True,
 ) -> list[float]:
     """Train ``warmup + steps`` optimizer steps; return the durations of the last ``steps``.
 
@@ -225,9 +237,8 @@ def timed_loop(
         return batch
 
     def one_step() -> None:
-        accumulation_step(
-            model, optimizer, [next_batch() for _ in range(accumulate)], loss_fn, device
-        )
+        micro_batches = [next_batch() for _ in range(accumulate)]
+        accumulation_step(model, optimizer, micro_batches, loss_fn, device, set_to_none)
 
     return step_times(one_step, steps, warmup, device)
 
@@ -267,13 +278,16 @@ def ddp_throughput(
     time itself, so the headline throughputs run without it.
     """
     forward_sync = ddp_kwargs.pop("broadcast_buffers", True)
+    # gradients set to None after each step, unless they are the buckets' views: those last
+    # only while the gradients are zeroed in place (torch's docs)
+    none = not ddp_kwargs.get("gradient_as_bucket_view", False)
     ddp = wrap(new_model(args, model_name), device, **ddp_kwargs)
     ddp.broadcast_buffers = forward_sync  # set after wrapping: buffers still synced once at init
     counter = CommCounter()
     if count:
         ddp.register_comm_hook(counter, counting_allreduce_hook)  # counts bucket all_reduces
     batches = batches if batches is not None else make_batches(args, 8, dist.get_rank())
-    times = timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device)
+    times = timed_loop(ddp, sgd(ddp), batches, args.steps, args.warmup, accumulate, device, none)
     slowest = slowest_rank(sum(times), device)  # the job moves at the slowest rank's pace
     world = dist.get_world_size()
     samples = args.batch_size * accumulate * world * len(times)
@@ -332,15 +346,15 @@ def knobs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     batches = make_batches(args, 8, rank)
     rows = []
 
-    def run(name: str, **kw: Any) -> None:
-        r = ddp_throughput(args, device, "knob", batches=batches, count=True, **kw)
+    def run(name: str, model: str = "knob", **kw: Any) -> None:
+        r = ddp_throughput(args, device, model, batches=batches, count=True, **kw)
         rows.append({"knob": name, **r})
 
     groups = set(args.knobs)
     run("baseline (bucket_cap_mb=25)")
-    if "buckets" in groups:
-        run("bucket_cap_mb=1", bucket_cap_mb=1)
-        run("bucket_cap_mb=100", bucket_cap_mb=100)
+    if "buckets" in groups:  # the knob MLP's few tensors made the same buckets at 1 and 25
+        for cap in (1, 25, 100):
+            run(f"bucket_cap_mb={cap}, {DEPTH}-layer MLP", "deep", bucket_cap_mb=cap)
     if "bucket_view" in groups:
         run("gradient_as_bucket_view", gradient_as_bucket_view=True)
     if "static_graph" in groups:

@@ -108,6 +108,52 @@ def test_ddp_throughput_keeps_every_ranks_seconds_and_divides_by_the_largest(
     assert summary["samples_per_sec"] == pytest.approx(2 * args.batch_size / summary["seconds"])
 
 
+def test_the_bucket_view_rows_zero_the_gradients_in_place(world_of_one, benchmark, monkeypatch):
+    """gradient_as_bucket_view saves the copies only while the gradients stay the buckets'
+    views: zero_grad(set_to_none=True), the default, makes them new tensors every step (torch's
+    DDP docs, under batched_grad_copy). The knob's rows zero them in place, and then each
+    step's gradient is the same memory."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    seen, real = [], benchmark.timed_loop
+
+    def spy(*args, **kwargs):
+        seen.append(args[7] if len(args) > 7 else kwargs.get("set_to_none", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "timed_loop", spy)
+    args = benchmark.parse_args(["--quick", "--steps", "2", "--warmup", "1"])
+    benchmark.ddp_throughput(args, torch.device("cpu"))
+    benchmark.ddp_throughput(args, torch.device("cpu"), gradient_as_bucket_view=True)
+    assert seen == [True, False]
+    ddp = DDP(nn.Linear(4, 2), gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    batch = [(torch.randn(3, 4), torch.tensor([0, 1, 0]))]
+    memory = []
+    for _ in range(4):
+        benchmark.accumulation_step(ddp, optimizer, batch, nn.CrossEntropyLoss(), None, False)
+        memory.append(ddp.module.weight.grad.data_ptr())
+    assert len(set(memory[1:])) == 1, "views from the second step on (torch's docs), kept"
+
+
+def test_the_bucket_rows_change_how_many_buckets_there_are(world_of_one, benchmark):
+    """bucket_cap_mb=1 gave the knob MLP (two hidden layers) the same buckets as the default:
+    the bucket rows run a deeper MLP, where 1, 25 and 100 MB give fewer all_reduces each."""
+    import torch
+
+    args = benchmark.parse_args(["--quick", "--steps", "2", "--warmup", "1",
+                                 "--knob-hidden", "1024"])  # fmt: skip
+    per_step = [
+        benchmark.ddp_throughput(args, torch.device("cpu"), "deep", count=True, bucket_cap_mb=cap)[
+            "allreduces_per_step"
+        ]
+        for cap in (1, 25, 100)
+    ]
+    assert per_step[0] > per_step[1] > per_step[2], per_step
+
+
 def test_the_benchmark_times_with_the_functions_the_lesson_shows(benchmark):
     """Lesson 07 shows step_times and slowest_rank as the loop to copy: the benchmark uses them."""
     import inspect
