@@ -322,3 +322,20 @@ def test_one_rank_reports_the_run_its_figures_come_from(tmp_path):
              for k in ("plain_1thread", "ddp_world1")}  # fmt: skip
     assert math.isclose(result["ddp_overhead"], rates["plain_1thread"] / rates["ddp_world1"] - 1)
     assert math.isclose(result["scaling_efficiency"], 1.0)
+
+
+def test_the_concurrent_processes_wait_for_each_other_at_the_gate(benchmark, tmp_path):
+    """The ceiling's processes start their timed steps together: one ready alone waits for the
+    other, and a partner that never comes is named, not waited on for ever."""
+    import threading
+    import time
+
+    gate = tmp_path / "gate"
+    late = threading.Timer(0.3, lambda: (gate / "partner").touch())
+    start = time.monotonic()
+    late.start()
+    benchmark.wait_at_gate(gate, 2)
+    assert time.monotonic() - start >= 0.3
+    late.join()
+    with pytest.raises(RuntimeError, match="never reached"):
+        benchmark.wait_at_gate(tmp_path / "alone", 2, timeout_s=0.05)
