@@ -21,7 +21,8 @@ rank's time (``slowest_rank``). It measures:
   ``static_graph``, ``find_unused_parameters``, ``no_sync`` accumulation,
   DataLoader ``num_workers`` per rank, threads per rank;
 * the template (``scripts/train.py``, with its monitor, progress bar and
-  metrics) against the bare DDP loop on the same model.
+  metrics) against the bare DDP loop fed by a DataLoader, on the same model,
+  optimizer (SGD, no clipping) and DDP settings (buffers not broadcast).
 
 The script runs itself in worker roles (``--role plain`` in a subprocess,
 ``--role ddp`` under torchrun) so that every configuration gets a fresh
@@ -497,7 +498,10 @@ def role_ddp(args: argparse.Namespace) -> None:
         if args.extras:
             if not args.no_template:  # the same loop fed by a DataLoader: the template's baseline
                 loader = template_loader(args)
-                result["with_loader"] = ddp_throughput(args, info.device, batches=loader)
+                # with the template's DDP setting (train.py syncs buffers before evaluating)
+                result["with_loader"] = ddp_throughput(
+                    args, info.device, batches=loader, broadcast_buffers=False
+                )
             result["allreduce"] = allreduce_sweep(args, info.device)
             result["fixed_costs"] = fixed_costs(args, info.device)
             result["fixed_cost_pairs"] = fixed_cost_pairs(args, info.device)
@@ -577,7 +581,8 @@ def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, Any]:
-    """scripts/train.py with its monitor, bar and metrics, on the same model and batch."""
+    """scripts/train.py with its monitor, bar and metrics, on the same model and batch, with
+    the bare loop's optimizer (SGD, no clipping): what differs is the template's own work."""
     from ddp_tutorial.harness.launch import torchrun
 
     steps = args.steps + args.warmup
@@ -587,6 +592,7 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
         run_dir = tmp / f"template{attempt}"
         torchrun(HERE.parent / "train.py", "--model", args.model, "--image-size", args.image_size,
                  "--batch-size", args.batch_size, "--num-samples", samples, "--num-val", 64,
+                 "--optimizer", "sgd", "--clip-grad", 0,
                  "--epochs", 1, nproc=nproc, run_dir=run_dir, monitor=True, echo=False,
                  timeout=1800)  # fmt: skip
         rates.append(json.loads((run_dir / "metrics.json").read_text())["samples_per_sec"])
