@@ -607,6 +607,8 @@ def device_plan(n: int) -> int:
     from ddp_tutorial.distributed import choose_backend
     from ddp_tutorial.harness.gpu_plan import launch_gpu_count, mig_fallback
 
+    # the plain runs' cuda:0 the ranks' cuda:0, NVML's order (the launches set it likewise)
+    os.environ.setdefault(settings.DEVICE_ORDER_ENV, "PCI_BUS_ID")
     hide, why = mig_fallback()
     if not hide:
         backend, why = choose_backend(settings.backend(), n, gpus=launch_gpu_count())

@@ -292,12 +292,13 @@ def test_fewer_gpus_than_ranks_put_every_run_on_the_cpu(benchmark, nvml, monkeyp
     from conftest import fake_gpu
     from ddp_tutorial import settings
 
-    for name in (settings.VISIBLE_DEVICES_ENV, settings.BACKEND_ENV):
+    for name in (settings.VISIBLE_DEVICES_ENV, settings.BACKEND_ENV, settings.DEVICE_ORDER_ENV):
         monkeypatch.setenv(name, "")  # restored (or removed again) after the test
         monkeypatch.delenv(name)
     nvml([fake_gpu(i) for i in range(2)])
     assert benchmark.device_plan(2) == 2 and settings.VISIBLE_DEVICES_ENV not in os.environ
     assert benchmark.device_plan(1) == 1
+    assert os.environ[settings.DEVICE_ORDER_ENV] == "PCI_BUS_ID", "the plain runs' cuda:0 too"
     nvml([fake_gpu(0)])
     assert benchmark.device_plan(2) == 0
     assert os.environ[settings.VISIBLE_DEVICES_ENV] == "" and settings.backend() == "gloo"
