@@ -1082,6 +1082,17 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "train_sampler",
         ["DDP103"],
     ),
+    "the rank read from a copy of the environment (pytorch/examples' ddp example)": (
+        """
+        env_dict = {key: os.environ[key] for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        rank, local_rank = int(env_dict["RANK"]), int(env_dict.get("LOCAL_RANK"))
+        torch.accelerator.set_device_index(local_rank)
+        """,
+        [],
+        "set_device_index(local_rank)",
+        "set_device_index(rank)",
+        ["DDP102"],
+    ),
     "a CPU tensor behind .int() and an if, broadcast on nccl (yolov7)": (
         """
         dist.init_process_group("nccl")

@@ -53,15 +53,26 @@ def names_in(node: ast.AST) -> set[str]:
 
 
 def env_key(node: ast.AST) -> str | None:
-    """'RANK' for ``os.environ["RANK"]``, ``os.environ.get("RANK")``, ``os.getenv("RANK")``."""
-    if isinstance(node, ast.Subscript) and dotted(node.value).endswith("environ"):
+    """'RANK' for ``os.environ["RANK"]``, ``os.environ.get("RANK")``, ``os.getenv("RANK")``,
+    and for a copy of the environment by its name (pytorch/examples' ``env_dict["RANK"]``)."""
+    if isinstance(node, ast.Subscript) and environment(node.value):
         key = node.slice
         return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
-    if isinstance(node, ast.Call) and dotted(node.func).endswith(("environ.get", "getenv")):
+    get = node.func if isinstance(node, ast.Call) else None
+    if get is not None and (
+        dotted(get).endswith("getenv")
+        or (isinstance(get, ast.Attribute) and get.attr == "get" and environment(get.value))
+    ):
         first = node.args[0] if node.args else None
         if isinstance(first, ast.Constant) and isinstance(first.value, str):
             return first.value
     return None
+
+
+def environment(node: ast.AST) -> bool:
+    """``os.environ``, or a name that says it holds the environment (``env``, ``env_dict``)."""
+    name = dotted(node)
+    return name.endswith("environ") or name.rsplit(".", 1)[-1].lower().startswith("env")
 
 
 def pairs(stmt: ast.stmt) -> list[tuple[str, ast.expr]]:
@@ -401,12 +412,8 @@ class Helpers:
 
     def __init__(self, tree: ast.Module) -> None:
         self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
-        self.modules = {
-            (alias.asname or alias.name).split(".")[0]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-        }
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import)]
+        self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
 
     def get(self, call: ast.Call) -> ast.FunctionDef | None:
         if isinstance(call.func, ast.Attribute) and dotted(call.func).split(".")[0] in self.modules:
