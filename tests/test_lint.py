@@ -1093,6 +1093,29 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "set_device_index(rank)",
         ["DDP102"],
     ),
+    "an evaluation loader's sampler made in its DataLoader call (helper 89)": (
+        """
+        test_loader = DataLoader(test_set, sampler=DistributedSampler(test_set))
+        """,
+        [],
+        "test_loader",
+        "train_loader",
+        ["DDP103"],
+    ),
+    "a function of a module imported from a package, named like this file's (helper 89)": (
+        """
+        from mylib import ckpt
+        class Loop:
+            def save(self):
+                if dist.get_rank() == 0:
+                    ckpt.save(state, "model.pt")
+                dist.barrier()
+        """,
+        [],
+        'ckpt.save(state, "model.pt")',
+        "self.save()",
+        ["DDP101"],
+    ),
     "a CPU tensor behind .int() and an if, broadcast on nccl (yolov7)": (
         """
         dist.init_process_group("nccl")
@@ -1163,3 +1186,20 @@ def test_a_cpu_tensor_in_an_nccl_collective_is_found_however_it_was_made():
     for backend in ('"gloo"', '"cpu:gloo,cuda:nccl"', "args.backend", ""):
         source = f"dist.init_process_group({backend})\ndist.all_reduce(torch.zeros(2))"
         assert "DDP128" not in codes(source), backend
+    # helper 89: correct code it flagged
+    also_clean = {
+        "gloo where there is no GPU": "if torch.cuda.is_available():\n"
+        "    dist.init_process_group('nccl')\n    t = torch.ones(1, device=device)\nelse:\n"
+        "    dist.init_process_group('gloo')\n    t = torch.ones(1)\ndist.all_reduce(t)",
+        "a gloo side group": "dist.init_process_group('nccl')\ncpu = dist.new_group(backend='gloo')"
+        "\nt = torch.ones(1)\ndist.all_reduce(t, group=cpu)",
+        "a group of its own": init + "t = torch.ones(1)\ndist.all_reduce(t, group=pg)",
+        "device in **kwargs": init + "t = torch.zeros(2, **on_gpu)\ndist.all_reduce(t)",
+        "moved in a tuple": init + "t = torch.ones(1)\nt, n = t.to(device), 3\ndist.all_reduce(t)",
+        "a default tensor type": init + "torch.set_default_tensor_type('torch.cuda.FloatTensor')\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)",
+        "one branch moves it": init + "if big:\n    t = torch.ones(1, device=device)\nelse:\n"
+        "    t = torch.ones(1)\ndist.all_reduce(t)",
+    }
+    for label, source in also_clean.items():
+        assert "DDP128" not in codes(source), label

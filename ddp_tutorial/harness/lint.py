@@ -249,7 +249,8 @@ class Linter(ScopeChecks):
             ):
                 continue  # an evaluation sampler: one order is the point
             name = named.get(id(call))
-            if id(call) in told or name in epochs or lenient or EVALUATION.search(name or ""):
+            evaluation = EVALUATION.search(name or inline.get(id(call), ""))
+            if id(call) in told or name in epochs or lenient or evaluation:
                 continue  # an evaluation's (test_sampler): its order changes nothing
             if name is None and (loader := inline.get(id(call))):
                 self.add(call, "DDP103", name=f"of {loader}", fix=f"{loader}.sampler")

@@ -412,7 +412,7 @@ class Helpers:
 
     def __init__(self, tree: ast.Module) -> None:
         self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
-        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import)]
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
         self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
 
     def get(self, call: ast.Call) -> ast.FunctionDef | None:
