@@ -56,6 +56,7 @@ from ddp_tutorial.distributed import process_group, wrap
 from ddp_tutorial.lessons import perf
 from ddp_tutorial.lessons.anatomy import CommCounter, counting_allreduce_hook
 from ddp_tutorial.models import MLP, build_model
+from ddp_tutorial.recorder import WARMUP_STEPS
 from ddp_tutorial.records import format_table, write_json
 from ddp_tutorial.settings import usable_cores
 
@@ -105,6 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     if args.warmup < 0:
         p.error(f"--warmup must be 0 or more, not {args.warmup}")
+    if (
+        args.role == "orchestrate"
+        and not args.no_template
+        and args.steps + args.warmup <= WARMUP_STEPS
+    ):
+        p.error(f"the template times its steps after its own {WARMUP_STEPS} warm-up steps: give "
+                f"--steps and --warmup over {WARMUP_STEPS} in all, or --no-template")  # fmt: skip
     return args
 
 
@@ -128,9 +136,9 @@ def new_model(args: argparse.Namespace, name: str | None = None) -> torch.nn.Mod
     torch.manual_seed(0)
     if name == "knob":
         return MLP(3 * args.image_size**2, 10, hidden=args.knob_hidden)
-    if name == "deep":  # the bucket rows': gradients that fill several buckets
-        hidden = args.knob_hidden
-        layers = [nn.Linear(hidden, hidden) if i % 2 else nn.ReLU() for i in range(2 * DEPTH - 2)]
+    if name == "deep":  # the bucket rows': gradients that fill several buckets (at 256 wide,
+        hidden = max(args.knob_hidden, 1024)  # --quick's, 25 and 100 MB made one bucket each)
+        layers = [nn.ReLU() if i % 2 else nn.Linear(hidden, hidden) for i in range(2 * DEPTH - 2)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * args.image_size**2, hidden), nn.ReLU(),
                              *layers, nn.Linear(hidden, 10))  # fmt: skip
     return build_model(args.model, 10, args.image_size)
@@ -553,7 +561,14 @@ def run_plain_concurrent(
         subprocess.Popen([*cmd, "--result", str(o)], env={**os.environ, **e})
         for o, e in zip(outs, envs, strict=True)
     ]
-    if any(p.wait(timeout=1800) for p in procs):
+    deadline = time.monotonic() + 1800
+    while any(p.poll() is None for p in procs):  # all of them: one that failed leaves the
+        if any(p.poll() for p in procs) or time.monotonic() > deadline:  # others at the gate
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.05)
+    if any(p.wait() for p in procs):
         raise RuntimeError("a concurrent plain process failed")
     each = [json.loads(o.read_text()) for o in outs]  # kept: the ceiling can be recomputed
     total = sum(r["samples_per_sec"] for r in each)
@@ -592,7 +607,7 @@ def run_template(args: argparse.Namespace, nproc: int, tmp: Path) -> dict[str, A
         run_dir = tmp / f"template{attempt}"
         torchrun(HERE.parent / "train.py", "--model", args.model, "--image-size", args.image_size,
                  "--batch-size", args.batch_size, "--num-samples", samples, "--num-val", 64,
-                 "--optimizer", "sgd", "--clip-grad", 0,
+                 "--optimizer", "sgd", "--clip-grad", 0, "--weight-decay", 0,
                  "--epochs", 1, nproc=nproc, run_dir=run_dir, monitor=True, echo=False,
                  timeout=1800)  # fmt: skip
         rates.append(json.loads((run_dir / "metrics.json").read_text())["samples_per_sec"])

@@ -63,9 +63,13 @@ def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
 
 
 def nvml_gpu_count(env: Mapping[str, str] | None = None) -> int:
-    """The GPUs NVML makes visible to the launches: 0 on a MIG machine (the CPU plan)."""
+    """The GPUs NVML makes visible to the launches: 0 on a MIG machine (the CPU plan), also
+    where gloo is asked for (mig_fallback then has nothing to hide, and the count refuses MIG)."""
     merged = {**os.environ, **(env or {})}
-    return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
+    try:
+        return 0 if mig_fallback(merged)[0] else visible_gpu_count(merged)
+    except MigError:
+        return 0
 
 
 def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
