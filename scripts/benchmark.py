@@ -342,7 +342,9 @@ def allreduce_sweep(args: argparse.Namespace, device: torch.device) -> list[dict
     rows = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
-        iters = max(5, min(30, 2**24 // size))  # many for small messages: they are noisy
+        # many for small messages, which are noisy; 10 at least: the best of 5 calls of the
+        # largest was disturbed in all 5 beside a busy job once (8.4 ms for 4 MiB, 5.0 quiet)
+        iters = max(10, min(30, 2**24 // size))
         times = []
         for i in range(iters + 2):
             dist.barrier()
@@ -656,9 +658,10 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             # one GPU is "all cores" of a GPU process: the same run, not measured twice
             all_cores = runs["p1"][-1] if gpus else run_plain(args, usable_cores(), tmp, gpus)
             runs["pall"].append(all_cores)
+            world1 = None if n == 1 else run_ddp(args, 1, tmp, extras=False)
             runs["wn"].append(run_ddp(args, n, tmp, extras=repeat == 0))
             # one rank (one GPU): ddp_world1 is that run, under the same key of the result
-            runs["w1"].append(runs["wn"][-1] if n == 1 else run_ddp(args, 1, tmp, extras=False))
+            runs["w1"].append(world1 or runs["wn"][-1])
             runs["c"].append(run_plain_concurrent(args, n, tmp, gpus))
         plain_1, plain_all, world1, ceiling = (best_run(runs[k]) for k in ("p1", "pall", "w1", "c"))
         # The best run's timings over the first run, which alone measured the extras
