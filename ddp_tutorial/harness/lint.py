@@ -140,7 +140,8 @@ class Linter(ScopeChecks):
         self.unused_modules()
         self.last_epoch()
         self.unsampled_loaders()
-        for call, what, line in cpu_tensors_in_collectives(self.tree):
+        bodies = (owner.body for owner, _ in self.scopes())
+        for call, what, line in cpu_tensors_in_collectives(self.tree, bodies):
             self.add(call, "DDP128", what=what, line=line)
 
     def unsampled_loaders(self) -> None:

@@ -12,7 +12,7 @@ made, in the same scope: ``torch.tensor``/``zeros``/... without ``device=``, or 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 from ddp_tutorial.harness.lint_ast import (
     dotted,
@@ -90,13 +90,6 @@ def default_device_set(tree: ast.Module) -> bool:
     )
 
 
-def scopes(tree: ast.Module) -> Iterator[list[ast.stmt]]:
-    yield tree.body
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            yield node.body
-
-
 def assignments(body: list[ast.stmt]) -> dict[str, list[tuple[ast.stmt, ast.expr]]]:
     """Each name's assignments in one scope (``a, b = x, y`` paired up), in source order."""
     made: dict[str, list[tuple[ast.stmt, ast.expr]]] = {}
@@ -120,14 +113,16 @@ def other_branch_moves_it(name: str, stmt: ast.stmt, body: list[ast.stmt]) -> bo
     return False
 
 
-def cpu_tensors_in_collectives(tree: ast.Module) -> list[tuple[ast.Call, str, int]]:
+def cpu_tensors_in_collectives(
+    tree: ast.Module, bodies: Iterable[list[ast.stmt]]
+) -> list[tuple[ast.Call, str, int]]:
     """``(collective, what it was given, the line that made it)`` for every tensor made on
     the CPU that a collective of an nccl-only group is given, by name or directly; not one on
     a group of its own (``group=``: it may be a gloo group)."""
     if not nccl_only(tree) or default_device_set(tree):
         return []
     found = []
-    for body in scopes(tree):
+    for body in bodies:  # each scope's statements: the module's, each function's
         made = assignments(body)
         for call in (n for n in own_nodes(body) if isinstance(n, ast.Call)):
             if not is_collective(call) or last_name(call) in PICKLING:
