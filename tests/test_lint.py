@@ -1115,6 +1115,49 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         ".int()",
         ["DDP128"],
     ),
+    # the twentieth session, the rest of helper 87's verdicts
+    "a save behind a flag set from is_master() (open_clip)": (
+        """
+        dist.init_process_group("gloo")
+        args.save_logs = args.logs and is_master(args)
+        if args.save_logs:
+            torch.save(state, "epoch.pt")
+        """,
+        [],
+        " and is_master(args)",
+        "",
+        ["DDP105"],
+    ),
+    "a save behind a helper that answers False off the main rank (TAPE)": (
+        """
+        dist.init_process_group("gloo")
+        is_master = dist.get_rank() == 0
+        def do_save(epoch):
+            if not is_master:
+                return False
+            return epoch % 5 == 0
+        for epoch in range(3):
+            if do_save(epoch):
+                torch.save(state, "epoch.pt")
+        """,
+        [],
+        "if not is_master:",
+        "if epoch < 0:",
+        ["DDP105"],
+    ),
+    "a checkpoint loaded into the plain model, then wrapped and saved (MLPerf SSD)": (
+        """
+        model = Net()
+        model.load_state_dict(torch.load("ck.pt", map_location="cpu"))
+        model = DDP(model)
+        if dist.get_rank() == 0:
+            torch.save(model.module.state_dict(), "ck.pt")
+        """,
+        [],
+        "model.module.state_dict()",
+        "model.state_dict()",
+        ["DDP107"],
+    ),
 }
 
 

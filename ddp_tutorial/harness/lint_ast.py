@@ -7,11 +7,10 @@ The linter reads one file at a time and guesses what a name holds from how it wa
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ddp_tutorial.harness.lint_rules import COLLECTIVES, DIST_PREFIXES, GLOBAL_RANK_SOURCES
+from ddp_tutorial.harness.lint_rules import COLLECTIVES, DIST_PREFIXES, GLOBAL_RANK_SOURCES, MAIN
 
 
 def dotted(node: ast.AST) -> str:
@@ -199,6 +198,9 @@ class Scope:
             for stmt in assigns:
                 for name, value in pairs(stmt):
                     self._learn(name, value, stmt.lineno)
+            for sub in nodes:  # `args.save_logs = ... and is_master(args)`: attributes too
+                if isinstance(sub, ast.Assign) and self.depends_on_rank(sub.value):
+                    self.rank.update(dotted(t) for t in sub.targets if isinstance(t, ast.Attribute))
         self.none_by_rank = {  # `x = load() if rank == 0 else None`, or set in a rank branch:
             name  # whether x is None depends on the rank (not so for a shard made from it)
             for branch in nodes
@@ -299,8 +301,8 @@ class Scope:
         for sub in ast.walk(node):
             if self.is_global_rank(sub) or env_key(sub) in ("RANK", "LOCAL_RANK"):
                 return True
-        for name in names_in(node):
-            if name in self.rank or "rank" in name.rsplit(".", 1)[-1].lower():
+        for name in names_in(node):  # `args.rank`, `is_master(args)`, `save = is_main()`
+            if name in self.rank or "rank" in name.rsplit(".", 1)[-1].lower() or MAIN.search(name):
                 return True
         return False
 
@@ -381,9 +383,7 @@ def is_rank_test(test: ast.expr, scope: Scope) -> bool:
         and not scope.is_global_rank(test.left)
     ):
         return dotted(test.left) in scope.none_by_rank  # None on some ranks only, or on none
-    return scope.depends_on_rank(test) or any(
-        re.search(r"(main|master)_?(process|rank)|is_main|is_master", n) for n in names_in(test)
-    )
+    return scope.depends_on_rank(test)
 
 
 def only_local(test: ast.expr, scope: Scope) -> str | None:

@@ -167,6 +167,8 @@ COLLECTIVES = frozenset(
     "all_to_all all_to_all_single broadcast_object_list barrier monitored_barrier".split()
 )
 DIST_PREFIXES = ("dist", "torch.distributed", "distributed")
+# names that say "the main rank": is_main_process(), is_master(args), args.main_rank
+MAIN = re.compile(r"(main|master)_?(process|rank)|is_main|is_master")
 GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
 SLOW_WORK = re.compile(  # tokenising is; a tokenizer written or loaded is not, one trained is
     r"download|prepare|preprocess|tokeni[sz]e(?!r)|(train|build|fit)_?tokeni[sz]er|build_cache|"

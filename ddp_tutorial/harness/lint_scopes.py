@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import io
-import re
 import tokenize
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -23,7 +22,6 @@ from ddp_tutorial.harness.lint_ast import (
     keyword,
     last_name,
     names_in,
-    only_local,
     pairs,
     targets,
 )
@@ -35,10 +33,11 @@ from ddp_tutorial.harness.lint_rules import (
     SLOW_WORK,
     LintFinding,
 )
+from ddp_tutorial.harness.lint_saves import SaveChecks, loaded_into, rank_predicates
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 
-class ScopeChecks:
+class ScopeChecks(SaveChecks):
     """One parsed file, and the rules that read it a function at a time."""
 
     def __init__(self, path: str, source: str) -> None:
@@ -63,18 +62,10 @@ class ScopeChecks:
             for c in self.every
         )
         self.functions = Helpers(self.tree)  # a helper's collectives for DDP101
-        self.resumed = {  # `model.load_state_dict(...)`, `resume(..., model=model)`: a model
-            dotted(node)  # whose own checkpoint comes back into it, prefix and all
-            for c in self.every
-            for node in (
-                [c.func.value]
-                if last_name(c) == "load_state_dict" and isinstance(c.func, ast.Attribute)
-                else [*c.args, *(k.value for k in c.keywords)]
-                if re.search(r"(^|_)(load|resume|restart|restore)(_|$)", last_name(c).lower())
-                else []
-            )
-            if isinstance(node, ast.Name | ast.Attribute)
-        }
+        # `model.load_state_dict(...)`, `resume(..., model=model)`: a model whose own
+        # checkpoint comes back into it, prefix and all
+        self.resumed = {dotted(node) for c in self.every for node in loaded_into(c)}
+        self.predicates = rank_predicates(self.tree)  # `def do_save(): if not is_master: ...`
         self.buffers = {  # `buffer = io.BytesIO()`: a save into it writes memory, no file
             name
             for node in ast.walk(self.tree)
@@ -118,11 +109,12 @@ class ScopeChecks:
         self.found.append(LintFinding(self.path, line, code, RULES[code][0].format(**fmt)))
 
     def scopes(self) -> Iterator[tuple[ast.Module | ast.FunctionDef | ast.AsyncFunctionDef, Scope]]:
-        yield self.tree, Scope(self.tree.body)
+        yield self.tree, Scope(self.tree.body, (), Kept(rank=set(self.predicates)))
         for node in ast.walk(self.tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
-                kept = self.kept.get(id(node))
+                kept = self.kept.get(id(node)) or Kept()
+                kept = Kept(kept.rank | self.predicates, kept.global_rank, kept.local_rank)
                 if node.name in self.spawned and params:
                     params[0] = "rank"  # its first argument is the rank (renamed for the scan)
                     scope = Scope(node.body, params, kept)
@@ -293,68 +285,6 @@ class ScopeChecks:
             if inside or (exits and (stmt.end_lineno or line) < line):
                 return stmt.test
         return None
-
-    def wrapped_attributes(self) -> set[str]:
-        """``self.model`` where the file assigns ``self.model = DDP(...)``: the official
-        series' Trainer holds its wrapper in an attribute."""
-        return {
-            dotted(target)
-            for node in ast.walk(self.tree)
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-            and last_name(node.value) in ("DDP", "DistributedDataParallel")
-            for target in node.targets
-            if isinstance(target, ast.Attribute)
-        }  # fmt: skip
-
-    def saves(self, owner: ast.AST, scope: Scope) -> None:
-        """DDP105-DDP107: who writes, and what."""
-        for stmt in self.statements(owner):
-            for call in self.own_calls(stmt):
-                if last_name(call) == "state_dict" and isinstance(call.func, ast.Attribute):
-                    holder = call.func.value
-                    if dotted(holder) in self.resumed:
-                        continue  # loaded back into the same wrapper: its keys agree
-                    if isinstance(holder, ast.Name) and scope.wrapper(holder.id, call.lineno):
-                        if not self.overwritten(stmt):
-                            self.add(call, "DDP107", name=holder.id)
-                    elif dotted(holder) in self.wrapped_attributes():  # self.model = DDP(...)
-                        if not self.overwritten(stmt):
-                            self.add(call, "DDP107", name=dotted(holder))
-                if dotted(call.func) == "torch.save" and self.distributed:
-                    self.writer(call, owner, scope)
-
-    def writer(self, call: ast.Call, owner: ast.AST, scope: Scope) -> None:
-        """A save in a helper is judged where the helper is called (every call guarded?)."""
-        target = call.args[1] if len(call.args) > 1 else keyword(call, "f")
-        if target is not None and (
-            any("rank" in n.rsplit(".", 1)[-1].lower() for n in names_in(target))
-            or "BytesIO" in ast.unparse(target)
-            or dotted(target) in self.buffers
-        ):
-            return  # a file per rank (f"rng_rank{rank}.pt"), or memory: no shared file
-        test = self.guard(call, owner, scope)
-        sites: list[tuple[ast.Call, ast.AST, Scope]] = []
-        if test is None and isinstance(owner, ast.FunctionDef | ast.AsyncFunctionDef):
-            for site_owner, site_scope in self.scopes():
-                for stmt in self.statements(site_owner):
-                    sites += [  # `save(...)`, `self.save(...)`; not the torch.save in it
-                        (c, site_owner, site_scope)
-                        for c in self.own_calls(stmt)
-                        if last_name(c) == owner.name
-                        and c is not call
-                        and not dotted(c.func).startswith("torch.")
-                    ]
-            if not sites and owner.name not in self.spawned:
-                return  # a helper this file never calls: its callers guard it, or not
-            # mp.spawn(worker): the worker runs on every rank, the save in it too
-        checks = [(call, test)] if not sites else [(c, self.guard(c, o, s)) for c, o, s in sites]
-        if all(guard is None for _, guard in checks):
-            checks = [(call, None)]  # no caller guards it (main()): the save's own line
-        for where, guard in checks:
-            if guard is None:
-                self.add(where, "DDP105")
-            elif (local := only_local(guard, scope)) is not None:
-                self.add(where, "DDP106", name=local)
 
     def order(self, owner: ast.AST) -> None:
         """DDP110, DDP112: what must come before CUDA starts."""
