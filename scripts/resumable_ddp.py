@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default="checkpoints", help="snapshot.pt, best.pt, final.pt")
-    p.add_argument("--save-every", type=int, default=0, help="steps between snapshots (0: epochs)")
+    p.add_argument("--save-every", type=int, default=0, help="epoch ends, and every N steps if > 0")
     args = p.parse_args()
     ckpt = Path(args.checkpoint_dir)
 
@@ -75,7 +75,8 @@ def main() -> None:
 
     train_set, val_set = make_data(args.num_samples, args.seed), make_data(500, args.seed + 1)
     sampler = DistributedSampler(train_set, seed=args.seed)  # rank r: every world_size-th sample
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # generator=: each iterator draws a seed from it, not from the global stream a resume restores
+    loader = DataLoader(train_set, args.batch_size, sampler=sampler, generator=torch.Generator())
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), 256)  # no pad
 
     torch.manual_seed(args.seed)  # the initial weights
@@ -85,13 +86,18 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start_epoch, start_batch, step, best = 0, 0, 0, -1.0
     resumed_sum = torch.zeros(2, device=device)  # the resumed epoch's loss sums so far
-    if (ckpt / "snapshot.pt").is_file():  # resume: every rank reads the file rank 0 wrote
+    resume = [(ckpt / "snapshot.pt").is_file()]  # rank 0 decides: a rank that cannot see
+    dist.broadcast_object_list(resume, src=0)  # its file fails to load it, never starts afresh
+    if resume[0]:  # resume: every rank reads the file rank 0 wrote
         state = torch.load(ckpt / "snapshot.pt", map_location=device, weights_only=True)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]
         best = state["best"]
-        torch.set_rng_state(state["rng"][rank].cpu())  # its own stream (a CPU tensor, always)
+        cpu_rng, *gpu_rng = state["rng"][rank]  # its own streams (CPU tensors, always)
+        torch.set_rng_state(cpu_rng.cpu())
+        if gpu_rng:  # dropout on a GPU draws from the GPU's generator
+            torch.cuda.set_rng_state(gpu_rng[0].cpu())
         if rank == 0:  # every rank's sums in one: counted once, by the epoch's all_reduce
             resumed_sum = state["loss_sum"]
         if rank == 0:
@@ -99,7 +105,8 @@ def main() -> None:
 
     def save_snapshot(epoch: int, batch: int, loss_sum: torch.Tensor) -> None:  # a collective
         rngs = [None] * world_size
-        dist.all_gather_object(rngs, torch.get_rng_state())  # every rank's random stream
+        cuda = [torch.cuda.get_rng_state()] if device.type == "cuda" else []
+        dist.all_gather_object(rngs, [torch.get_rng_state(), *cuda])  # every rank's streams
         loss_sum = loss_sum.clone()
         dist.all_reduce(loss_sum)  # the epoch's loss so far: its log line survives a resume
         if rank == 0:  # one writer, in the whole job

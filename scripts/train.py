@@ -116,10 +116,10 @@ def parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
     add("--best-by", choices=SCORES, default="val_accuracy",
         help="best.pt: the highest val accuracy, or the lowest val loss")  # fmt: skip
-    add("--save-every", type=int, default=0, help="steps between snapshots (0: epoch ends)")
+    add("--save-every", type=int, default=0, help="snapshot at epoch ends, and every N steps if >0")
     add("--save-minutes", type=float, default=30, help="and a snapshot this often (0: off)")
     add("--keep", type=positive, default=2, help="snapshots kept (>= 2: one to fall back to)")
-    add("--eval-every", type=int, default=0, help="steps between evaluations (0: epoch ends)")
+    add("--eval-every", type=int, default=0, help="evaluate at epoch ends, and every N steps if >0")
     add("--max-steps", type=positive, help="stop early (the LR schedule still spans --epochs)")
     add("--log-every", type=positive, default=50, help="steps between log lines (a host sync)")
     add("--tensorboard", help="rank 0 writes TensorBoard scalars to this folder")
@@ -140,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
         "wire (powersgd: a resume restarts its error feedback and its plain warm-up steps)",
     )
     add("--sync-bn", action="store_true", help="SyncBatchNorm (GPUs with nccl only)")
-    add("--pretrain", help="initial weights: a state_dict file (any device, any prefix)")
+    add("--pretrain", help="initial weights: a state_dict (any device, module. stripped)")
     add("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     add(
         "--deterministic",
@@ -181,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         p.error(
             "--num-workers, --save-every, --eval-every, --save-minutes, --lr, --weight-decay "
-            "and --clip-grad must be >= 0, --timeout > 0"
+            "and --clip-grad must be >= 0, --timeout > 0 and --init-timeout > 0"
         )
     if not 0 <= args.warmup < 1:
         p.error("--warmup is a fraction of training: 0 <= warmup < 1")
@@ -233,8 +233,9 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             f"{per_rank} samples each of {world_size} ranks gets: no step could run. Lower "
             f"--batch-size or use more data than {train_size} samples"
         )
-    if args.save_every > min(steps, args.max_steps or steps):
-        return f"--save-every {args.save_every} is beyond the run's {steps} steps: lower it, or 0"
+    if args.save_every > (last := min(steps, args.max_steps or steps)):
+        run = f"the run's {last} steps" + (" (--max-steps)" if last < steps else "")
+        return f"--save-every {args.save_every} is beyond {run}: lower it, or 0"
     return None
 
 
@@ -549,8 +550,6 @@ def train(
         what(*args)
         log.resume()
 
-    if owed:  # the snapshot was saved inside an evaluation that a signal stopped: do it now
-        pause(evaluate)
     # an epoch trains whole accumulation windows of full batches: the LR's epochs are those
     per_epoch = math.ceil(len(train_set) / world_size) // args.batch_size // args.grad_accum
     planned, per_epoch = per_epoch * args.epochs, per_epoch * global_batch  # steps; samples
@@ -563,7 +562,9 @@ def train(
         disable=rank != 0 or args.no_progress or not sys.stderr.isatty(),
         mininterval=5,
     )
-    try:
+    try:  # a failure below would fail each restart again: failed.json stops them
+        if owed:  # the snapshot was saved inside an evaluation that a signal stopped: do it now
+            pause(evaluate)
         stop, steps_here = finished, 0
         while not stop:
             # 8. The loop. set_epoch: a new shuffle every epoch, the same on every rank.
@@ -644,7 +645,11 @@ def train(
 
     # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
     if ckpt and not (finished and kit.from_rank0((ckpt / "final.pt").is_file())):  # kept
-        save(ddp.module.state_dict(), "final.pt")
+        try:
+            save(ddp.module.state_dict(), "final.pt")
+        except kit.CheckpointError as exc:
+            stopped_for_good(exc, ckpt, rank, step)
+            raise
     last = history[-1] if history else {"train_loss": math.nan}
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "

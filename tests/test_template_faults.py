@@ -1350,3 +1350,29 @@ def test_a_download_without_a_network_is_a_data_error(kit, tmp_path, monkeypatch
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)  # no network here, or in CI
     with pytest.raises(kit.DataError, match="--download: .*Name or service not known"):
         kit.cifar10(tmp_path, 32, download=True)
+
+
+def test_a_failed_save_in_the_owed_evaluation_stops_every_restart(template, kit, tmp_path,
+                                                                  one_rank, capsys):  # fmt: skip
+    """A rerun's first act, the evaluation a signal stopped (``eval_owed``), is guarded as
+    training is (helper 92: it ran before the guard, so a failed best.pt there exited 1 without
+    failed.json, and every --max-restarts attempt repeated it)."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "2", "--save-every", "2"])
+    path = kit.snapshot_path(tmp_path, 2)
+    state = torch.load(path, weights_only=True)
+    state["extra"].update(eval_owed=True, best=-math.inf)  # what a signal in the evaluation left
+    torch.save(state, path)
+    (tmp_path / "best.json").unlink()  # (it would say best.pt is better than what comes)
+    (tmp_path / "best.pt").unlink()
+    (tmp_path / "best.pt").mkdir()  # the owed evaluation's best.pt: its rename fails
+    stops_with(template, [*argv, "--max-steps", "2"], capsys, "CheckpointError", "best.pt")
+    assert "best.pt" in json.loads((tmp_path / "failed.json").read_text())["error"]
+    # and the deliverable, after the loop: final.pt
+    (tmp_path / "failed.json").unlink()
+    (tmp_path / "best.pt").rmdir()
+    (tmp_path / "final.pt").unlink()
+    (tmp_path / "final.pt").mkdir()
+    stops_with(template, [*argv, "--max-steps", "2"], capsys, "CheckpointError", "final.pt")
+    assert "final.pt" in json.loads((tmp_path / "failed.json").read_text())["error"]

@@ -106,8 +106,19 @@ def impossible_settings(tmp_path):
             "--grad-accum 8 is more than the 64 samples",
         ),
         "save-every beyond the run": (
-            ["--num-samples", "64", "--batch-size", "16", "--epochs", "1", "--save-every", "9"],
-            "--save-every 9 is beyond the run's 4 steps",
+            [
+                "--num-samples",
+                "64",
+                "--batch-size",
+                "16",
+                "--epochs",
+                "1",
+                "--max-steps",
+                "3",
+                "--save-every",
+                "4",
+            ],  # fmt: skip
+            "--save-every 4 is beyond the run's 3 steps (--max-steps)",
         ),
         "checkpoint dir is a file": (
             ["--checkpoint-dir", tmp_path / "a-file"],
@@ -911,10 +922,11 @@ def test_train_on_gpus_with_nccl_amp_and_sync_bn(tmp_path):
     build_model("cnn", 10, 16).load_state_dict(state)  # SyncBatchNorm keys == BatchNorm keys
 
 
-def test_a_timeout_of_zero_is_refused(template, capsys):
+@pytest.mark.parametrize("flag", ["--timeout", "--init-timeout"])
+def test_a_timeout_of_zero_is_refused_by_its_own_name(template, capsys, flag):
     with pytest.raises(SystemExit):
-        template.parse_args(["--timeout", "0"])
-    assert "--timeout > 0" in capsys.readouterr().err
+        template.parse_args([flag, "0"])
+    assert f"{flag} > 0" in capsys.readouterr().err
 
 
 def test_make_deterministic_sets_every_switch(monkeypatch):
