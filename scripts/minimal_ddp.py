@@ -79,7 +79,7 @@ def main() -> None:
             print(f"epoch {epoch}: loss {(loss_sum[0] / loss_sum[1]).item():.4f}", flush=True)
 
     if rank == 0:  # one writer; model.module: the weights without DDP's "module." prefix
-        tmp = args.out + ".tmp"  # write aside, then rename: a crash never leaves half a file
+        tmp = args.out + ".tmp"  # aside, then renamed: a killed process never leaves half a file
         torch.save(model.module.state_dict(), tmp)
         os.replace(tmp, args.out)
     dist.destroy_process_group()

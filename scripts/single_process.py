@@ -55,7 +55,7 @@ def main() -> None:
             loss_sum += torch.stack([loss.detach() * len(y), torch.tensor(len(y), device=device)])
         print(f"epoch {epoch}: loss {(loss_sum[0] / loss_sum[1]).item():.4f}", flush=True)
 
-    tmp = args.out + ".tmp"  # write aside, then rename: a crash never leaves half a file
+    tmp = args.out + ".tmp"  # aside, then renamed: a killed process never leaves half a file
     torch.save(model.state_dict(), tmp)
     os.replace(tmp, args.out)
 
