@@ -1145,6 +1145,20 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "if epoch < 0:",
         ["DDP105"],
     ),
+    "a branch on metrics of a model on this rank's GPU is no rank test (DLRM)": (
+        """
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        model = Net().to(device)
+        is_best = evaluate(model, device) > best
+        if is_best and dist.get_rank() == 0:
+            torch.save(model.state_dict(), "best.pt")
+        """,
+        [],
+        " and dist.get_rank() == 0",
+        "",
+        ["DDP105"],
+    ),
     "a checkpoint loaded into the plain model, then wrapped and saved (MLPerf SSD)": (
         """
         model = Net()

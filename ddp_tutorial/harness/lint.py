@@ -35,7 +35,6 @@ from ddp_tutorial.harness.lint_ast import (
     names_in,
     pairs,
     targets,
-    under_modulo,
 )
 from ddp_tutorial.harness.lint_rules import (
     EVALUATION,
@@ -44,6 +43,7 @@ from ddp_tutorial.harness.lint_rules import (
     WRAPPER_PREFIXES,
     LintFinding,
 )
+from ddp_tutorial.harness.lint_saves import under_modulo
 from ddp_tutorial.harness.lint_scopes import ScopeChecks
 from ddp_tutorial.harness.lint_tensors import cpu_tensors_in_collectives, unbounded_bincount
 

@@ -222,7 +222,7 @@ class Scope:
             self.global_device.add(name)
         if self.is_local_rank(value):
             self.local_rank.add(name)
-        if self.depends_on_rank(value):
+        if self.depends_on_rank(value) and not self.placed(value):
             self.rank.add(name)
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
         status = [self.holds_wrapper(v, line) for v in options]
@@ -233,6 +233,19 @@ class Scope:
                 wrapped = False  # nanoGPT's `model.module if ddp else model`; HF's `... if
                 # hasattr(model, "module") else model`: the plain model whichever way
         self.bound.setdefault(name, []).append((line, wrapped))
+
+    def placed(self, value: ast.expr) -> bool:
+        """``torch.device("cuda", local_rank)``, ``f"cuda:{rank}"``, ``net.to(device)``: where a
+        value lives differs by rank, not what it is (DLRM's metrics, computed by a model moved
+        to this rank's GPU, are every rank's: a branch on them is no rank test)."""
+        if isinstance(value, ast.Call) and last_name(value) == "device":
+            return True
+        if isinstance(value, ast.JoinedStr):
+            return "cuda" in ast.unparse(value)
+        moves = isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+        if moves and value.func.attr in ("to", "cuda"):  # type: ignore[union-attr]
+            return not self.depends_on_rank(value.func.value)  # type: ignore[union-attr]
+        return False
 
     def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
         """True: a DDP model (``DDP(...)``, or a name holding one); False: surely not (its
@@ -428,20 +441,3 @@ def calls_in(node: ast.AST) -> list[ast.Call]:
 
 def is_none(node: ast.AST | None) -> bool:
     return node is None or (isinstance(node, ast.Constant) and node.value is None)
-
-
-def under_modulo(loop: ast.For, call: ast.Call) -> bool:
-    """Whether ``call`` runs only under an ``if`` that tests a remainder (``epoch % k``)."""
-
-    def modulo(test: ast.AST) -> bool:  # `a or b`: each way must go through a remainder
-        if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
-            return all(modulo(v) for v in test.values)
-        if isinstance(test, ast.BoolOp):  # `rank == 0 and (...)`: one part with a remainder
-            return any(modulo(v) for v in test.values)
-        return any(isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod) for b in ast.walk(test))
-
-    for node in ast.walk(loop):
-        if isinstance(node, ast.If) and any(sub is call for s in node.body for sub in ast.walk(s)):
-            if modulo(node.test):  # `or epoch == epochs - 1`: the last epoch is saved too
-                return True
-    return False

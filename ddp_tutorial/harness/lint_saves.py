@@ -144,3 +144,20 @@ class SaveChecks:
                 self.add(where, "DDP105")
             elif (local := only_local(guard, scope)) is not None:
                 self.add(where, "DDP106", name=local)
+
+
+def under_modulo(loop: ast.For, call: ast.Call) -> bool:
+    """Whether ``call`` runs only under an ``if`` that tests a remainder (``epoch % k``)."""
+
+    def modulo(test: ast.AST) -> bool:  # `a or b`: each way must go through a remainder
+        if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+            return all(modulo(v) for v in test.values)
+        if isinstance(test, ast.BoolOp):  # `rank == 0 and (...)`: one part with a remainder
+            return any(modulo(v) for v in test.values)
+        return any(isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod) for b in ast.walk(test))
+
+    for node in ast.walk(loop):
+        if isinstance(node, ast.If) and any(sub is call for s in node.body for sub in ast.walk(s)):
+            if modulo(node.test):  # `or epoch == epochs - 1`: the last epoch is saved too
+                return True
+    return False
