@@ -226,6 +226,7 @@ EXAMPLES = {
     "not-launched": "ValueError: Error initializing torch.distributed using env:// rendezvous: "
     "environment variable RANK expected, but not set",
     "no-nccl": "RuntimeError: Distributed package doesn't have NCCL built in",
+    "init-twice": "ValueError: trying to initialize the default process group twice!",
     "no-backend-for-device": "RuntimeError: No backend type associated with device type cpu",
     "nccl-heartbeat": "[rank0]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 0] Heartbeat monitor "
     "timed out! Process will be terminated after dumping debug info.",
@@ -477,3 +478,62 @@ def test_explain_reads_the_static_graph_case_and_torch_compiles_prefix():
         '"_orig_mod.lm_head.weight".'
     )
     assert keys(compiled) == ["wrapper-keys"]
+
+
+# Helper 94 read every entry against torch 2.14.1's strings (its .so files, the NCCL 2.30.7 it
+# bundles) and tried lines from outside distributed training.
+NOT_DDP = [  # each from another library: no entry may claim it
+    "requests.exceptions.ConnectionError: ('Connection aborted.', "
+    "ConnectionResetError(104, 'Connection reset by peer'))",
+    "urllib.error.URLError: <urlopen error [Errno -3] Temporary failure in name resolution>",
+    "OSError: [Errno 98] Address already in use",  # TensorBoard's port
+    "_pickle.UnpicklingError: Can't get attribute 'MyDataset' on <module '__main__' from "
+    "'/home/u/train.py'>",
+    "[E ProcessGroupNCCL.cpp:1537] Some NCCL operations have failed or timed out. Due to the "
+    "asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted data.",
+]
+IN_TORCH_2_14 = {  # as torch 2.14 (and its NCCL) print them: the entry each belongs to
+    "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:2121, invalid "
+    "usage, NCCL version 2.30.7\nncclInvalidUsage: This usually reflects invalid usage of "
+    "NCCL library.\nLast error:\nMultiple Ranks are using the same GPU/Partition. Set "
+    "NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.": "duplicate-gpu",
+    "torch.distributed.DistNetworkError: The client socket has timed out after 600000ms while "
+    "trying to connect to (10.0.0.1, 29500).": "rendezvous-failed",
+    "torch.distributed.DistNetworkError: The client socket has failed to connect to any "
+    "network address of (node1, 29500).": "rendezvous-failed",
+    "torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 "
+    "clients joined.": "rendezvous-failed",
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7817 got signal: "
+    "3": "job-signalled",
+    "RuntimeError: DataLoader worker (pid 4242) exited unexpectedly with exit code 1. Details "
+    "are lost due to multiprocessing.": "dataloader-killed",
+    "RuntimeError: Rank 0 successfully reached monitoredBarrier, but received errors while "
+    "waiting for send/recv from rank 1.": "monitored-barrier",
+    "RuntimeError: PytorchStreamReader failed reading file data/0: invalid header or archive "
+    "is corrupted": "torn-file",
+    "ValueError: trying to initialize the default process group twice!": "init-twice",
+    "RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!": "no-nccl",
+}
+
+
+@pytest.mark.parametrize("line", NOT_DDP)
+def test_lines_from_other_libraries_are_not_taken_for_ddp_failures(line):
+    assert keys(line) == [], keys(line)
+
+
+@pytest.mark.parametrize("line", sorted(IN_TORCH_2_14))
+def test_torch_2_14s_own_wording_is_known(line):
+    assert keys(line)[:1] == [IN_TORCH_2_14[line]], keys(line)
+
+
+def test_what_explain_says_holds_in_torch_2_14():
+    """A one-node torchrun picks a free port unless told one; torchrun handles SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT unless told more; gloo takes CUDA tensors too; DDP refuses lazy modules
+    before it compares the ranks' models; get_model_state_dict takes its options whole."""
+    said = {k.key: f"{k.cause} {k.fix}" for k in KNOWN}
+    assert "default 29500" not in said["address-in-use"]
+    assert "3 SIGQUIT" in said["job-signalled"] and "--signals-to-handle" in said["job-signalled"]
+    assert "CUDA tensor on gloo" not in said["no-backend-for-device"]
+    assert "lazy" not in said["model-mismatch"]
+    report = explain_log("Weights only load failed ... must be imported to load DTensors")
+    assert "options=StateDictOptions(full_state_dict=True)" in report

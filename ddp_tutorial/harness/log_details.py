@@ -73,7 +73,8 @@ dtensor_file = said_if(
     r"must be imported to load DTensors",
     "the file holds DTensors (an FSDP2 model's own state_dict, this rank's shards only): "
     "import torch.distributed.tensor before the load and weights_only stays True; for a "
-    "plain model, save get_model_state_dict(..., full_state_dict=True) (lesson 12)",
+    "plain model, save get_model_state_dict(model, options=StateDictOptions("
+    "full_state_dict=True)) (lesson 12)",
 )
 
 

@@ -16,8 +16,11 @@ from ddp_tutorial.harness.log_details import (
     prefix_explains,
     reset_at_init,
     said_if,
-    saved_before_exit,
 )
+from ddp_tutorial.harness.messages_launch import LAUNCH
+
+# a line from an HTTP client (a download, a logger's upload) is no rendezvous or collective
+NOT_HTTP = r"^(?!.*(?:urlopen|HTTPS?Connection|Max retries exceeded|requests\.|urllib3))"
 
 KNOWN: tuple[Known, ...] = (
     Known(
@@ -42,8 +45,10 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "monitored-barrier",
-        r"Rank (?P<rank>\d+) failed to pass monitoredBarrier",
-        "dist.monitored_barrier named the rank that never arrived",
+        r"Rank (?P<rank>\d+) failed to pass monitoredBarrier|"
+        r"successfully reached monitoredBarrier, but received errors",
+        "dist.monitored_barrier named the rank that never arrived (rank 0 names the one it "
+        "waited for)",
         "read that rank's path: what made it skip the collective the others are in",
         "09",
     ),
@@ -72,9 +77,9 @@ KNOWN: tuple[Known, ...] = (
         "model-mismatch",
         r"DDP expects same model across all ranks",
         "the ranks built different models: a rank-dependent branch or config, weights loaded "
-        "on some ranks only into a model whose shape they change, lazy modules not yet built",
-        "build the model the same way on every rank before DDP (lazy modules: one dummy "
-        "forward first); load weights on every rank, or before wrapping",
+        "on some ranks only into a model whose shape they change",
+        "build the model the same way on every rank before DDP; load weights on every rank, "
+        "or before wrapping",
         "04",
     ),
     Known(
@@ -86,7 +91,7 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "nccl-remote-error",
-        r"ncclRemoteError|Some NCCL operations have failed or timed out",
+        r"ncclRemoteError",  # not "Some NCCL operations have failed": every timeout says it
         "NCCL on this rank saw a peer fail: its process exited (a crash, the OOM killer) or "
         "the network between the nodes dropped; this rank is rarely the cause",
         "find the rank that failed first (its own traceback; dmesg for a kill); between "
@@ -112,7 +117,7 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "duplicate-gpu",
-        r"Duplicate GPU detected",
+        r"Duplicate GPU detected|Multiple Ranks are using the same GPU",  # NCCL < 2.2x, 2.30
         "two ranks of one nccl group use the same GPU: torch.cuda.set_device was not called "
         "with LOCAL_RANK, or more ranks than GPUs",
         "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init; "
@@ -149,26 +154,28 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "address-in-use",
-        r"EADDRINUSE|[Aa]ddress already in use",
-        "the rendezvous port (--master-port, default 29500) is taken: another job on this "
-        "machine, or a leftover of an earlier one",
-        "torchrun --standalone on one machine (a free port); across machines a port you "
-        "know is free; find leftovers with ps",
+        r"EADDRINUSE|errno: 98 - Address already in use|^\s*RuntimeError: Address already in use",
+        "the rendezvous port is taken (a --master-port or MASTER_PORT given: a one-node "
+        "torchrun without one picks a free port): another job on this machine, or a leftover "
+        "of an earlier one",
+        "on one machine leave the port out (torchrun --standalone); across machines a port "
+        "you know is free; find leftovers with ps",
         "09",
     ),
     Known(
         "address-family",
         r"Address family not supported by protocol|errno: 97|\(errno 97\)",
-        "the rendezvous resolved to an IPv6 address that this host (or container) cannot use",
-        "set MASTER_ADDR to the IPv4 address of the rank-0 node (not its name); check what "
-        "the name resolves to with getent hosts NAME",
+        "c10d tried an IPv6 address this host (or container) cannot use. Alone, as a warning "
+        "([W socket.cpp]), it is harmless: the connection goes on over IPv4",
+        "only if the rendezvous then fails: set MASTER_ADDR to the IPv4 address of the rank-0 "
+        "node (not its name); check what the name resolves to with getent hosts NAME",
         "10",
     ),
     Known(
         "name-resolution",
-        r"Name or service not known|nodename nor servname provided|"
+        NOT_HTTP + r".*(?:Name or service not known|nodename nor servname provided|"
         r"Temporary failure in name resolution|"
-        r"[Ff]ailed to resolve (the )?(address|hostname)|getaddrinfo failed",
+        r"[Ff]ailed to resolve (the )?(address|hostname)|getaddrinfo failed)",
         "MASTER_ADDR (or the rank-0 agent's hostname, which torchrun hands to the others) "
         "does not resolve on this node",
         "use an address every node can reach (--rdzv-endpoint IP:PORT), or "
@@ -177,7 +184,8 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "main-attribute",
-        r"Can't get attribute '\w+' on <module '__main__'",
+        r"Can't get attribute '\w+' on <module '__main__' "
+        r"(?:\(built-in\)|from '<stdin>'|from '[^']*ipykernel)",  # not a script's: a pickle
         "a spawned process (mp.spawn, DataLoader workers with spawn/forkserver) could not "
         "find a class or function defined in __main__ of a notebook or an interactive session",
         "define it in a .py file and import it; or start the processes with torchrun on a script",
@@ -196,20 +204,21 @@ KNOWN: tuple[Known, ...] = (
         "dataloader-killed",
         r"DataLoader worker \(pid\(?s?\)? [^)]*\) is killed by signal|"
         r"DataLoader worker \(pid \d+\) is killed|"
-        r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly",
+        r"DataLoader worker \(pids?\(?s?\)? [\d, ]+\) exited unexpectedly",
         "a DataLoader worker died: killed by the OOM killer (host RAM: ranks x workers x "
-        "dataset), by a Bus error (/dev/shm too small), or by the scheduler's signal",
+        "dataset), by a Bus error (/dev/shm too small), by the scheduler's signal, or by its "
+        "own code (an exception: exit code 1; a crash in a C extension: Segmentation fault)",
         "fewer workers or a smaller dataset in RAM (tensors, not Python lists); in a "
         "container --shm-size or --ipc=host; on preemption let the rank save first; "
         "num_workers=0 shows the worker's own error",
-        "08",
+        "12",
     ),
     Known(
         "bus-error",
         r"\bBus error\b|insufficient shared memory \(shm\)|unable to write to file </torch_",
         "shared memory (/dev/shm) ran out: DataLoader workers pass batches through it",
         "a larger /dev/shm (docker --shm-size=8g or --ipc=host), fewer workers, smaller batches",
-        "08",
+        "12",
     ),
     Known(
         "no-destroy",
@@ -221,9 +230,10 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "terminate-at-exit",
         r"terminate called without an active exception",
-        "a rank died at exit, after training: the process group's threads outlived the "
-        "interpreter (torch.distributed.nn imported after init)",
-        "import torch.distributed.nn before init_process_group, and call "
+        "a C++ thread still ran when the process ended (a generic abort). At exit, after "
+        "training, the usual one is the process group's threads outliving the interpreter "
+        "(torch.distributed.nn imported after init); mid-training, read the lines before it",
+        "at exit: import torch.distributed.nn before init_process_group, and call "
         "destroy_process_group() before exiting",
         "09",
     ),
@@ -266,7 +276,7 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "peer-closed",
-        r"Connection closed by peer|Connection reset by peer",
+        NOT_HTTP + r".*Connection (?:closed|reset) by peer(?!')",  # not ConnectionResetError's
         "a peer process is gone: it crashed or was killed, and this rank noticed in a collective",
         "find the first rank that failed (torchrun's Root Cause), not this one",
         "09",
@@ -284,7 +294,8 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "torn-file",
-        r"storage has wrong size|PytorchStreamReader failed reading zip archive",
+        r"storage has wrong size|PytorchStreamReader failed reading (zip archive|file .*"
+        r"invalid header or archive is corrupted)",
         "a checkpoint file written by several processes at once, or cut off mid-write",
         "one writer (global rank 0), writing to a temporary file then renaming it",
         "05",
@@ -334,72 +345,20 @@ KNOWN: tuple[Known, ...] = (
         "03",
         detail=other_processes,
     ),
-    Known(
-        "killed-sigkill",
-        r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)",
-        "a rank was killed by signal 9, so it left no traceback: usually the kernel's OOM "
-        "killer (host RAM), or the scheduler at a time or memory limit",
-        'dmesg ("Killed process"), the job\'s memory limit; fewer DataLoader workers or '
-        "ranks per node, the dataset out of each rank's RAM",
-        "12",
-    ),
-    Known(
-        "job-signalled",
-        r"SignalException: Process \d+ got signal: (?:15|10|2|1)\b",
-        "torchrun itself got a signal (15 SIGTERM, 10 SIGUSR1, 2 SIGINT, 1 SIGHUP): the job "
-        "was stopped from outside (a preemption, a time limit, scancel, Ctrl-C), not by a "
-        "failure of its own; torchrun then exits 1 whatever its ranks did",
-        "nothing in the code: rerun the same command to resume from the last snapshot; to keep "
-        "the work, save on SIGTERM and exit (lesson 08), requeue from the job script (10)",
-        "08",
-        detail=saved_before_exit,
-    ),
-    Known(
-        "host-oom",
-        r"Detected \d+ oom[-_ ]kill event|\bOut Of Memory\b|Killed process \d+",
-        "the job hit its host RAM limit (--mem): the kernel killed a process",
-        "measure RAM per node (ranks x DataLoader workers x dataset copies); a larger --mem, "
-        "fewer workers, or a dataset shared rather than copied",
-        "12",
-    ),
-    Known(
-        "rendezvous-failed",
-        r"RendezvousTimeoutError|RendezvousConnectionError|connect\(\) timed out|"
-        r"client socket has timed out after \d+s while trying to connect",
-        "the nodes did not meet: the endpoint unreachable (wrong address or port, a "
-        "firewall), nodes started too far apart, mismatched --nnodes or --rdzv-id, or "
-        "--standalone on several nodes",
-        "the same --rdzv-endpoint HOST:PORT, --rdzv-id and --nnodes on every node; check "
-        "the port from another node (nc -zv HOST PORT); start the nodes together",
-        "10",
-    ),
-    Known(
-        "master-addr-ignored",
-        r"master_addr is only used for static rdzv_backend",
-        "--master-addr was ignored under --rdzv-backend c10d: each node waits for the "
-        "others on its own",
-        "--rdzv-endpoint HOST:PORT (the first node's) on every node",
-        "10",
-    ),
-    Known(
-        "not-launched",
-        r"environment variable (RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|LOCAL_RANK) "
-        r"expected, but not set",
-        "init_process_group('env://') in a process that torchrun did not start (plain python)",
-        "torchrun --nproc-per-node N script.py",
-        "01",
-    ),
+    *LAUNCH,  # how jobs start and end: harness/messages_launch.py
     Known(
         "no-nccl",
-        r"Distributed package doesn't have NCCL built in",
-        "this torch has no NCCL (Windows, macOS, a CPU build)",
+        r"Distributed package doesn't have NCCL built in|"
+        r"ProcessGroupNCCL is only supported with GPUs",
+        "nccl asked for where there is none: this torch has no NCCL (Windows, macOS, a CPU "
+        "build), or this machine no GPU",
         "backend='gloo' here",
         "01",
     ),
     Known(
         "no-backend-for-device",
         r"No backend type associated with device type|Tensors must be CUDA and dense",
-        "a CPU tensor in a collective of an nccl-only group (or a CUDA tensor on gloo)",
+        "a CPU tensor in a collective of an nccl-only group",
         "move the tensor to the group's device, or init_process_group(backend="
         "'cpu:gloo,cuda:nccl')",
         "01",
