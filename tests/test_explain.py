@@ -227,6 +227,9 @@ EXAMPLES = {
     "environment variable RANK expected, but not set",
     "no-nccl": "RuntimeError: Distributed package doesn't have NCCL built in",
     "init-twice": "ValueError: trying to initialize the default process group twice!",
+    "rendezvous-closed": "torch.distributed.elastic.rendezvous.api.RendezvousClosedError",
+    "unused-search": "[W reducer.cpp:1400] Warning: find_unused_parameters=True was specified "
+    "in DDP constructor, but did not find any unused parameters in the forward pass.",
     "no-backend-for-device": "RuntimeError: No backend type associated with device type cpu",
     "nccl-heartbeat": "[rank0]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 0] Heartbeat monitor "
     "timed out! Process will be terminated after dumping debug info.",
@@ -512,6 +515,9 @@ IN_TORCH_2_14 = {  # as torch 2.14 (and its NCCL) print them: the entry each bel
     "RuntimeError: PytorchStreamReader failed reading file data/0: invalid header or archive "
     "is corrupted": "torn-file",
     "ValueError: trying to initialize the default process group twice!": "init-twice",
+    "torch.distributed.elastic.rendezvous.api.RendezvousClosedError": "rendezvous-closed",
+    "UserWarning: find_unused_parameters=True was specified in DDP constructor, but did not "
+    "find any unused parameters in the forward pass.": "unused-search",
     "RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!": "no-nccl",
 }
 

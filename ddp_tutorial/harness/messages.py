@@ -99,6 +99,15 @@ KNOWN: tuple[Known, ...] = (
         "09",
     ),
     Known(
+        "unused-search",
+        r"find_unused_parameters=True was specified in DDP constructor, but did not find",
+        "a warning: DDP(find_unused_parameters=True) walks the autograd graph after every "
+        "forward to find unused parameters, and this step had none",
+        "drop the flag if no step leaves parameters unused (a model whose branches change "
+        "per step keeps it); static_graph=True if the set never changes",
+        "04",
+    ),
+    Known(
         "ready-twice",
         r"marked (as )?ready twice|mark a variable ready only once",
         "one parameter's gradient arrived twice in one backward: reentrant activation "

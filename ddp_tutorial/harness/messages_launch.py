@@ -50,6 +50,16 @@ LAUNCH: tuple[Known, ...] = (
         "10",
     ),
     Known(
+        "rendezvous-closed",
+        r"RendezvousClosedError",
+        "this node came to a rendezvous that was closed: another node's torchrun ended the job "
+        "(it failed past --max-restarts, or finished) before this one joined, or a new job "
+        "reuses an old --rdzv-id",
+        "read the other nodes' logs for why the job ended; start the nodes together, and give "
+        "every new job a new --rdzv-id",
+        "10",
+    ),
+    Known(
         "master-addr-ignored",
         r"master_addr is only used for static rdzv_backend",
         "--master-addr was ignored under --rdzv-backend c10d: each node waits for the "
