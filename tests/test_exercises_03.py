@@ -61,3 +61,27 @@ CASES = register(
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_wrong_answers_are_named(case, exercise_verdicts):
     assert_verdict(case, exercise_verdicts)
+
+
+def test_the_check_also_asks_with_this_launchs_own_environment(monkeypatch):
+    """Helper 95: "and with the rank's own environment from torchrun" never happened, since a
+    check always hides the GPUs (CUDA_VISIBLE_DEVICES=""): the rank's own variables are now
+    asked without that hiding, as on a node that sets none."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from conftest import SCRIPTS
+    from ddp_tutorial.exercises import lesson03
+
+    spec = importlib.util.spec_from_file_location(
+        "sol", SCRIPTS / "exercises/solutions/03_rank_gpu.py"
+    )
+    solution = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(solution)
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**env, "CUDA_VISIBLE_DEVICES": ""}.items():
+        monkeypatch.setenv(name, value)
+    answers = lesson03.run_gpu(solution, SimpleNamespace(rank=1))["answers"]
+    own = [a for a in answers if a["where"].startswith("this launch")]
+    assert len(own) == 1 and "raised" not in own[0] and own[0]["env"] == env, own
+    assert lesson03.judge_gpu([{"answers": answers}] * 2) is None

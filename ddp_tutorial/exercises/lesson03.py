@@ -76,9 +76,11 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
     answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
-    if CVD not in os.environ:  # this rank's own environment, from torchrun
-        own = {k: os.environ[k] for k in OWN}
-        answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, dict(os.environ)))
+    # this rank's own environment, from torchrun, as on a node that sets no
+    # CUDA_VISIBLE_DEVICES (the check hides the GPUs: nothing here may touch them)
+    own = {k: os.environ[k] for k in OWN}
+    sees = {k: v for k, v in os.environ.items() if k != CVD}
+    answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, sees))
     return {"answers": answers}
 
 

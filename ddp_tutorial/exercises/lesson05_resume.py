@@ -92,10 +92,12 @@ def _judge_start(rep: list[dict[str, Any]], stop: int) -> str | None:
     if start == stop:
         return (f"epoch {stop} ran twice, before the stop and again after the resume: the "
                 f"snapshot holds the epoch it *finished* ({stop}); start at snapshot['epoch'] "
-                "+ 1 (the official example's EPOCHS_RUN mistake)")  # fmt: skip
+                "+ 1 (lesson 08, \"8 · The official example's three mistakes\": its "
+                "EPOCHS_RUN; lesson 05's rung saves the next epoch instead)")  # fmt: skip
     if start != stop + 1:
         return (f"the second launch started at epoch {start}; the snapshot was taken after "
-                f"epoch {stop}: start at snapshot['epoch'] + 1 = {stop + 1}")  # fmt: skip
+                f"epoch {stop}: start at snapshot['epoch'] + 1 = {stop + 1} (lesson 08, \"8 · "
+                "The official example's three mistakes\")")  # fmt: skip
     for rank, r in enumerate(rep):
         if r["job-2"]["optimizer_state"] == 0:
             also = (" (DDP's broadcast copies rank 0's weights, not its optimizer's state)"

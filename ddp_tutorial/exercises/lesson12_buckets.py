@@ -69,20 +69,20 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
             return (
                 f"{n} buckets of one parameter each: one all_reduce per parameter - close "
                 f"a bucket only once it holds bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+                '(lesson 04, "The picture, from this run")'
             )
         if got and got[0] and got[0][0] == 0:
             return (
                 f"your buckets {got} start from the first layer: walk the parameters in "
                 "REVERSE order of registration, the order backward produces their "
                 f"gradients, so the first bucket fills first (expected {want}) "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+                '(lesson 04, "The picture, from this run")'
             )
         return (
             f"your buckets are {got} (parameter indexes), expected {want}: walk the "
             "parameters in reverse, add each to the current bucket, and close it once it "
             f"holds at least bucket_cap_bytes ({BUCKET_CAP_BYTES} B) "
-            '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+            '(lesson 04, "The picture, from this run")'
         )
     return None
 
@@ -108,7 +108,7 @@ def _bucket_traffic(rank: int, rec: Record, n: int, want: list[list[int]]) -> st
                 f"rank {rank} called all_reduce {n} times in step {s}, once per "
                 f"parameter, for {len(want)} buckets: flatten each bucket's gradients "
                 "into one tensor (torch.cat) and all_reduce that, once per bucket "
-                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+                '(lesson 04, "The picture, from this run")'
             )
         if len(calls[s]) != len(want):
             return _miscounted(rank, s, len(calls[s]), len(want))
