@@ -48,6 +48,13 @@ def test_pytorchjob_matches_the_emulation():
     args = parse_template_args(pod["args"])  # flags the template really has
     mounts = [m["mountPath"] for m in pod["volumeMounts"]]
     assert any(args.checkpoint_dir.startswith(m + "/") for m in mounts), "on the shared volume"
+    # helper 96: Kubernetes' default grace is 30 s, torchrun's wait 30 s too: the save needs
+    # more than a small model's; and failed.json must end the job, not crash-loop it
+    spec = replicas["Master"]["template"]["spec"]
+    shutdown = cluster.torchrun_reads({e["name"]: e["value"] for e in pod["env"]})
+    assert shutdown == {"--shutdown-timeout": 100}  # torchrun reads it as its flag
+    assert spec["terminationGracePeriodSeconds"] > shutdown["--shutdown-timeout"] + 5
+    assert job["spec"]["runPolicy"]["backoffLimit"] > 0
 
 
 def test_trainjob_matches_the_emulation():

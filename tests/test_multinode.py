@@ -89,6 +89,7 @@ def test_sbatch_renders_the_torchrun_command():
     words = render_sbatch(SBATCH, ["--epochs", "3"], nodes=["n1", "n2", "n3"],
                           slurm_env={"SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_ID": "77"})  # fmt: skip
     assert words[:3] == ["OMP_NUM_THREADS=16", "srun", "--kill-on-bad-exit=1"]  # 64 CPUs / 4
+    assert words[3] == "--cpus-per-task=64", "srun asks again: it does not inherit sbatch's"
     i = words.index("torchrun")
     flags = dict(zip(words[i + 1 : i + 19 : 2], words[i + 2 : i + 19 : 2], strict=True))
     assert flags == {
