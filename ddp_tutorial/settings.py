@@ -88,11 +88,15 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``)."""
+    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``), capped by a
+    container's or job's CPU quota (ddp_tutorial.cgroups)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS: no affinity, no cgroups
         return os.cpu_count() or 1
+    from ddp_tutorial import cgroups
+
+    return cgroups.cores_within_quota(affinity)
 
 
 def machine_load() -> tuple[float, int]:

@@ -20,6 +20,7 @@ import socket
 
 import psutil
 
+from ddp_tutorial import cgroups
 from ddp_tutorial.harness.checks import Finding
 
 GIB = 2**30
@@ -38,12 +39,17 @@ def check_host_memory(
     dataset_gib: float | None = None,
     available: int | None = None,
 ) -> Finding:
-    """The projection against the memory available now (``available``: psutil's, by default)."""
-    available = psutil.virtual_memory().available if available is None else available
+    """The projection against the memory available now (``available``: psutil's, by default,
+    or what this job's or container's cgroup still allows, when that is less)."""
+    limited = ""
+    if available is None:
+        available = psutil.virtual_memory().available
+        if (left := cgroups.memory_left()) is not None and left < available:
+            available, limited = left, " (the cgroup's limit: this job's or container's)"
     processes = ranks * (1 + workers)
     detail = (
-        f"{available / GIB:.1f} GiB available; {ranks} ranks x (1 + {workers} DataLoader "
-        f"workers) = {processes} processes"
+        f"{available / GIB:.1f} GiB available{limited}; {ranks} ranks x (1 + {workers} "
+        f"DataLoader workers) = {processes} processes"
     )
     fix = (
         "keep the dataset (or its index: paths, labels, offsets) in numpy arrays or tensors, "
