@@ -12,11 +12,16 @@ limit it too) and v1 (a tree per controller). Standard library only: ranks impor
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc/self/cgroup")
 UNLIMITED_V1 = 2**60  # v1 writes "no limit" as a page-rounded 2**63 - 1
+MEMORY_FILES = (
+    ("memory.max", "memory.current"),
+    ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+)
 
 
 def _read(path: Path) -> str | None:
@@ -27,59 +32,66 @@ def _read(path: Path) -> str | None:
 
 
 def _groups(proc: Path) -> dict[str, str]:
-    """Controller (``""`` for v2) -> this process's group path, from /proc/self/cgroup."""
+    """Controllers as the line names them (``"cpu,cpuacct"``; ``""`` for v2) -> this
+    process's group path, from /proc/self/cgroup."""
     found: dict[str, str] = {}
     for line in (_read(proc) or "").splitlines():
-        _, controllers, path = line.split(":", 2)
-        for name in controllers.split(",") if controllers else [""]:
-            found[name] = path.lstrip("/")
+        parts = line.split(":", 2)
+        if len(parts) == 3:  # "id:controllers:path"; anything else is not a group line
+            found[parts[1]] = parts[2].lstrip("/")
     return found
 
 
-def _v2_dirs(root: Path, proc: Path) -> list[Path]:
-    """This process's v2 group and its parents up to the root (each may hold a limit)."""
-    if (rel := _groups(proc).get("")) is None:
-        return []
-    here = root / rel
+def _up(here: Path, root: Path) -> list[Path]:
+    """A group and its parents up to the root: a limit set on any of them holds."""
     return [here, *(p for p in here.parents if p.is_relative_to(root))]
 
 
-def _v1_dir(root: Path, proc: Path, controller: str) -> Path | None:
+def _dirs(root: Path, proc: Path, controller: str) -> list[Path]:
+    """The v2 group (and parents), or the v1 ``controller``'s (its mount may be a comounted
+    "cpu,cpuacct"; inside a container the host's path is absent: the mount's root)."""
     groups = _groups(proc)
+    if "" in groups:
+        return _up(root / groups[""], root)
     for key, rel in groups.items():
         if controller in key.split(","):
-            mount = root / key if (root / key).is_dir() else root / controller
-            return mount / rel if (mount / rel).is_dir() else mount
-    return None
+            mount = next((root / n for n in (key, controller) if os.path.isdir(root / n)), None)
+            if mount is not None:
+                return _up(mount / rel if os.path.isdir(mount / rel) else mount, mount)
+    return []
 
 
 def cpu_quota(root: Path = ROOT, proc: Path = PROC) -> float | None:
     """CPUs the quota allows (``cpu.max`` 250000 100000: 2.5), or None without a quota."""
     quotas = []
-    for where in _v2_dirs(root, proc):
-        quota, _, period = (_read(where / "cpu.max") or "max").partition(" ")
+    for where in _dirs(root, proc, "cpu"):
+        quota, _, period = (_read(where / "cpu.max") or "max").partition(" ")  # v2
         if quota != "max" and period:
             quotas.append(int(quota) / int(period))
-    v1 = _v1_dir(root, proc, "cpu")
-    if v1 is not None:
-        quota_us, period_us = _read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")
-        if quota_us and period_us and int(quota_us) > 0:
+        quota_us, period_us = _read(where / "cpu.cfs_quota_us"), _read(where / "cpu.cfs_period_us")
+        if quota_us and period_us and int(quota_us) > 0:  # v1; -1: none
             quotas.append(int(quota_us) / int(period_us))
     return min(quotas) if quotas else None
+
+
+def _inactive_file(where: Path) -> int:
+    """Page cache the kernel reclaims before it kills: not counted against the limit (as
+    the kubelet's working set does not)."""
+    for line in (_read(where / "memory.stat") or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file"):  # v2, v1
+            return int(value)
+    return 0
 
 
 def memory_left(root: Path = ROOT, proc: Path = PROC) -> int | None:
     """Bytes the group may still take before its OOM killer (limit - usage), or None."""
     left = []
-    for where in _v2_dirs(root, proc):
-        limit, used = _read(where / "memory.max"), _read(where / "memory.current")
-        if limit and limit != "max":
-            left.append(int(limit) - int(used or 0))
-    v1 = _v1_dir(root, proc, "memory")
-    if v1 is not None:
-        limit, used = _read(v1 / "memory.limit_in_bytes"), _read(v1 / "memory.usage_in_bytes")
-        if limit and int(limit) < UNLIMITED_V1:
-            left.append(int(limit) - int(used or 0))
+    for where in _dirs(root, proc, "memory"):
+        for limit_file, used_file in MEMORY_FILES:
+            limit, used = _read(where / limit_file), _read(where / used_file)
+            if limit and limit != "max" and int(limit) < UNLIMITED_V1:
+                left.append(int(limit) - int(used or 0) + _inactive_file(where))
     return max(0, min(left)) if left else None
 
 

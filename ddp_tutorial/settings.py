@@ -87,16 +87,20 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (affinity-aware, unlike ``os.cpu_count``), capped by a
-    container's or job's CPU quota (ddp_tutorial.cgroups)."""
+def affinity_cores() -> int:
+    """Cores this process may be scheduled on (affinity-aware, unlike ``os.cpu_count``)."""
     try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS: no affinity, no cgroups
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
         return os.cpu_count() or 1
+
+
+def usable_cores() -> int:
+    """The cores to plan threads for: the affinity's, capped by a container's or job's CPU
+    quota (ddp_tutorial.cgroups)."""
     from ddp_tutorial import cgroups
 
-    return cgroups.cores_within_quota(affinity)
+    return cgroups.cores_within_quota(affinity_cores())
 
 
 def machine_load() -> tuple[float, int]:
@@ -109,4 +113,4 @@ def machine_load() -> tuple[float, int]:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = 0.0
-    return load, usable_cores()
+    return load, affinity_cores()  # the load average counts the whole host, not a quota

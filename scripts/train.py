@@ -175,14 +175,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lr = lr if args.lr is None else args.lr
     args.weight_decay = decay if args.weight_decay is None else args.weight_decay
     counts = (args.num_workers, args.save_every, args.eval_every, args.save_minutes)
-    if (
-        min(*counts, args.lr, args.weight_decay, args.clip_grad) < 0
-        or min(args.timeout, args.init_timeout) <= 0
-    ):
+    if min(*counts, args.lr, args.weight_decay, args.clip_grad) < 0:
         p.error(
             "--num-workers, --save-every, --eval-every, --save-minutes, --lr, --weight-decay "
-            "and --clip-grad must be >= 0, --timeout > 0 and --init-timeout > 0"
+            "and --clip-grad must be >= 0"
         )
+    for flag in ("timeout", "init_timeout"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0 (seconds)")
     if not 0 <= args.warmup < 1:
         p.error("--warmup is a fraction of training: 0 <= warmup < 1")
     return args

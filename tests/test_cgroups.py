@@ -57,3 +57,22 @@ def test_the_doctor_counts_the_cgroups_limit_not_the_machines_memory(monkeypatch
     found = check_host_memory(4, 8, dataset_gib=1.0)  # arrays: 4 GiB, over what is left
     assert found.status == "fail" and "3.0 GiB available" in found.detail, found
     assert "limit" in found.detail
+
+
+def test_helper_97s_cases_page_cache_comounted_v1_a_parents_limit_and_odd_lines(tmp_path):
+    """Page cache is not used memory (a job that read its dataset is not near its limit);
+    v1's "cpu,cpuacct" mount is read; a limit on a parent group (SLURM's job above its step)
+    holds in v1 as in v2; a line that is not a group line is skipped."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("garbage\n5:memory:/job/step\n4:cpu,cpuacct:/job/step\n")
+    root = tree(tmp_path / "fs", {
+        "cpu,cpuacct/job/step/cpu.cfs_quota_us": "150000",
+        "cpu,cpuacct/job/step/cpu.cfs_period_us": "100000",
+        "memory/job/memory.limit_in_bytes": str(64 * GIB),  # the job's --mem, on the parent
+        "memory/job/memory.usage_in_bytes": str(60 * GIB),
+        "memory/job/memory.stat": f"cache {55 * GIB}\ntotal_inactive_file {50 * GIB}",
+        "memory/job/step/memory.limit_in_bytes": str(2**63 - 4096),
+    })  # fmt: skip
+    assert cgroups.cpu_quota(root, proc) == 1.5
+    assert cgroups.cores_within_quota(16, root, proc) == 1
+    assert cgroups.memory_left(root, proc) == 54 * GIB, "64 - 60 + 50 reclaimable"

@@ -519,6 +519,10 @@ IN_TORCH_2_14 = {  # as torch 2.14 (and its NCCL) print them: the entry each bel
     "UserWarning: find_unused_parameters=True was specified in DDP constructor, but did not "
     "find any unused parameters in the forward pass.": "unused-search",
     "RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!": "no-nccl",
+    # helper 97: Python 3.12 prints __main__ so; torchrun's prefix on an old torch's refusal
+    "AttributeError: Can't get attribute 'f' on <module '__main__' (<class "
+    "'_frozen_importlib.BuiltinImporter'>)>": "main-attribute",
+    "[rank0]: RuntimeError: Address already in use": "address-in-use",
 }
 
 

@@ -1248,3 +1248,33 @@ def test_a_cpu_tensor_in_an_nccl_collective_is_found_however_it_was_made():
     }
     for label, source in also_clean.items():
         assert "DDP128" not in codes(source), label
+
+
+def test_a_device_made_from_the_local_rank_places_values_and_splits_tests_on_itself():
+    """Helper 97's read of the DLRM change: an attribute holding the device (args.device,
+    self.device) places values as a name does; the usual DDP(..., device_ids=[local_rank])
+    too; but a test on the device itself (`device.index == 0`) still runs on some ranks."""
+    head = 'dist.init_process_group("nccl")\nlocal = int(os.environ["LOCAL_RANK"])\n'
+    save = 'if is_best:\n    torch.save(model.state_dict(), "best.pt")\n'
+    for device in ("device", "args.device"):
+        placed = f'{device} = torch.device("cuda", local)\nmodel = Net().to({device})\n'
+        source = head + placed + f"is_best = evaluate(model, {device}) > best\n" + save
+        assert "DDP105" in codes(source), device
+    wrapped = 'device = torch.device("cuda", local)\n'
+    wrapped += "model = DDP(Net().to(device), device_ids=[local])\n"
+    source = head + wrapped + "is_best = evaluate(model, device) > best\n" + save
+    assert "DDP105" in codes(source.replace("model.state_dict", "model.module.state_dict"))
+    tested = head + 'device = torch.device("cuda", local)\nif device.index == 0:\n'
+    assert "DDP101" in codes(tested + "    dist.barrier()\n")
+    trainer = """
+        class Trainer:
+            def __init__(self):
+                self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                self.model = DDP(Net().to(self.device), device_ids=[self.device])
+
+            def step(self, x):
+                loss = self.model(x.to(self.device)).sum()
+                if loss.item() > 1:
+                    dist.barrier()
+        """
+    assert "DDP101" not in codes(head + textwrap.dedent(trainer)), "the loss is every rank's"

@@ -170,6 +170,7 @@ class Scope:
         self.global_rank: set[str] = set(kept.global_rank)
         self.global_device: set[str] = set()  # device = f"cuda:{rank}", torch.device(..., rank)
         self.local_rank: set[str] = set(kept.local_rank)  # from LOCAL_RANK (`gpu = int(...)`)
+        self.placements: set[str] = set()  # devices made from a rank (see _taint)
         self.always_wrapped: set[str] = set()  # read as x.module, given to Join or no_sync
         self.bound: dict[str, list[tuple[int, bool | None]]] = {}  # name: (line, holds a wrapper)
         nodes = list(own_nodes(body))
@@ -199,8 +200,9 @@ class Scope:
                 for name, value in pairs(stmt):
                     self._learn(name, value, stmt.lineno)
             for sub in nodes:  # `args.save_logs = ... and is_master(args)`: attributes too
-                if isinstance(sub, ast.Assign) and self.depends_on_rank(sub.value):
-                    self.rank.update(dotted(t) for t in sub.targets if isinstance(t, ast.Attribute))
+                if isinstance(sub, ast.Assign):
+                    for t in (t for t in sub.targets if isinstance(t, ast.Attribute)):
+                        self._taint(dotted(t), sub.value)
         self.none_by_rank = {  # `x = load() if rank == 0 else None`, or set in a rank branch:
             name  # whether x is None depends on the rank (not so for a shard made from it)
             for branch in nodes
@@ -222,8 +224,7 @@ class Scope:
             self.global_device.add(name)
         if self.is_local_rank(value):
             self.local_rank.add(name)
-        if self.depends_on_rank(value) and not self.placed(value):
-            self.rank.add(name)
+        self._taint(name, value)
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
         status = [self.holds_wrapper(v, line) for v in options]
         wrapped = True if True in status else False if all(x is False for x in status) else None
@@ -234,18 +235,25 @@ class Scope:
                 # hasattr(model, "module") else model`: the plain model whichever way
         self.bound.setdefault(name, []).append((line, wrapped))
 
-    def placed(self, value: ast.expr) -> bool:
-        """``torch.device("cuda", local_rank)``, ``f"cuda:{rank}"``, ``net.to(device)``: where a
-        value lives differs by rank, not what it is (DLRM's metrics, computed by a model moved
-        to this rank's GPU, are every rank's: a branch on them is no rank test)."""
-        if isinstance(value, ast.Call) and last_name(value) == "device":
-            return True
-        if isinstance(value, ast.JoinedStr):
-            return "cuda" in ast.unparse(value)
-        moves = isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
-        if moves and value.func.attr in ("to", "cuda"):  # type: ignore[union-attr]
-            return not self.depends_on_rank(value.func.value)  # type: ignore[union-attr]
-        return False
+    def _taint(self, name: str, value: ast.expr) -> None:
+        """``torch.device("cuda", local_rank)``, ``f"cuda:{local_rank}"``: a device, which a
+        test on it splits the ranks (``if device.index == 0``) and a value computed with it
+        does not (DLRM's metrics of a model on this rank's GPU are every rank's); ``net.to(
+        device)``, ``DDP(net, device_ids=[local_rank])``: the same model, placed."""
+        if not self.depends_on_rank(value):
+            return
+        call = value if isinstance(value, ast.Call) else None
+        cuda = isinstance(value, ast.JoinedStr) and "cuda" in ast.unparse(value)
+        if cuda or (call and last_name(call) == "device"):
+            self.placements.add(name)
+            return
+        held: list[ast.expr] = [value]
+        if call and isinstance(call.func, ast.Attribute) and call.func.attr in ("to", "cuda"):
+            held = [call.func.value]
+        elif call and last_name(call) in ("DDP", "DistributedDataParallel"):
+            held = call.args[:1]
+        if any(self.depends_on_rank(h) for h in held):
+            self.rank.add(name)
 
     def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
         """True: a DDP model (``DDP(...)``, or a name holding one); False: surely not (its
@@ -311,8 +319,11 @@ class Scope:
     def depends_on_rank(self, node: ast.AST) -> bool:
         if launched_test(node):
             return False  # "was I started by torchrun?": the same answer on every rank
+        given = {id(n) for c in calls_in(node) for a in [*c.args, *c.keywords] for n in ast.walk(a)}
         for sub in ast.walk(node):
             if self.is_global_rank(sub) or env_key(sub) in ("RANK", "LOCAL_RANK"):
+                return True
+            if (d := dotted(sub)) in self.placements and d and id(sub) not in given:  # `if device…`
                 return True
         for name in names_in(node):  # `args.rank`, `is_master(args)`, `save = is_main()`
             if name in self.rank or "rank" in name.rsplit(".", 1)[-1].lower() or MAIN.search(name):
@@ -416,22 +427,6 @@ def only_local(test: ast.expr, scope: Scope) -> str | None:
     ):
         return local[0]
     return None
-
-
-class Helpers:
-    """This file's functions by name, for the calls that reach them: ``evaluate(...)``,
-    ``self.save()``, ``trainer.save()``; not ``torch.save`` or ``th.save``, a module's function
-    that shares a name with one of this file's (guided-diffusion's ``save``)."""
-
-    def __init__(self, tree: ast.Module) -> None:
-        self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
-        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
-        self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
-
-    def get(self, call: ast.Call) -> ast.FunctionDef | None:
-        if isinstance(call.func, ast.Attribute) and dotted(call.func).split(".")[0] in self.modules:
-            return None
-        return self.by_name.get(last_name(call))
 
 
 def calls_in(node: ast.AST) -> list[ast.Call]:

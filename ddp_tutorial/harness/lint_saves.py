@@ -21,6 +21,23 @@ from ddp_tutorial.harness.lint_ast import (
     only_local,
 )
 
+
+class Helpers:
+    """This file's functions by name, for the calls that reach them: ``evaluate(...)``,
+    ``self.save()``, ``trainer.save()``; not ``torch.save`` or ``th.save``, a module's function
+    that shares a name with one of this file's (guided-diffusion's ``save``)."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+        self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
+
+    def get(self, call: ast.Call) -> ast.FunctionDef | None:
+        if isinstance(call.func, ast.Attribute) and dotted(call.func).split(".")[0] in self.modules:
+            return None
+        return self.by_name.get(last_name(call))
+
+
 RESTORES = re.compile(r"(^|_)(load|resume|restart|restore)(_|$)")
 
 

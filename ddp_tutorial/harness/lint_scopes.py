@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from ddp_tutorial.harness.lint_ast import (
-    Helpers,
     Kept,
     Scope,
     calls_in,
@@ -33,7 +32,7 @@ from ddp_tutorial.harness.lint_rules import (
     SLOW_WORK,
     LintFinding,
 )
-from ddp_tutorial.harness.lint_saves import SaveChecks, loaded_into, rank_predicates
+from ddp_tutorial.harness.lint_saves import Helpers, SaveChecks, loaded_into, rank_predicates
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 

@@ -163,10 +163,11 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "address-in-use",
-        r"EADDRINUSE|errno: 98 - Address already in use|^\s*RuntimeError: Address already in use",
-        "the rendezvous port is taken (a --master-port or MASTER_PORT given: a one-node "
-        "torchrun without one picks a free port): another job on this machine, or a leftover "
-        "of an earlier one",
+        r"EADDRINUSE|errno: 98 - Address already in use|"
+        r"^(?:\[rank\d+\]:)?\s*RuntimeError: Address already in use",
+        "the rendezvous port is taken (a --master-port given: a one-node torchrun without one "
+        "picks a free port; MASTER_PORT is read by launches without torchrun): another job on "
+        "this machine, or a leftover of an earlier one",
         "on one machine leave the port out (torchrun --standalone); across machines a port "
         "you know is free; find leftovers with ps",
         "09",
@@ -194,7 +195,8 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "main-attribute",
         r"Can't get attribute '\w+' on <module '__main__' "
-        r"(?:\(built-in\)|from '<stdin>'|from '[^']*ipykernel)",  # not a script's: a pickle
+        r"(?:\(built-in\)|\(<class '_frozen_importlib.BuiltinImporter'>\)|from '<stdin>'|"
+        r"from '[^']*ipykernel)",  # (built-in) until Python 3.11; not a script's: a pickle
         "a spawned process (mp.spawn, DataLoader workers with spawn/forkserver) could not "
         "find a class or function defined in __main__ of a notebook or an interactive session",
         "define it in a .py file and import it; or start the processes with torchrun on a script",
@@ -285,7 +287,7 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "peer-closed",
-        NOT_HTTP + r".*Connection (?:closed|reset) by peer(?!')",  # not ConnectionResetError's
+        NOT_HTTP + r".*Connection (?:closed|reset) by peer(?!')",  # not an HTTP client's repr
         "a peer process is gone: it crashed or was killed, and this rank noticed in a collective",
         "find the first rank that failed (torchrun's Root Cause), not this one",
         "09",
