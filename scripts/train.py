@@ -636,20 +636,16 @@ def train(
                 loss_sum.zero_()
             stop = stop or epoch >= args.epochs
             pause(save_snapshot)
+        # 10. The deliverable: the plain model (no "module." prefix), from global rank 0,
+        #     atomically; inside the guard, as every save is: a failure stops the restarts
+        if ckpt and not (finished and kit.from_rank0((ckpt / "final.pt").is_file())):  # kept
+            save(ddp.module.state_dict(), "final.pt")
     except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a restart would too
         stopped_for_good(exc, ckpt, rank, step)
         raise
     finally:
         bar.close()
         log.close()  # TensorBoard's scalars reach the disk on every exit path
-
-    # 10. The deliverable: the plain model (no "module." prefix), from global rank 0, atomically.
-    if ckpt and not (finished and kit.from_rank0((ckpt / "final.pt").is_file())):  # kept
-        try:
-            save(ddp.module.state_dict(), "final.pt")
-        except kit.CheckpointError as exc:
-            stopped_for_good(exc, ckpt, rank, step)
-            raise
     last = history[-1] if history else {"train_loss": math.nan}
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "
