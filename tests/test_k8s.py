@@ -68,6 +68,12 @@ def test_trainjob_matches_the_emulation():
     assert trainer["numProcPerNode"] == cluster.NPROC_PER_POD
     assert gpus(trainer["resourcesPerNode"]) == cluster.NPROC_PER_POD
     parse_template_args(trainer["args"])
+    # the same save time as the PyTorchJob's; the grace period is the runtime's (the TrainJob's
+    # pod overrides have no such field), so the comments must say where to set it
+    shutdown = cluster.torchrun_reads({e["name"]: e["value"] for e in trainer["env"]})
+    assert shutdown == {"--shutdown-timeout": 100}
+    text = (K8S / "trainjob.yaml").read_text()
+    assert "terminationGracePeriodSeconds" in text and "ClusterTrainingRuntime" in text
     # the two manifests run the same training
     pod = manifest("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     assert trainer["args"] == pod["spec"]["containers"][0]["args"]
