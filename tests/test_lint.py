@@ -327,6 +327,10 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         dist.destroy_process_group()
         """,
     ),
+    "DDP129": (  # dino's utils, NVIDIA's NCF: fine until a layer's name ends in "module"
+        'plain = {k.replace("module.", ""): v for k, v in state.items()}',
+        'plain = {k.removeprefix("module."): v for k, v in state.items()}',
+    ),
 }
 
 

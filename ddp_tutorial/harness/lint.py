@@ -36,11 +36,11 @@ from ddp_tutorial.harness.lint_ast import (
     pairs,
     targets,
 )
+from ddp_tutorial.harness.lint_keys import key_edits
 from ddp_tutorial.harness.lint_rules import (
     EVALUATION,
     PARAMETER_FREE,
     RULES,
-    WRAPPER_PREFIXES,
     LintFinding,
 )
 from ddp_tutorial.harness.lint_saves import under_modulo
@@ -136,7 +136,8 @@ class Linter(ScopeChecks):
             if "torch.distributed.launch" in text:
                 self.add(ast.Pass(lineno=i), "DDP113", what="torch.distributed.launch")
         self.rank_constants()
-        self.key_slices()
+        for node, code, fields in key_edits(self.tree):
+            self.add(node, code, **fields)
         self.unused_modules()
         self.last_epoch()
         self.unsampled_loaders()
@@ -258,51 +259,6 @@ class Linter(ScopeChecks):
             else:
                 self.add(call, "DDP103", name=name or "(made in the DataLoader call)",
                          fix=name or "loader.sampler")  # fmt: skip
-
-    def key_slices(self) -> None:
-        """DDP115: ``k[7:]`` on the keys of a loop; DDP124: ``k.lstrip("module.")``."""
-        keys = set()
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.For | ast.comprehension):
-                target = node.target
-                first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-                if isinstance(first, ast.Name):
-                    keys.add(first.id)
-        guarded = {  # `k[7:] if k.startswith("module.") else k`, `if k.startswith(...): k[7:]`
-            id(sub)
-            for node in ast.walk(self.tree)
-            if isinstance(node, ast.If | ast.IfExp)
-            and isinstance(node.test, ast.Call)
-            and last_name(node.test) == "startswith"
-            for part in (node.body if isinstance(node.body, list) else [node.body])
-            for sub in ast.walk(part)
-        }
-        for node in ast.walk(self.tree):
-            if (
-                isinstance(node, ast.Subscript)
-                and id(node) not in guarded
-                and isinstance(node.value, ast.Name)
-                and node.value.id in keys
-                and isinstance(node.slice, ast.Slice)
-                and isinstance(node.slice.lower, ast.Constant)
-                and node.slice.lower.value == len("module.")
-                and node.slice.upper is None
-            ):
-                self.add(node, "DDP115", name=node.value.id)
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("lstrip", "strip")
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id in keys
-                and len(node.args) == 1
-                and isinstance(node.args[0], ast.Constant)
-                and node.args[0].value in WRAPPER_PREFIXES
-            ):
-                prefix = node.args[0].value
-                chars = ", ".join(repr(c) for c in dict.fromkeys(prefix))
-                self.add(node, "DDP124", name=node.func.value.id, how=node.func.attr,
-                         prefix=prefix, chars=chars)  # fmt: skip
 
     def unused_modules(self) -> None:
         """DDP119: a layer built in ``__init__`` that no other method reads."""

@@ -91,6 +91,13 @@ RULES: dict[str, tuple[str, str]] = {
         "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, {prefix!r})",
         "05",
     ),
+    "DDP129": (
+        "{name}.replace({prefix!r}, '') removes {prefix!r} anywhere in a key, not only at its "
+        "start: a layer whose name ends in {stem!r} loses part of it ('fusion_{prefix}weight' "
+        "becomes 'fusion_weight'); use {name}.removeprefix({prefix!r}) or "
+        "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, {prefix!r})",
+        "05",
+    ),
     "DDP116": (
         "nn.DataParallel: one process driving every GPU (and its GIL); use "
         "DistributedDataParallel, one process per GPU",
