@@ -17,16 +17,16 @@ from collections import namedtuple
 import pytest
 import torch
 
-from ddp_tutorial.harness import advice, checks, doctor
+from ddp_tutorial.harness import advice, checks, doctor, host_checks
 from ddp_tutorial.harness.checks import (
     Finding,
     check_interfaces,
-    check_port,
     check_shm,
     check_threads,
     check_visible_devices,
 )
 from ddp_tutorial.harness.doctor import exit_code, format_findings, run_checks
+from ddp_tutorial.harness.host_checks import check_port
 
 
 def by_name(findings: list[Finding]) -> dict[str, Finding]:
@@ -83,12 +83,46 @@ def test_port_taken_is_a_failure():
 
 
 def test_the_default_port_free_or_taken(monkeypatch):
-    monkeypatch.setattr(checks, "port_in_use", lambda port, host="127.0.0.1": False)
+    monkeypatch.setattr(host_checks, "port_in_use", lambda port: False)
     assert check_port({}).status == "ok"
-    monkeypatch.setattr(checks, "port_in_use", lambda port, host="127.0.0.1": port == 29500)
+    monkeypatch.setattr(host_checks, "port_in_use", lambda port: port == 29500)
     taken = check_port({})
+    # torch 2.14's run.py: one node with no port given picks a free one; 29500 is multi-node's
     assert taken.status == "warn" and "29500 is taken" in taken.detail
-    assert "--standalone" in taken.fix
+    assert "--nnodes" in taken.detail and "one node" in taken.detail
+    assert "--master-port" in taken.fix
+
+
+def test_the_port_torchrun_reads_is_checked_before_the_one_env_init_reads(monkeypatch):
+    """torchrun takes --master-port from PET_MASTER_PORT and ignores MASTER_PORT (it sets that
+    for its ranks); `python script.py` with env:// reads MASTER_PORT."""
+    monkeypatch.setattr(host_checks, "port_in_use", lambda port: port == 29400)
+    taken = check_port({"PET_MASTER_PORT": "29400", "MASTER_PORT": "29401"})
+    assert taken.status == "fail" and taken.detail.startswith("PET_MASTER_PORT=29400")
+    endpoint = check_port({"PET_RDZV_ENDPOINT": "node0:29400"})
+    assert endpoint.status == "fail" and "PET_RDZV_ENDPOINT" in endpoint.detail
+    assert check_port({"MASTER_PORT": "29401"}).status == "ok"
+
+
+def test_a_port_a_finished_job_left_in_time_wait_is_free_as_the_store_sees_it():
+    """The c10d store binds with SO_REUSEADDR: a port whose last store closed its connections
+    (TIME_WAIT for a minute) takes a new store at once, and the doctor must not call it taken."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddp_tutorial.distributed import free_port
+
+    port, wait = free_port(), timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=wait, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=wait)
+    client.set("step", "1")
+    del server  # the server closes first: its side of the connection waits in TIME_WAIT
+    del client
+    finding = check_port({"MASTER_PORT": str(port)})
+    again = dist.TCPStore("127.0.0.1", port, 1, True, timeout=wait)  # the next job's store
+    del again
+    assert finding.status == "ok", finding.detail
 
 
 def test_threads(monkeypatch):

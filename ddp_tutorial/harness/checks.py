@@ -23,7 +23,6 @@ from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
 STATUSES = ("ok", "warn", "fail", "skip")
 SHM_MIN_GIB = 1.0  # below this DataLoader workers run out of shared memory with real batches
-DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass
@@ -286,47 +285,6 @@ def check_topology(gpus: int) -> Finding:
 
 
 # --------------------------------------------------------------------------- network
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a listening socket could *not* be opened on ``host:port`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def check_port(env: Mapping[str, str]) -> Finding:
-    from ddp_tutorial.distributed import free_port
-
-    try:
-        port = free_port()
-    except OSError as exc:
-        return Finding("port", "fail", f"cannot open a TCP port on 127.0.0.1: {exc}", "")
-    raw = env.get("MASTER_PORT")
-    if raw:
-        if not raw.isdigit():
-            return Finding("port", "fail", f"MASTER_PORT={raw!r} is not a port number", "")
-        if port_in_use(int(raw)):
-            return Finding(
-                "port",
-                "fail",
-                f"MASTER_PORT={raw} is already in use (another job?): "
-                "the rendezvous would fail with EADDRINUSE",
-                "pick a free port, or let torchrun choose one: torchrun --standalone",
-            )
-        return Finding("port", "ok", f"MASTER_PORT={raw} is free")
-    if port_in_use(DEFAULT_MASTER_PORT):
-        return Finding(
-            "port",
-            "warn",
-            f"the default port {DEFAULT_MASTER_PORT} is taken: a torchrun without --standalone "
-            "or --master-port would fail with 'address already in use'",
-            "use torchrun --standalone (a free port) or --master-port <free port>",
-        )
-    return Finding("port", "ok", f"free ports available (e.g. {port}); {DEFAULT_MASTER_PORT} free")
 
 
 def matching_interfaces(spec: str, names: list[str]) -> list[str]:

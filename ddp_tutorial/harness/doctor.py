@@ -35,7 +35,6 @@ from ddp_tutorial.harness.checks import (
     check_gpus,
     check_interfaces,
     check_plan,
-    check_port,
     check_python,
     check_shm,
     check_threads,
@@ -43,7 +42,7 @@ from ddp_tutorial.harness.checks import (
     check_torch,
     check_visible_devices,
 )
-from ddp_tutorial.harness.host_checks import check_host_memory, check_host_name
+from ddp_tutorial.harness.host_checks import check_host_memory, check_host_name, check_port
 from ddp_tutorial.harness.interfaces import check_node_interfaces
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 

@@ -1,5 +1,5 @@
-"""Two doctor checks about the node itself: its memory for ranks x DataLoader workers, and
-whether its name is one the other nodes can reach.
+"""Three doctor checks about the node itself: its memory for ranks x DataLoader workers,
+whether its name is one the other nodes can reach, and whether the rendezvous port is free.
 
 Host memory (lesson 12): a dataset held in each rank's memory as Python objects is copied,
 page by page, into every DataLoader worker that reads it (reading a Python object writes its
@@ -11,12 +11,15 @@ Host name (lesson 10): torchrun gives every process of a multi-node job the rank
 fully qualified host name as ``MASTER_ADDR`` (``socket.getfqdn()``, or ``--local-addr``); a
 name the other nodes cannot resolve, or one that resolves to loopback, fails their
 ``init_process_group``.
+
+Port (lessons 09, 10): the port the job's store would listen on here, judged as the store binds.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Mapping
 
 import psutil
 
@@ -24,6 +27,7 @@ from ddp_tutorial import cgroups
 from ddp_tutorial.harness.checks import Finding
 
 GIB = 2**30
+DEFAULT_MASTER_PORT = 29500  # torchrun's --master-port when none is given
 
 
 def project_host_memory(ranks: int, workers: int, dataset_bytes: int, python_objects: bool) -> int:
@@ -100,3 +104,68 @@ def check_host_name(local_addr: str | None = None) -> Finding:
             fix,
         )
     return Finding("host name", "ok", f"{where} resolves to {', '.join(addresses)}")
+
+
+def port_in_use(port: int) -> bool:
+    """Whether the rendezvous store could *not* listen on ``port`` right now.
+
+    Bound as c10d's TCPStore binds: on every address, with ``SO_REUSEADDR``, so that a port a
+    finished job left in TIME_WAIT (a minute after its store closed) counts as free, as it is
+    for the next store, and a listener on any one address counts as taken.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _asked_port(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(variable, value)`` of the port a launch here would listen on, if one is set.
+
+    torchrun reads ``--master-port``/``--rdzv-endpoint`` from ``PET_MASTER_PORT`` and
+    ``PET_RDZV_ENDPOINT`` and sets ``MASTER_PORT`` for its ranks itself; ``MASTER_PORT``
+    counts for a script started without it (``python script.py``, ``mp.spawn``: env://).
+    """
+    if raw := env.get("PET_MASTER_PORT"):
+        return "PET_MASTER_PORT", raw
+    if endpoint := env.get("PET_RDZV_ENDPOINT"):
+        return "PET_RDZV_ENDPOINT", endpoint.rpartition(":")[2]
+    if raw := env.get("MASTER_PORT"):
+        return "MASTER_PORT", raw
+    return None
+
+
+def check_port(env: Mapping[str, str]) -> Finding:
+    from ddp_tutorial.distributed import free_port
+
+    try:
+        port = free_port()
+    except OSError as exc:
+        return Finding("port", "fail", f"cannot open a TCP port on 127.0.0.1: {exc}", "")
+    if asked := _asked_port(env):
+        name, raw = asked
+        shown = f"{name}={env[name]}"
+        if not raw.isdigit():
+            return Finding("port", "fail", f"{shown}: {raw!r} is not a port number", "")
+        if port_in_use(int(raw)):
+            return Finding(
+                "port",
+                "fail",
+                f"{shown}: port {raw} is already in use (another job?): "
+                "the rendezvous would fail with EADDRINUSE",
+                "pick a free port, or let torchrun choose one: torchrun --standalone",
+            )
+        return Finding("port", "ok", f"{shown}: port {raw} is free")
+    if port_in_use(DEFAULT_MASTER_PORT):
+        return Finding(
+            "port",
+            "warn",
+            f"the default port {DEFAULT_MASTER_PORT} is taken: a multi-node torchrun (--nnodes "
+            "above 1) given no --master-port or --rdzv-endpoint would fail on this node with "
+            "'address already in use'; one node (--nnodes 1) picks a free port itself",
+            f"give the job --master-port <free port> (e.g. {port}), the same on every node",
+        )
+    return Finding("port", "ok", f"free ports available (e.g. {port}); {DEFAULT_MASTER_PORT} free")
