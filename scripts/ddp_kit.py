@@ -871,7 +871,10 @@ def job_store(rank: int, world_size: int, timeout_s: float = 600) -> tuple[dist.
     torchrun's agent store outlives a restart: keys of the last attempt point at dead
     ranks, and each node's agent counts only its own restarts. Rank 0 takes the next value
     of a counter and hands it to each rank under a key named by a token that rank just
-    made up (a key no earlier attempt wrote). Call it on every rank before init."""
+    made up (a key no earlier attempt wrote). Without a store to share
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) each attempt's store is new, its keys fresh
+    anyway, and the number is rank 0's ``TORCHELASTIC_RESTART_COUNT`` (on several nodes it
+    can miss a restart another node caused). Call it on every rank before init."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
