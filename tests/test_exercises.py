@@ -192,3 +192,21 @@ def test_a_launch_that_died_outside_the_file_says_what_it_said(tmp_path):
     (script,) = find("09")
     message = exercise_check.died(script, tmp_path / "09_find_the_hang.py", output)
     assert "(TypeError: bad kwarg)" in message and "torchrun --standalone" in message, message
+
+
+def test_a_launch_stopped_by_its_timeout_says_the_code_never_returned(tmp_path):
+    """Helper 99: an endless loop in 07's time_steps was told "the launch failed before your
+    code ran" (torchrun's SIGTERM, when the launch's timeout stopped it) - it had run, and hung."""
+    from ddp_tutorial.harness.launch import RunResult
+
+    (ex,) = find("07")
+    path = tmp_path / f"{ex.name}.py"
+    said = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15"
+    stopped = RunResult(["torchrun"], -15, said, tmp_path, 97.0, timed_out=True)
+    verdicts: dict[int, exercise_check.ExerciseVerdict] = {}
+    assert exercise_check._read_batch([(ex, path)], [0], tmp_path, stopped, verdicts) == 1
+    message = verdicts[0].message
+    assert "never returned" in message and "97 s" in message and "before your code" not in message
+    died = RunResult(["torchrun"], 1, said, tmp_path, 9.0)  # the same output, not stopped
+    exercise_check._read_batch([(ex, path)], [0], tmp_path, died, verdicts)
+    assert "before your code ran" in verdicts[0].message

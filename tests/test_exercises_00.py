@@ -57,6 +57,10 @@ CASES = register([
                  'rank == 0, {k.lstrip("module."): v for k, v in model.state_dict().items()}'),)),
     # from a fifth learner review: one machine's variables (each rank runs as if on a machine
     # of its own); set_epoch and the save on one rank
+    Case(EX, "prefix-replaced-everywhere", "right on this check's model only",
+         edits=(("rank == 0, model.module.state_dict()",
+                 'rank == 0, {k.replace("module.", ""): v\n'
+                 "                  for k, v in model.state_dict().items()}"),)),
     Case(EX, "local-variables-for-the-job", "LOCAL_RANK",
          edits=((IDS,
                  'int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])'),)),
@@ -70,6 +74,10 @@ CASES = register([
     Case(EX, "the-last-rank-saves", "rank 0 writes it",
          edits=(("rank == 0, model.module.state_dict()",
                  "rank == world_size - 1, model.module.state_dict()"),)),
+    # helper 98: a sampler told rank=LOCAL_RANK got "the DataLoader has no DistributedSampler"
+    Case(EX, "sampler-rank-from-local-rank", "told the same rank on both",
+         edits=(("(train_set, seed=args.seed)",
+                 '(train_set, rank=int(os.environ["LOCAL_RANK"]), seed=args.seed)'),)),
 ])  # fmt: skip
 
 

@@ -87,6 +87,15 @@ CASES = register(
                      "    loader = DataLoader(shard"))),
         Case(ACC, "padded-sampler-gathered-and-deduplicated", None,  # right, the lesson's route
              text=GATHERED),
+        # helper 98: shuffled with seed 42, the sampler's repeat is a wrong prediction, so a
+        # count set by hand gave the right (correct, count); the pass came from the seed
+        Case(ACC, "shuffled-padded-sampler-count-overwritten", "was evaluated twice",
+             edits=((SPLIT, PADDED.replace("shuffle=False", "seed=42")),
+                    (ALL_REDUCE, "    dist.all_reduce(sums)\n    sums[1] = len(dataset)\n"))),
+        # helper 98: gloo aborts an all_gather of tensors of different lengths; was unnamed
+        Case(F1, "own-predictions-all-gathered", "tensors of different sizes",
+             edits=((REDUCE_COUNTS, "parts = [torch.empty_like(pred) for _ in "
+                     "range(dist.get_world_size())]\n    dist.all_gather(parts, pred)"),)),
         Case(F1, "nan-for-the-class-nobody-has", "0 / 0 is nan",
              edits=((".clamp(min=1)", ""),)),
         Case(F1, "reduce-not-all-reduce", "dist.reduce leaves",

@@ -117,6 +117,10 @@ CASES = register(
                      '    x, y = micro_batches[-1]\n'
                      '    losses.append(loss_fn(model(x), y, reduction="sum") * world / count)\n'
                      "    for loss in losses:\n        loss.backward()"),)),
+        # helper 98: the parameters through the all_reduce too came back the same and passed
+        Case(BUFFERS, "state-dict-averaged-parameters-too", "the parameters too",
+             edits=(("model.buffers() if b.is_floating_point()",
+                     "model.state_dict().values() if b.is_floating_point()"),)),
         Case(BUFFERS, "forgot-running-var", "running_var still differ",
              edits=(PER_BUFFER,
                     ("    for buffer in model.buffers():",

@@ -105,6 +105,10 @@ CASES = register([
          edits=(("    dist.barrier()\n",
                  "    else:\n        while not path.exists():\n"
                  "            __import__(\"time\").sleep(0.05)\n"),)),
+    # helper 98: a sleep outlasted the check's hold on rank 0's save, and passed
+    Case(SNAP, "sleeps-instead-of-the-barrier", "without a collective",
+         edits=(("    dist.barrier()\n",
+                 "    else:\n        __import__(\"time\").sleep(2.0)\n"),)),
     Case(SNAP, "barrier-before-the-rename", "after the rename - not before it",
          edits=(("        os.replace(tmp, path)\n    dist.barrier()\n",
                  "    dist.barrier()\n    if dist.get_rank() == 0:\n"

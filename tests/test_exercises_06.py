@@ -119,6 +119,20 @@ CASES = register([
                  "        loss = nn.functional.cross_entropy(model(x), y) / k\n" + WITH),)),
     Case(EX, "loss-divided-by-k-and-the-world", "by k only",
          edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) / (k * 2)"),)),
+    # helper 99: the check's own count of micro-batches written in passed its run
+    Case(EX, "micro-batch-count-written-as-4", "divide by k = len(micro_batches)",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) / 4"),)),
+    # helper 99: named for what they are, not "return what clip_grad_norm_ returns"
+    Case(EX, "zero-grad-between-micro-batches", "zeroed between micro-batches",
+         edits=(("            loss = nn.functional.cross_entropy(model(x), y) / k\n",
+                 "            optimizer.zero_grad()\n"
+                 "            loss = nn.functional.cross_entropy(model(x), y) / k\n"),)),
+    Case(EX, "clipped-tensor-by-tensor", "not one per tensor",
+         edits=(("    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n",
+                 "    for p in model.parameters():\n"
+                 "        norm = torch.nn.utils.clip_grad_norm_(p, max_norm)\n"),)),
+    Case(EX, "synced-on-the-first-micro-batch", "not the last's",
+         edits=(("nullcontext() if i == k - 1 else", "nullcontext() if i == 0 else"),)),
 ])  # fmt: skip
 
 

@@ -77,6 +77,14 @@ CASES = register([
     Case(EX, "status-set-on-rank-0-only", "status = PREEMPTED set on every rank",
          edits=(("                dist.barrier()\n                status = PREEMPTED\n",
                  "                    status = PREEMPTED\n                dist.barrier()\n"),)),
+    # helper 99: a save under LOCAL_RANK == 0 passed (each rank of the check is a node)
+    Case(EX, "local-rank-0-saves", "Who writes checkpoints",
+         edits=(("                if rank == 0:\n                    save_snapshot",
+                 '                if int(os.environ["LOCAL_RANK"]) == 0:\n'
+                 "                    save_snapshot"),)),
+    Case(EX, "handler-sets-no-flag", "left stop['signal'] at 0",
+         edits=(("lambda signum, frame: stop.update(signal=signum))",
+                 "lambda signum, frame: print('SIGTERM: will stop soon'))"),)),
 ])  # fmt: skip
 
 

@@ -131,6 +131,12 @@ CASES = register([
     Case(EX, "future-waited-inside-the-hook", "the hook waited inside",
          edits=(("    future = work.get_future().then(decompress)\n",
                  "    future = work.get_future().then(decompress)\n    future.wait()\n"),)),
+    # helper 99: right on the check's CPU, no mixed precision on a GPU; the check's 2 ranks
+    Case(AMP, "autocast-on-the-cpu-only", "casts only what runs on the CPU",
+         edits=(("torch.autocast(x.device.type, dtype=dtype)",
+                 'torch.autocast("cpu", dtype=dtype)'),)),
+    Case(EX, "divided-by-two-ranks", "this check's number of ranks",
+         edits=((".div_(world_size)", ".div_(2)"),)),
 ])  # fmt: skip
 
 

@@ -143,6 +143,14 @@ CASES = register(
                     ("    for p in model.parameters():\n        p.register_post_accumulate_grad_hook(average)",  # noqa: E501
                      "    for m in model.modules():\n        for p in m.parameters():\n"
                      "            p.register_hook(average)"))),
+        # helper 99: the check's own number of ranks written in passed its 2-rank run
+        Case(HOOKS, "divided-by-two-ranks", "this check's number of ranks",
+             edits=(("        p.grad /= world\n", "        p.grad /= 2\n"),)),
+        Case(BUCKETS, "divided-by-two-ranks", "this check's number of ranks",
+             edits=(("flat /= self.world_size", "flat /= 2"),)),
+        Case(BUCKETS, "tensor-hook-before-grad-is-set", "p.register_hook runs before",
+             edits=(("            p.register_post_accumulate_grad_hook(self._grad_ready)",
+                     "            p.register_hook(lambda grad, p=p: self._grad_ready(p))"),)),
     ]
 )  # fmt: skip
 

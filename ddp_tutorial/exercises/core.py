@@ -22,6 +22,9 @@ BEGIN, END = "# YOUR CODE", "# END YOUR CODE"
 # a verdict that ends with this names the one section behind its mistake (not every one)
 OWN_SECTION = re.compile(r'\(lesson \d\d, "[^"]+"\)$')
 
+# a division by 2, the checks' number of ranks, where the world size belongs (/ 2, /= 2, .div_(2))
+DIVIDED_BY_2 = r"(?:/=?|\.div_?\()\s*2\b(?!\.\d)"
+
 Record = dict[str, Any]
 # rank side: (the learner's module, this rank's context) -> what the judge reads
 RunFn = Callable[[ModuleType, "Context"], Record]

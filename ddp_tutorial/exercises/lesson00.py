@@ -96,6 +96,12 @@ def _judge_orders(reports: list[Record]) -> str | None:
                     "reshuffled: every rank calls sampler.set_epoch(epoch), not only rank 0 "
                     "(the shares then overlap)")  # fmt: skip
         shards = [r["seen"][epoch] for r in reports]
+        if len(set(shards[0]) & set(shards[1])) == len(shards[0]) < SAMPLES:
+            return (f"rank 1 trained on the same {len(shards[0])} samples as rank 0: a "
+                    "DistributedSampler that was told the same rank on both - rank=LOCAL_RANK "
+                    "(0 on every machine: this check runs each process as a machine of its "
+                    "own) or a number; leave rank= out: it is the global rank by "
+                    "default")  # fmt: skip
         if len(set(shards[0]) & set(shards[1])) == len(shards[0]):
             return ("rank 1 trained on the same samples as rank 0: the DataLoader has no "
                     "DistributedSampler (each process must get its own share)")  # fmt: skip

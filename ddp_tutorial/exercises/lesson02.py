@@ -27,12 +27,16 @@ LATE_S = 0.3  # the other ranks start this late (both exercises)
 EVAL_BATCH = 5  # the ranks' 6 and 5 samples make 2 and 1 batches: a collective per batch hangs
 
 
-def val_data() -> tuple[torch.Tensor, torch.Tensor]:
-    """The validation set every rank builds: features, and labels the model gets 7 of 11 right."""
+def val_data(flipped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation set every rank builds: features, and labels the model gets 7 of 11 right
+    (``flipped``: the other 4, so that a sample counted twice shows in one of the two sets)."""
     x = torch.linspace(-1.0, 1.0, VAL_LENGTH * FEATURES).reshape(VAL_LENGTH, FEATURES)
     x = x[torch.randperm(VAL_LENGTH, generator=torch.Generator().manual_seed(2))]
     labels = predictor()(x).argmax(dim=1)
-    labels[[1, 4, 6, 9]] = (labels[[1, 4, 6, 9]] + 1) % FEATURES  # four wrong, none of them 0
+    wrong = torch.zeros(VAL_LENGTH, dtype=torch.bool)
+    wrong[[1, 4, 6, 9]] = True  # four wrong, none of them 0
+    wrong = ~wrong if flipped else wrong
+    labels[wrong] = (labels[wrong] + 1) % FEATURES
     return x, labels
 
 
@@ -48,8 +52,8 @@ class WatchedSet(Dataset):
     """The validation set, remembering which indices this rank read (so the judge can see
     repeats and gaps). With DataLoader workers the reads happen elsewhere and are not seen."""
 
-    def __init__(self) -> None:
-        self.x, self.y = val_data()
+    def __init__(self, flipped: bool = False) -> None:
+        self.x, self.y = val_data(flipped)
         self.read: list[int] = []
 
     def __len__(self) -> int:
@@ -87,12 +91,15 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     else:
         got = repr(got)
     ops = [op for name, op in calls if name == "all_reduce"]
+    # on every rank alike: the same function on the set with the other predictions right
+    flipped = module.exact_accuracy(predictor(), WatchedSet(flipped=True), EVAL_BATCH)
+    flipped = [_number(v) for v in flipped] if isinstance(flipped, tuple | list) else None
     return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops,
-            "unwaited": len(unwaited)}  # fmt: skip
+            "unwaited": len(unwaited), "flipped": flipped}  # fmt: skip
 
 
-def truth_correct() -> int:
-    x, y = val_data()
+def truth_correct(flipped: bool = False) -> int:
+    x, y = val_data(flipped)
     return int((predictor()(x).argmax(dim=1) == y).sum())
 
 
@@ -187,6 +194,12 @@ def judge_accuracy(records: list[Record]) -> str | None:
         return _judge_count(records, count)
     if got_correct != truth_correct():
         return f"counted {got_correct} correct predictions, expected {truth_correct()}"
+    if (flipped := records[0]["flipped"]) != [truth_correct(True), VAL_LENGTH]:
+        # the first set's answer was right by luck: its repeats were wrong predictions
+        return _judge_repeats(records, flipped) or (
+            f"on the same set with the other {truth_correct(True)} predictions right it "
+            f"returned {flipped}: count every sample once, its own prediction"
+        )
     return None
 
 
@@ -311,6 +324,13 @@ _COUNTS_ERRORS = (
      "mean is not one: ReduceOp.AVG (gloo computes it as a sum, then a division in place) "
      "cannot write it back - all_reduce them with the default SUM, and compute from the totals"),
 )  # fmt: skip
+_UNEVEN = (
+    "the ranks passed tensors of different sizes to one collective (gloo refuses): "
+    "each rank's own predictions (8 and 5), or counts for only the classes a rank saw "
+    "- add a [3, num_classes] count (TP, FP, FN of every class) with dist.all_reduce, "
+    "the same shape on every rank"
+)
+_F1_ERRORS = (*_COUNTS_ERRORS, ("Received data size", _UNEVEN), ("EnforceNotMet", _UNEVEN))
 
 EXERCISES = [
     Exercise(
@@ -333,7 +353,7 @@ EXERCISES = [
         title="macro F1 over ranks: add the counts, then compute",
         teaches='lesson 02, "A metric that is not a sum: gather, drop the padding, compute once"',
         shapes_hint="a count per class for only the classes a rank saw, or each rank's own "
-        "predictions, whose numbers differ", errors=_COUNTS_ERRORS,
+        "predictions, whose numbers differ", errors=_F1_ERRORS,
         proves=(
             "every rank returned the macro F1 of the whole set (not the mean of the ranks' F1s, "
             "not its own shard's, not the micro F1)"

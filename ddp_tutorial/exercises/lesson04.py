@@ -44,14 +44,18 @@ EVERY = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tenso
 
 @contextmanager
 def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
-            asyncs: dict[str, int] | None = None,
-            touched: list[str] | None = None) -> Iterator[None]:  # fmt: skip
+            asyncs: dict[str, int] | None = None, touched: list[str] | None = None,
+            sizes: list[tuple[str, int]] | None = None) -> Iterator[None]:  # fmt: skip
     """Append the name of each ``dist.<name>`` call made inside the block to ``calls`` (and
     with ``asyncs``: count the calls with async_op=True and the waits on what they returned;
-    ``touched``: those whose tensor the learner changed before the wait)."""
+    ``touched``: those whose tensor the learner changed before the wait; ``sizes``: each
+    call's name and the number of elements of its tensor)."""
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         calls.append(name)
+        tensor = args[0] if args else kwargs.get("tensor")
+        if sizes is not None and isinstance(tensor, torch.Tensor):
+            sizes.append((name, tensor.numel()))
         if asyncs is None or not is_async(args, kwargs):  # all_reduce's and broadcast's 4th
             return None
         asyncs["sent"] += 1

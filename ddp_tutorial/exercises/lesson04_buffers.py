@@ -51,15 +51,17 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     before = _buffers(model)
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
-    asyncs, touched = {"sent": 0, "waited": 0}, []
-    with counted(EVERY, calls, module, asyncs, touched):
+    asyncs, touched, sizes = {"sent": 0, "waited": 0}, [], []
+    with counted(EVERY, calls, module, asyncs, touched, sizes):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():
         probe = model(torch.linspace(-1, 3, 2 * 36).reshape(2, 1, 6, 6))
     same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    # the most numbers one kind of collective carried (a reduce, then a broadcast: once)
+    sent = max((sum(n for kind, n in sizes if kind == name) for name, _ in sizes), default=0)
     return {"before": before, "after": _buffers(model), "probe": probe.tolist(),
-            "calls": calls, "params_unchanged": same_params,
+            "calls": calls, "params_unchanged": same_params, "sent": sent,
             "unwaited": asyncs["sent"] - asyncs["waited"], "touched": touched}  # fmt: skip
 
 
@@ -180,6 +182,8 @@ def judge_buffers(records: list[Record]) -> str | None:
     if not all(r["params_unchanged"] for r in records):
         return ("the parameters changed: only the buffers should - DDP keeps the parameters "
                 "equal already")  # fmt: skip
+    if mistake := _judge_sent(records):
+        return mistake
     probes = [T(r["probe"]) for r in records]
     if not all(torch.equal(p, probes[0]) for p in probes):
         return "the ranks' models still give different outputs in eval mode"
@@ -190,6 +194,19 @@ def judge_buffers(records: list[Record]) -> str | None:
                 "ResNet-50 has 106 such buffers; lesson 07 measures the cost) - one tensor of "
                 "every statistic (torch.cat of each .reshape(-1)), one all_reduce, then each "
                 "piece copied back into its buffer")  # fmt: skip
+    return None
+
+
+def _judge_sent(records: list[Record]) -> str | None:
+    """More numbers through the collective than the statistics: the parameters went too (they
+    come back unchanged when every rank holds the same, so only the count shows it)."""
+    floats = [len(b["values"]) for b in records[0]["before"].values() if "float" in b["dtype"]]
+    counters = sum(len(b["values"]) for b in records[0]["before"].values()) - sum(floats)
+    if (sent := max(r["sent"] for r in records)) > sum(floats) + counters:
+        return (f"{sent} numbers went through the collective for {sum(floats)} statistics: the "
+                "parameters too (they come back the same only because every rank holds the "
+                "same ones; a ResNet-50 sends about 500x the bytes) - average model.buffers(), "
+                "the floating-point ones")  # fmt: skip
     return None
 
 
@@ -210,8 +227,8 @@ EXERCISES = [
                  "buffers - loop over model.buffers()")),
         proves=(
             "every BatchNorm running_mean and running_var is the mean over the ranks on every "
-            "rank, in one collective; num_batches_tracked and the parameters untouched; the "
-            "ranks' models agree in eval mode"
+            "rank, in one collective; num_batches_tracked untouched, the parameters neither "
+            "sent nor changed; the ranks' models agree in eval mode"
         ),
     ),
 ]  # fmt: skip

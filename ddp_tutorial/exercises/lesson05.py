@@ -14,7 +14,7 @@ import datetime
 import io
 import os
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,9 +26,11 @@ from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.runner import agent_store, meet
-from ddp_tutorial.exercises.spies import paths_through_os
+from ddp_tutorial.exercises.spies import paths_through_os, spied_os, spying
 
 DELAY_S = 1.5  # the longest rank 0's first save (write, then rename) waits for the others
+# what a rank that waits for rank 0's file calls (a sleep that outlasts DELAY_S waits for none)
+WAITS = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "broadcast_object_list")
 EPOCH, STEP = 3, 120  # what the first save is asked to store
 
 
@@ -65,56 +67,6 @@ def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
         raise Killed("killed in the middle of torch.save")
 
     with mock.patch.object(torch, "save", save):
-        yield
-
-
-@contextmanager
-def _spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]],
-              hold: Callable[[], None] | None = None,
-              folder: Path | None = None) -> Iterator[None]:  # fmt: skip
-    """Renames (source, target, whether the source's bytes were all fsynced before), and
-    fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes;
-    fdatasync counts: it writes the data and the size, all a rename needs; so does os.sync(),
-    every file of every file system: noted for each file of ``folder`` as it is then).
-    ``hold``: called before each rename (a rank that returns before it did not wait)."""
-    real_replace, real_rename, real_sync = os.replace, os.rename, os.sync
-    real_syncs = {"fsync": os.fsync, "fdatasync": getattr(os, "fdatasync", None)}
-
-    def sync_all() -> None:
-        real_sync()
-        files = [f for f in folder.iterdir() if f.is_file()] if folder is not None else []
-        fsyncs.extend((st.st_ino, st.st_size) for st in map(os.stat, files))
-
-    def spy(real: Callable[..., Any]) -> Callable[..., Any]:
-        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                st = os.stat(src)
-                synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
-            except (OSError, TypeError):  # the real call then says what is wrong
-                synced = False
-            # absolute: `tempfile` names are, the check's folder is relative to the rank's cwd
-            replaced.append((os.path.abspath(src), os.path.abspath(dst), synced))
-            if hold is not None:
-                hold()
-            return real(src, dst, *args, **kwargs)
-
-        return move
-
-    def noted(real: Callable[..., Any]) -> Callable[..., Any]:
-        def sync(fd: Any) -> Any:
-            number = fd if isinstance(fd, int) else fd.fileno()
-            st = os.fstat(number)
-            fsyncs.append((st.st_ino, st.st_size))
-            return real(fd)
-
-        return sync
-
-    spies = {"replace": spy(real_replace), "rename": spy(real_rename), "sync": sync_all}
-    spies.update((name, noted(real)) for name, real in real_syncs.items() if real is not None)
-    with ExitStack() as stack:
-        for name, fake in spies.items():
-            stack.enter_context(mock.patch.object(os, name, fake))
-        stack.enter_context(paths_through_os())  # Python 3.10: tmp.replace(path) is seen too
         yield
 
 
@@ -171,17 +123,19 @@ def _save_phase(
     calls: list[str] = []
     replaced: list[tuple[str, str, bool]] = []
     fsyncs: list[tuple[int, int]] = []
+    waits: list[str] = []
     try:
         with (
             _spied_save(calls, hold if ctx.rank == 0 else None),
-            _spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None, folder),
+            spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None, folder),
             mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
+            spying(WAITS, lambda name, *_: waits.append(name), module),
         ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:
         record["save_error"] = _error(exc)
     found = _read(path) if path.is_file() else {}
-    record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs),
+    record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs), waits=waits,
                   there_on_return=found.get("epoch") == EPOCH)  # fmt: skip
     store.set(f"{returned}/{ctx.rank}", "")
     meet(ctx, "05-saved")
@@ -349,14 +303,26 @@ def _judge_writes(records: list[Record]) -> str | None:
                 f"to save epoch {EPOCH}, step {STEP}")  # fmt: skip
     if not saved["momentum"]:
         return "the optimizer's state is empty: save optimizer.state_dict() (its momentum)"
+    return _judge_waits(records)
+
+
+def _judge_waits(records: list[Record]) -> str | None:
+    """Every rank but 0 came back with this save's file in place, having waited for it."""
     late = [r["rank"] for r in records if not r["there_on_return"]]
-    if late:
+    idle = [r["rank"] for r in records if r["rank"] and not r["waits"]]  # slept long enough
+    if late or idle:
         return (
-            f"rank {late[0]} returned from save_snapshot before rank 0's new file was in "
-            "place (rank 0 was still writing or renaming it; the folder held an older "
-            "snapshot): every rank must wait at dist.barrier() after the rename - not before "
-            "it, not by polling for the file - so that no rank reads a file that is not this "
-            'save\'s (lesson 05, "The lines you write")'
+            f"rank {(late or idle)[0]} returned from save_snapshot "
+            + (
+                "before rank 0's new file was in place (rank 0 was still writing or renaming "
+                "it; the folder held an older snapshot)"
+                if late
+                else "without a collective: "
+                "rank 0's file was there by luck (a sleep, a poll) - a slower save is not"
+            )
+            + ": every rank must wait at dist.barrier() after the rename - not before it, not "
+            "by polling for the file - so that no rank reads a file that is not this save's "
+            '(lesson 05, "The lines you write")'
         )
     return None
 

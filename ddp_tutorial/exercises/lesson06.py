@@ -112,7 +112,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     syncs: list[int] = []  # DDP's all_reduces in this step
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses other annotations
-        syncs.append(1)
+        syncs.append(calls.count("scaler.scale"))  # in micro-batch i's backward: i
         return default_hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, hook)
@@ -120,6 +120,8 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
     optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
+    for owner in (optimizer, model):  # either zeroes the gradients
+        owner.zero_grad = _noted(owner.zero_grad, calls)  # type: ignore[method-assign]
     scheduler = _Schedule(optimizer, warmup)
     scheduler.calls = calls
     scaler = _Scaler(calls)
@@ -151,9 +153,18 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
-            "syncs": len(syncs), "own": _without(collectives, ["all_reduce"] * len(syncs)),
+            "syncs": len(syncs), "sync_at": list(syncs),
+            "own": _without(collectives, ["all_reduce"] * len(syncs)),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
+
+
+def _noted(zero_grad: Any, calls: list[str]) -> Any:
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        calls.append("zero_grad")
+        return zero_grad(*args, **kwargs)
+
+    return noted
 
 
 def _without(calls: list[str], theirs: list[str]) -> list[str]:
@@ -252,6 +263,14 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 "decides in the forward whether the backward after it sends (lesson 04, "
                 "\"`no_sync()`: "
                 'gradient accumulation without wasted all_reduces")')  # fmt: skip
+    scaled = rows[0]["calls"].count("scaler.scale") == K  # then sync_at counts micro-batches
+    if scaled and (at := rows[0]["sync_at"][0]) != K:
+        return (f"step {step + 1}'s all_reduce ran in micro-batch {at}'s backward, not the "
+                f"last's ({K}): DDP averaged what was accumulated by then, and the later "
+                "micro-batches added their gradients on each rank alone - all but the last "
+                "inside no_sync() (`nullcontext() if i == k - 1 else model.no_sync()`) "
+                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
     norm, true = rows[0]["norm"], rows[0]["want_norm"]
     if abs(norm - K * true) < 1e-4 * K * true:
         return (f"train_step returned {norm:.4g}, {K} times the true norm {true:.4g}: the {K} "
@@ -284,6 +303,11 @@ def _scaled_norm(norm: float, true: float, clips: list[list[float]]) -> str | No
 
 def _clip_arguments(clips: list[list[float]], world: int, step: int) -> str | None:
     """The limit and the norm the learner clipped with, against ``max_norm`` and the L2 norm."""
+    if len(clips) > 1:
+        return (f"in step {step + 1} clip_grad_norm_ ran {len(clips)} times: the limit is on "
+                "the norm of all the gradients together - one call, on model.parameters(), "
+                "not one per tensor "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     for limit, norm_type in clips:
         if norm_type != 2.0:
             return (f"in step {step + 1} clip_grad_norm_ measured the norm_type={norm_type:g} "
@@ -342,6 +366,12 @@ def _call_order(calls: list[str], step: int) -> str | None:
                 "gradients hold an inf or nan (an fp16 overflow) "
                 '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     last_backward = len(calls) - 1 - calls[::-1].index("scaler.scale")
+    if "zero_grad" in calls[calls.index("scaler.scale") : last_backward]:
+        return (f"in step {step + 1} the gradients were zeroed between micro-batches: "
+                "zero_grad() throws away what the earlier micro-batches accumulated - once a "
+                "step, before the first micro-batch or after the optimizer's step "
+                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
     if "clip" in calls and calls.index("scaler.scale") < calls.index("clip") < last_backward:
         return (f"in step {step + 1} clip_grad_norm_ ran before the last micro-batch's "
                 "backward: the gradients were neither all there nor averaged over the ranks "
@@ -369,6 +399,9 @@ def _call_order(calls: list[str], step: int) -> str | None:
 EXERCISES = [
     Exercise(
         name="06_clip_and_schedule", lesson="06", run=run_clip, judge=judge_clip,
+        hidden=((r"(?:/=?|\.div_?\()\s*4\b(?!\.\d)", "the loss is divided by 4, this check's "
+                 "number of micro-batches: with another accumulation count the gradient is "
+                 "scaled wrong - divide by k = len(micro_batches)"),),
         title="an accumulated, clipped, scheduled step under a GradScaler, alike on every rank",
         teaches='lesson 06, "Three things every real loop needs" and "Rank 0 alone: fine, slow, '
         'or wrong"', errors=AMP_ERRORS,

@@ -172,6 +172,11 @@ def judge_preempt(records: list[Record]) -> str | None:
             "the flag (MAX) at a step boundary, so that every rank stops at the same step"
         )
     stop = stops[0]
+    if stop >= total and not reports[PREEMPT_RANK].get("flag"):
+        return (f"every rank trained to the end (step {total}): the SIGTERM at step {PREEMPT_AT} "
+                f"reached rank {PREEMPT_RANK}, and its handler left stop['signal'] at 0 - the "
+                "handler's one job is to set it (stop.update(signal=signum)), for the loop to "
+                "read at the next step boundary")  # fmt: skip
     if stop >= total:
         return (f"every rank trained to the end (step {total}) after the SIGTERM at step "
                 f"{PREEMPT_AT}, which reached rank {PREEMPT_RANK} only: at each step boundary "
@@ -219,6 +224,10 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
+        hidden=((r"(?:LOCAL_RANK[\"']\s*\]\s*\)?|local_rank)\s*==\s*0", "the snapshot is saved "
+                 "where LOCAL_RANK is 0: on several nodes each node's local rank 0 writes the same "
+                 "file - global rank 0 saves (`rank == 0`, dist.get_rank()) (lesson 10, \"Who "
+                 "writes checkpoints: global rank 0, not local rank 0\")"),),
         judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',

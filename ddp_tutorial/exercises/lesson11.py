@@ -287,6 +287,9 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
 EXERCISES = [
     Exercise(
         name="11_amp_step", lesson="11", run=run_amp, judge=judge_amp,
+        hidden=((r"autocast\(\s*(?:device_type\s*=\s*)?[\"']cpu[\"']", "autocast(\"cpu\", ...) "
+                 "casts only what runs on the CPU: on a GPU the forward stays in float32, no "
+                 "mixed precision at all - name the tensors' device type, x.device.type"),),
         title="a mixed-precision step with accumulation: autocast, GradScaler, no_sync",
         teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
         proves=(

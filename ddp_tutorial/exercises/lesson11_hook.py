@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.lesson11 import ready_for_ddp
 from ddp_tutorial.exercises.spies import is_async, spying
 
@@ -182,6 +182,9 @@ ERRORS = (
 EXERCISES = [
     Exercise(
         name="11_bf16_hook", lesson="11", run=run_hook, judge=judge_hook,
+        hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
+                 "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by world_size "
+                 "(the process group's size)"),),
         title="a comm hook that sends the gradients as bfloat16",
         teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
         proves=(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.tracing import Trace, coverage, traced_all_reduce
 from ddp_tutorial.settings import machine_load
 
@@ -318,6 +318,9 @@ def judge_hooks(records: list[Record]) -> str | None:
 EXERCISES = [
     Exercise(
         name="12_my_ddp_hooks", lesson="12", run=run_hooks, judge=judge_hooks,
+        hidden=((DIVIDED_BY_2, "the gradient is divided by 2, this check's number of ranks: "
+                 "on 4 or 8 GPUs it would be 2x or 4x DDP's - divide by dist.get_world_size() "
+                 "(`world`)"),),
         title="your own DDP, 1: broadcast rank 0's weights, average each gradient from a hook",
         teaches='lesson 12, "Your turn": the broadcast at construction, a hook per parameter; '
         'lesson 04, "What DDP does with them: construction, forward, backward"',

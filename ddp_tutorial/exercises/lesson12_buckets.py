@@ -14,7 +14,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.lesson12 import (
     BUCKET_CAP_BYTES,
     GROSS_SLOWDOWN,
@@ -221,7 +221,10 @@ READ_AFTER_WAIT = "; is each bucket copied back only after its work.wait()?"
 
 _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when its bucket "
           "was flattened: the bucket was sent before every gradient in it had arrived - "
-          "launch it when all of its parameters are ready (ready == len(bucket))")  # fmt: skip
+          "launch it when all of its parameters are ready (ready == len(bucket)); and register "
+          "p.register_post_accumulate_grad_hook, which runs once p.grad is set (a hook from "
+          "p.register_hook runs before: it is given the gradient, p.grad is not set "
+          "yet)")  # fmt: skip
 
 
 _TWICE = (HOOKED_TWICE, "a parameter has its hook registered more than once, so each of its "
@@ -242,6 +245,9 @@ def timed(records: list[Record]) -> str:  # on a pass: the slowest rank's step a
 EXERCISES = [
     Exercise(
         name="12_my_ddp_buckets", lesson="12", run=run_buckets, judge=judge_buckets,
+        hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
+                 "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
+                 "self.world_size"),),
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -202,4 +202,55 @@ def paths_through_os() -> Iterator[None]:
         mock.patch.object(Path, "rename", lambda p, t: (os.rename(p, t), type(p)(t))[1]),
         mock.patch.object(Path, "unlink", _unlink),
     ):
+        yield
+
+
+@contextmanager
+def spied_os(replaced: list[tuple[str, str, bool]], fsyncs: list[tuple[int, int]],
+              hold: Callable[[], None] | None = None,
+              folder: Path | None = None) -> Iterator[None]:  # fmt: skip
+    """Renames (source, target, whether the source's bytes were all fsynced before), and
+    fsyncs (the file's inode and its size then: an fsync before flush sees fewer bytes;
+    fdatasync counts: it writes the data and the size, all a rename needs; so does os.sync(),
+    every file of every file system: noted for each file of ``folder`` as it is then).
+    ``hold``: called before each rename (a rank that returns before it did not wait).
+    Lesson 05's atomic snapshot: what a crash-safe save calls, in which order."""
+    real_replace, real_rename, real_sync = os.replace, os.rename, os.sync
+    real_syncs = {"fsync": os.fsync, "fdatasync": getattr(os, "fdatasync", None)}
+
+    def sync_all() -> None:
+        real_sync()
+        files = [f for f in folder.iterdir() if f.is_file()] if folder is not None else []
+        fsyncs.extend((st.st_ino, st.st_size) for st in map(os.stat, files))
+
+    def spy(real: Callable[..., Any]) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                st = os.stat(src)
+                synced = any(ino == st.st_ino and size >= st.st_size for ino, size in fsyncs)
+            except (OSError, TypeError):  # the real call then says what is wrong
+                synced = False
+            # absolute: `tempfile` names are, the check's folder is relative to the rank's cwd
+            replaced.append((os.path.abspath(src), os.path.abspath(dst), synced))
+            if hold is not None:
+                hold()
+            return real(src, dst, *args, **kwargs)
+
+        return move
+
+    def noted(real: Callable[..., Any]) -> Callable[..., Any]:
+        def sync(fd: Any) -> Any:
+            number = fd if isinstance(fd, int) else fd.fileno()
+            st = os.fstat(number)
+            fsyncs.append((st.st_ino, st.st_size))
+            return real(fd)
+
+        return sync
+
+    spies = {"replace": spy(real_replace), "rename": spy(real_rename), "sync": sync_all}
+    spies.update((name, noted(real)) for name, real in real_syncs.items() if real is not None)
+    with ExitStack() as stack:
+        for name, fake in spies.items():
+            stack.enter_context(mock.patch.object(os, name, fake))
+        stack.enter_context(paths_through_os())  # Python 3.10: tmp.replace(path) is seen too
         yield

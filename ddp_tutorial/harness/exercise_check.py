@@ -78,7 +78,10 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
             return ex.hint(mistake)
     if not bad:
         missing = sorted(set(range(ex.nproc)) - {r["rank"] for r in records})
-        return f"rank {missing[0] if missing else '?'} never reported: it crashed or hung"
+        return ex.hint(
+            f"rank {missing[0] if missing else '?'} never reported: it crashed or "
+            "hung (the launch's output above says how)"
+        )
     first = min(bad, key=lambda r: (_hung(r), r["rank"]))
     if _hung(first):
         waits = "; ".join(f"rank {r['rank']} waited" + (f" at {r['where']}" if r.get("where")
@@ -160,7 +163,8 @@ def died(ex: Exercise, path: Path, output: str) -> str:
 
 
 # lint's findings that a check's own model cannot show: right here, wrong on the learner's model
-LUCKY = ("DDP124",)  # k.lstrip("module."): "0.weight" survives it, "layer.weight" does not
+LUCKY = ("DDP124", "DDP129")  # k.lstrip("module."): "0.weight" survives it, "layer.weight"
+# does not; k.replace("module.", ""): so does every key of a model without "...module." inside
 
 
 def by_luck(ex: Exercise, path: Path) -> str | None:
@@ -199,8 +203,14 @@ def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_
         ran += 1
     if ran == 0:  # the launch died before the first candidate's records
         ex, path = pairs[indexes[0]]
-        verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, seconds=result.seconds,
-                                               message=died(ex, path, result.output))  # fmt: skip
+        message = died(ex, path, result.output)
+        if result.timed_out:  # killed by the launch's own timeout: nothing died, it never ended
+            message = ex.hint(f"your code never returned: the launch was stopped after "
+                              f"{result.seconds:.0f} s with no rank's record (an endless "
+                              "loop, or a wait for something that never comes) - run it in a "
+                              f"shell to see where: torchrun --standalone --nproc-per-node "
+                              f"{ex.nproc} {path}")  # fmt: skip
+        verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, message, seconds=result.seconds)
         ran = 1
     return ran
 

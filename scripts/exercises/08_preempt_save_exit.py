@@ -117,7 +117,7 @@ def main() -> int:
             break
 
     report = {"rank": rank, "handler": handled, "stopped_at": step, "total": total,
-              "status": status, "saves": SAVES}  # fmt: skip
+              "status": status, "saves": SAVES, "flag": stop["signal"]}  # fmt: skip
     (out / f"report-rank{rank}.json").write_text(json.dumps(report))  # read by the check
     dist.destroy_process_group()
     return status
