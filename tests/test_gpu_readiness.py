@@ -170,9 +170,37 @@ def test_gpu_check_needs_what_the_package_and_scripts_import():
 def test_gpu_check_stops_at_once_naming_what_is_missing(monkeypatch, capsys):
     from ddp_tutorial.harness import gpu_check
 
-    monkeypatch.setitem(sys.modules, "torchvision", None)  # a torch-only box
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: the GPUs cannot be counted
     assert gpu_check.main() == 2
-    assert "missing torchvision: pip install torchvision" in capsys.readouterr().err
+    assert "missing nvidia-ml-py: pip install nvidia-ml-py" in capsys.readouterr().err
+
+
+def test_a_torch_only_box_checks_all_but_the_lessons_that_need_torchvision(
+    nvml, monkeypatch, capsys
+):
+    """Helper 100: the device machines have torch but no torchvision, and gpu-check stopped
+    there before any step; now only lessons 04 and 06 (resnet18) are rows "not run"."""
+    from ddp_tutorial.harness import gpu_check
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    nvml([fake_gpu(0)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_command", lambda command, **_: ran.append(command)
+                        or Done())  # fmt: skip
+    assert gpu_check.main() == 1  # two lessons unchecked: not a pass
+    out = capsys.readouterr()
+    assert "no torchvision here: lessons 04_ddp_wrapping, 06_training_and_utilization" in out.err
+    assert "not run: no torchvision (resnet18)" in out.out
+    lessons = [c[-1] for c in ran if c[-1].startswith("notebooks/")]
+    assert lessons == [f"notebooks/{n}.ipynb" for n in gpu_check.LESSONS
+                       if n not in gpu_check.OPTIONAL["torchvision"]]  # fmt: skip
+    assert any("gpu" in c for c in ran), "the gpu tests still run (theirs skip themselves)"
+
+
+class Done:
+    timed_out, returncode, seconds, output = False, 0, 1.0, ""
 
 
 def test_gpu_check_plan_covers_every_gpu_and_the_gpu_lessons():
@@ -270,8 +298,9 @@ def test_gpu_check_plans_for_exclusive_gpus_from_nvml(nvml, monkeypatch):
     nvml([fake_gpu(0, exclusive=True), fake_gpu(1, exclusive=True)])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     planned = []
+    monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
     monkeypatch.setattr(
-        gpu_check, "plan", lambda gpus, exclusive: planned.append((gpus, exclusive)) or []
+        gpu_check, "plan", lambda gpus, exclusive, missing: planned.append((gpus, exclusive)) or []
     )
     assert gpu_check.main() == 0 and planned == [(2, True)]
 
@@ -471,3 +500,22 @@ def test_the_lessons_say_when_their_gpu_branch_does_not_run():
         asked = nproc and int(nproc[1]) or int(re.search(r"\bnproc=(\d+)", code)[1])
         assert asked == ranks, f"{lesson}: launches {asked} ranks, gpu-check expects {ranks}"
         assert re.search(r"gpu_branch_note\((NPROC|\d+)\)", code), f"{lesson} does not say it"
+
+
+def test_gpu_check_stops_where_torch_cannot_use_the_gpus_nvml_lists(nvml, monkeypatch, capsys):
+    """Helper 100: NVML counts the GPUs without CUDA; with a torch that cannot use them every
+    lesson ran on the CPU and its row said "ok". torch is asked first, in its own process."""
+    from ddp_tutorial.harness import checks, gpu_check, gpu_plan
+
+    nvml([fake_gpu(0), fake_gpu(1)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "")
+    monkeypatch.setattr(checks, "torch_gpu_count", lambda env: 0)  # error 802, say
+    monkeypatch.setattr(gpu_check, "run_command", lambda *a, **k: pytest.fail("a step ran"))
+    assert gpu_check.main() == 2
+    assert "torch sees 0 of the 2 GPU(s) NVML lists" in capsys.readouterr().err
+    monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "this torch is a CPU-only build")
+    assert gpu_plan.torch_blind(2) == "this torch is a CPU-only build"
+    monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "")
+    monkeypatch.setattr(checks, "torch_gpu_count", lambda env: 2)
+    assert gpu_plan.torch_blind(2) == ""

@@ -48,7 +48,8 @@ def test_a_failing_and_a_hanging_step_are_rows_and_the_rest_still_runs(
     ]
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(gpu_smoke, "smoke_plan", lambda out: fake)
-    monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 1)
+    monkeypatch.setattr("ddp_tutorial.devices.visible_gpus", lambda: [OneGpu()])
+    monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
     assert gpu_smoke.main([]) == 1
     rows = json.loads((tmp_path / "smoke.json").read_text())
     assert [r["status"] for r in rows] == [
@@ -115,3 +116,27 @@ def test_the_inventory_keeps_every_gpu_row_when_nvml_refuses_one_fact(nvml):
     assert facts["gpus"][1]["mig"] == [1, 1] and "H100" in str(facts["gpus"][1]["name"])
     assert facts["gpus"][0]["memory_mib"].startswith("n/a (")
     assert facts["gpus"][2] == {"index": 2, "error": "n/a (Insufficient Permissions)"}
+
+
+class OneGpu:
+    uuid = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+
+
+def test_the_gpu_tests_step_sees_one_gpu_of_eight(tmp_path, monkeypatch):
+    """Helper 100: "gpu tests (one GPU)" ran every gpu test with every GPU (8 ranks each,
+    inside its 150 s); the step gets the first GPU alone, by UUID."""
+    seen = {}
+
+    def run(command, timeout, env, cwd):
+        seen[command[2] if command[1] == "-m" else command[1]] = env
+        return type("Done", (), {"timed_out": False, "returncode": 0, "seconds": 0.1,
+                                 "output": ""})()  # fmt: skip
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr("ddp_tutorial.devices.visible_gpus", lambda: [OneGpu()] * 8)
+    monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
+    monkeypatch.setattr(gpu_smoke, "run_command", run)
+    assert gpu_smoke.main([]) == 0
+    assert seen["pytest"]["CUDA_VISIBLE_DEVICES"] == OneGpu.uuid
+    probes = seen["ddp_tutorial.harness.gpu_probes"]
+    assert "CUDA_VISIBLE_DEVICES" not in probes, "the other steps: the machine as it is"

@@ -257,6 +257,7 @@ def test_load_without_map_location_lands_on_gpu0(tmp_path):
 
 @pytest.mark.gpu
 def test_dp_and_ddp_both_measured(tmp_path):
+    pytest.importorskip("torchvision")  # the demo's resnet18; a torch-only GPU box skips it
     n = gpu_count()
     dp = subprocess.run(
         [sys.executable, str(DEMOS / "dp_vs_ddp.py"), "--mode", "dp", "--steps", "5",

@@ -49,6 +49,9 @@ LESSONS = {"03_device_mapping": 8, "04_ddp_wrapping": 4, "05_checkpointing": 6,
 NEEDS = {"torch": "torch", "torchvision": "torchvision", "pytest": "pytest", "psutil": "psutil",
          "pynvml": "nvidia-ml-py", "matplotlib": "matplotlib", "numpy": "numpy",
          "PIL": "pillow", "tqdm": "tqdm"}  # fmt: skip
+# What a GPU box may lack and still check the rest: the lessons that need it (resnet18) are
+# rows "not run"; its gpu tests skip themselves (pytest.importorskip).
+OPTIONAL = {"torchvision": ("04_ddp_wrapping", "06_training_and_utilization")}
 # The ranks a lesson's GPU branch needs (its NPROC; a test reads them from the notebooks):
 # with fewer GPUs its launches run on the CPU, and the row says so instead of "ok".
 LESSON_RANKS = {"04_ddp_wrapping": 2, "06_training_and_utilization": 2, "08_fault_tolerance": 2,
@@ -123,12 +126,15 @@ class Step:
     note: str = ""
     measures: str = ""  # gpu-smoke: the probe's JSON (OUT/<measures>.json) read into the row
     cpu_only: str = ""  # the status of a run that passed on the CPU, not on GPUs (too few)
+    skip: str = ""  # the status of a step not run at all (a package it needs is missing)
+    env: tuple[tuple[str, str], ...] = ()  # variables of its own (gpu-smoke: one GPU)
     runs_on_cpu: bool = False  # gpu-smoke --cpu: the step also runs without a GPU (rehearsal)
 
 
-def plan(gpus: int, python: str = sys.executable, exclusive: bool = False) -> list[Step]:
+def plan(gpus: int, python: str = sys.executable, exclusive: bool = False,
+         missing: tuple[str, ...] = ()) -> list[Step]:  # fmt: skip
     """The steps for a machine whose ranks would see ``gpus`` GPUs (``exclusive``: in compute
-    mode EXCLUSIVE_PROCESS, one process per GPU)."""
+    mode EXCLUSIVE_PROCESS, one process per GPU; ``missing``: optional packages it lacks)."""
     if gpus < 1:
         raise SystemExit(
             "gpu-check: no GPU visible to CUDA here (NVML count and CUDA_VISIBLE_DEVICES): "
@@ -153,12 +159,16 @@ def plan(gpus: int, python: str = sys.executable, exclusive: bool = False) -> li
         ranks = LESSON_RANKS.get(lesson, 1)
         cpu_only = f"GPU branch not run: needs {ranks} GPUs" if gpus < ranks else ""
         limit = lesson_limit_s(lesson, gpus, exclusive)
-        steps.append(Step(f"lesson {lesson[:2]}", command, limit, cpu_only=cpu_only))
+        lacks = [name for name in missing if lesson in OPTIONAL.get(name, ())]
+        skip = f"not run: no {', '.join(lacks)} (resnet18)" if lacks else ""
+        steps.append(Step(f"lesson {lesson[:2]}", command, limit, cpu_only=cpu_only, skip=skip))
     return steps
 
 
 def run_step(step: Step) -> dict[str, object]:
     """Run one step from the repository root (its whole tree killed on a timeout); a table row."""
+    if step.skip:
+        return {"step": step.name, "seconds": 0.0, "status": step.skip, "note": step.note}
     # The package from this source tree, for every process below (notebooks run from
     # notebooks/, their ranks from wherever torchrun starts them): an absolute path.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -181,11 +191,17 @@ def main() -> int:
     from ddp_tutorial.devices import DeviceError, MigError, visible_gpus
     from ddp_tutorial.records import format_table
 
-    missing = [pip for module, pip in NEEDS.items() if importlib.util.find_spec(module) is None]
+    absent = [module for module in NEEDS if importlib.util.find_spec(module) is None]
+    missing = [NEEDS[module] for module in absent if module not in OPTIONAL]
     if missing:  # pynvml: how the course counts GPUs without a CUDA context
         print(f"gpu-check: missing {', '.join(missing)}: pip install {' '.join(missing)} "
-              "(torchvision: resnet18; nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
+              "(nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
         return 2
+    optional = tuple(module for module in absent if module in OPTIONAL)
+    for module in optional:  # a torch-only box: check the rest, and say what was not
+        print(f"gpu-check: no {module} here: lessons {', '.join(OPTIONAL[module])} are not "
+              f"run (resnet18), their gpu tests skip; pip install {NEEDS[module]} to check "
+              "them too", file=sys.stderr)  # fmt: skip
     try:
         gpus = visible_gpus()
     except MigError as exc:  # the lessons run on the CPU there: no GPU branch to check
@@ -198,7 +214,14 @@ def main() -> int:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     rows = []
-    for step in plan(len(gpus), exclusive=any(gpu.exclusive for gpu in gpus)):
+    from ddp_tutorial.harness.gpu_plan import torch_blind
+
+    if gpus and (why := torch_blind(len(gpus))):  # every lesson would run on the CPU: say so
+        print(f"gpu-check: {why}: no GPU branch can run, nothing to check on the GPUs",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    exclusive = any(gpu.exclusive for gpu in gpus)
+    for step in plan(len(gpus), exclusive=exclusive, missing=optional):
         print(f"gpu-check: {step.name} ...", flush=True)
         rows.append(run_step(step))
     print()

@@ -88,3 +88,26 @@ def gpu_branch_note(nproc: int, env: Mapping[str, str] | None = None) -> str:
             f"run on the CPU with gloo"
         )
     return ""
+
+
+def torch_blind(gpus: int) -> str:
+    """Why torch cannot compute on the ``gpus`` GPUs NVML lists ("" when it sees them all).
+
+    NVML answers without CUDA: a CPU-only torch, a wheel for a newer CUDA than the driver, a
+    stopped fabric manager (CUDA error 802 on an HGX board) leave the count right and every
+    launch on the CPU. gpu-check and gpu-smoke ask torch itself, in a process of its own.
+    """
+    import subprocess
+
+    from ddp_tutorial.harness.checks import torch_gpu_count
+
+    if why := torch_sees_no_gpu():
+        return why
+    try:
+        seen = torch_gpu_count(os.environ)
+    except subprocess.TimeoutExpired:
+        return "torch.cuda.device_count() gave no answer within 180 s"
+    if seen < gpus:
+        return (f"torch sees {seen} of the {gpus} GPU(s) NVML lists (the driver, its fabric "
+                "manager or the container: `ddp-tutorial doctor` says more)")  # fmt: skip
+    return ""

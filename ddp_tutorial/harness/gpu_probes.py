@@ -8,8 +8,10 @@ row) and writes ``OUT/NAME.json``. Probes that train launch the course's real sc
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -115,13 +117,16 @@ def utilization(out: Path) -> dict[str, Any]:
     from ddp_tutorial.harness.launch import torchrun
     from ddp_tutorial.harness.monitor import summarize
 
-    # resnet18 keeps a GPU busy; on a CPU (gpu-smoke --cpu) the small CNN fits the limit
-    model = "resnet18" if launch_gpu_count() else "cnn"
+    # resnet18 keeps a GPU busy (torchvision's: a torch-only box runs the CNN); on a CPU
+    # (gpu-smoke --cpu) the small CNN fits the limit
+    vision = importlib.util.find_spec("torchvision") is not None
+    model = "resnet18" if launch_gpu_count() and vision else "cnn"
     args = ["--model", model, "--batch-size", "64", "--max-steps", "60", "--no-progress"]
     run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=50,
                    run_dir=out / "utilization-run", echo=False)  # fmt: skip
     rows = run.utilization or []
-    return {"seconds": run.seconds, "per_gpu": summarize(rows), "samples": len(rows)}
+    return {"model": model, "seconds": run.seconds, "per_gpu": summarize(rows),
+            "samples": len(rows)}  # fmt: skip
 
 
 def bitwise(out: Path) -> dict[str, Any]:
@@ -131,6 +136,7 @@ def bitwise(out: Path) -> dict[str, Any]:
     digests = []
     for name in ("a", "b"):
         ckpt = out / f"bitwise-{name}"
+        shutil.rmtree(ckpt, ignore_errors=True)  # a rerun's old final.pt would be resumed
         # out_flag=None: no --out, so the template runs the path a copy of it runs
         torchrun(REPO / "scripts/train.py", "--deterministic", "--max-steps", "20",
                  "--no-progress", "--checkpoint-dir", ckpt, nproc=1, timeout=30,

@@ -12,7 +12,8 @@ every measurement), ``smoke.txt`` (the table), and each step's log and files.
 2. the ``gpu`` tests that one GPU can run (``pytest -m gpu``; those needing two skip);
 3. lesson 11's script (autocast, ``torch.compile``, comm hooks, overlap) on one rank: its
    time, and the size of what it wrote (a 2048-wide model's weights in JSON were gigabytes);
-4. lesson 06's utilization: the template with resnet18 while NVML samples the GPU;
+4. lesson 06's utilization: the template with resnet18 (the CNN where torchvision is missing)
+   while NVML samples the GPU;
 5. lesson 12's memory: the allocator's peak beside the process's memory in NVML (the CUDA
    context, the cache, NCCL's buffers are not in ``max_memory_allocated``);
 6. two ``--deterministic`` template runs: the same ``final.pt``, bit for bit.
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ddp_tutorial import settings
@@ -73,7 +75,7 @@ def folder_bytes(path: Path) -> int:
 def run_smoke_step(step: Step, out: Path, index: int) -> dict[str, object]:
     """Run one step; its row (never raises: a failed step is a row)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, settings.RUNS_ENV: str(out / "runs")}
+    env = {"PYTHONPATH": path, settings.RUNS_ENV: str(out / "runs"), **dict(step.env)}
     done = run_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
     (out / f"step{index}.log").write_text(done.output)
     if done.timed_out:
@@ -103,17 +105,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step.timeout_s:5.0f} s  {step.name}: {' '.join(step.command)}")
         print(f"{sum(s.timeout_s for s in steps):5.0f} s  in all, at most; into {out}")
         return 0
-    from ddp_tutorial.devices import DeviceError, visible_gpu_count
+    from ddp_tutorial.devices import DeviceError, visible_gpus
+    from ddp_tutorial.harness.gpu_plan import torch_blind
     from ddp_tutorial.records import format_table
 
     try:
-        gpus = visible_gpu_count()
+        listed = visible_gpus()
+        why = torch_blind(len(listed)) if listed else "no GPU visible (NVML, CUDA_VISIBLE_DEVICES)"
     except DeviceError as exc:  # MIG: the course runs on the CPU there (devices.MigError)
-        gpus = 0
-        print(f"gpu-smoke: {exc}", file=sys.stderr)
+        listed, why = [], str(exc)
+    gpus = 0 if why else len(listed)
     if gpus < 1:  # every row still: the inventory (and with --cpu what runs on a CPU)
-        print("gpu-smoke: no GPU visible to CUDA here: the GPU steps are rows 'not run: no GPU'"
+        print(f"gpu-smoke: {why}: the GPU steps are rows 'not run: no GPU'"
               + ("; the others run on the CPU" if args.cpu else ""), file=sys.stderr)  # fmt: skip
+    else:  # the gpu tests on one GPU, as the step says: with 8 each would launch 8 ranks
+        one = ((settings.VISIBLE_DEVICES_ENV, listed[0].uuid),)
+        steps = [replace(s, env=one) if s.name.startswith("gpu tests") else s for s in steps]
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, step in enumerate(steps):
