@@ -55,10 +55,10 @@ format: $(STAMP)
 strip: $(STAMP)  ## remove notebook outputs before committing
 	$(BIN)/ddp-tutorial strip
 
-# On a GPU machine with torch, torchvision (the lessons' resnet18), pytest, psutil,
-# nvidia-ml-py, matplotlib and tqdm but no pip and no Jupyter (it says what is missing
-# first): no venv, the package from the source tree. The gpu tests, an nccl
-# hello across every GPU, lessons 03-06 and 08-12 run without Jupyter; a table at the end.
+# On a GPU machine with torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm but no pip
+# and no Jupyter (it says what is missing first; without torchvision, lessons 04 and 06, whose
+# resnet18 needs it, are rows "not run"): no venv, the package from the source tree. The gpu
+# tests, an nccl hello across every GPU, lessons 03-06 and 08-12 run without Jupyter; a table.
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m ddp_tutorial.harness.gpu_check
 
