@@ -72,7 +72,7 @@ def test_without_a_gpu_every_step_is_a_row_and_cpu_runs_what_can(tmp_path, monke
     ]
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(gpu_smoke, "smoke_plan", lambda out: fake)
-    monkeypatch.setattr("ddp_tutorial.devices.visible_gpu_count", lambda: 0)
+    monkeypatch.setattr("ddp_tutorial.devices.visible_gpus", lambda: [])
     assert gpu_smoke.main([]) == 2, "nothing checked on a GPU: not a pass"
     assert "no GPU visible" in capsys.readouterr().err
     rows = json.loads((tmp_path / "smoke.json").read_text())
@@ -140,3 +140,19 @@ def test_the_gpu_tests_step_sees_one_gpu_of_eight(tmp_path, monkeypatch):
     assert seen["pytest"]["CUDA_VISIBLE_DEVICES"] == OneGpu.uuid
     probes = seen["ddp_tutorial.harness.gpu_probes"]
     assert "CUDA_VISIBLE_DEVICES" not in probes, "the other steps: the machine as it is"
+
+
+def test_the_utilization_probe_averages_the_training_not_the_launch(tmp_path, monkeypatch):
+    """Helper 100: 60 steps of a 10-20 s launch were averaged with its start-up, when nobody
+    computes: the probe reads the training's span from the ranks' records, as lesson 06 does
+    (on this CPU: 83 % over the launch, 175 % over the training)."""
+    from ddp_tutorial.harness import gpu_probes, launch
+
+    samples = [{"t": t, "wall": 1000.0 + t, "kind": "gpu", "id": 0, "util": u, "mem_mib": 1.0}
+               for t, u in ((1, 0.0), (5, 90.0), (6, 100.0), (9, 0.0))]  # fmt: skip
+    ran = launch.RunResult(["torchrun"], 0, "", tmp_path, 10.0, timed_out=False,
+                           records=[{"rank": 0, "train_start": 1004.0, "train_end": 1007.0}],
+                           utilization=samples)  # fmt: skip
+    monkeypatch.setattr(launch, "torchrun", lambda *a, **k: ran)
+    got = gpu_probes.utilization(tmp_path)
+    assert got["per_gpu"][0]["util_mean"] == 95.0 and got["window_s"] == 3.0
