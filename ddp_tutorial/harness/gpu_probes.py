@@ -33,13 +33,16 @@ def _nvml_facts() -> dict[str, Any]:
         pynvml.nvmlInit()
     except Exception as exc:  # no bindings or no driver: the inventory says so
         return {"driver": None, "gpus": [], "nvml_error": f"{type(exc).__name__}: {exc}"}
+    facts: dict[str, Any] = {"driver": None, "gpus": []}
     try:
-        facts: dict[str, Any] = {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": []}
+        facts["driver"] = pynvml.nvmlSystemGetDriverVersion()
         for i in range(pynvml.nvmlDeviceGetCount()):
             facts["gpus"].append(_nvml_gpu(pynvml, i))
-        return facts
+    except pynvml.NVMLError as exc:  # what was read so far stays
+        facts["nvml_error"] = f"{type(exc).__name__}: {exc}"
     finally:
         pynvml.nvmlShutdown()
+    return facts
 
 
 def _nvml_gpu(pynvml: Any, i: int) -> dict[str, Any]:
@@ -63,14 +66,19 @@ def _nvml_gpu(pynvml: Any, i: int) -> dict[str, Any]:
 
 
 def inventory(out: Path) -> dict[str, Any]:
-    """Versions, and what the GPUs are: the first row of any GPU report."""
+    """Versions, and what the GPUs are: the first row of any GPU report. NVML's facts are
+    written first: a CUDA call that fails or hangs (the step's limit) keeps them."""
+    facts: dict[str, Any] = {"python": sys.version.split()[0], **_nvml_facts()}
+    _write(out, "inventory", {"ok": False, "partial": "NVML only", **facts})
     import torch
 
-    facts = {"python": sys.version.split()[0], "torch": torch.__version__,
-             "cuda_build": torch.version.cuda, "nccl": None, **_nvml_facts()}  # fmt: skip
-    if torch.cuda.is_available():
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        facts["capability"] = torch.cuda.get_device_capability(0)
+    facts.update(torch=torch.__version__, cuda_build=torch.version.cuda, nccl=None)
+    try:
+        if torch.cuda.is_available():
+            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            facts["capability"] = torch.cuda.get_device_capability(0)
+    except Exception as exc:  # CUDA refuses (error 802, a driver too old): say so, keep the rest
+        facts["cuda_error"] = f"{type(exc).__name__}: {exc}"
     return facts
 
 
@@ -122,7 +130,7 @@ def utilization(out: Path) -> dict[str, Any]:
     vision = importlib.util.find_spec("torchvision") is not None
     model = "resnet18" if launch_gpu_count() and vision else "cnn"
     args = ["--model", model, "--batch-size", "64", "--max-steps", "400", "--no-progress"]
-    run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=50,
+    run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=45,
                    run_dir=out / "utilization-run", echo=False)  # fmt: skip
     rows = run.utilization or []
     # the training's own span (the ranks' train_start/end, as lesson 06 reads it): start-up and
@@ -148,7 +156,7 @@ def bitwise(out: Path) -> dict[str, Any]:
         shutil.rmtree(ckpt, ignore_errors=True)  # a rerun's old final.pt would be resumed
         # out_flag=None: no --out, so the template runs the path a copy of it runs
         torchrun(REPO / "scripts/train.py", "--deterministic", "--max-steps", "20",
-                 "--no-progress", "--checkpoint-dir", ckpt, nproc=1, timeout=30,
+                 "--no-progress", "--checkpoint-dir", ckpt, nproc=1, timeout=27,
                  out_flag=None, run_dir=out / f"bitwise-{name}-run", echo=False)  # fmt: skip
         digests.append(hashlib.sha256((ckpt / "final.pt").read_bytes()).hexdigest())
     if digests[0] != digests[1]:

@@ -51,19 +51,20 @@ def smoke_plan(out: Path, python: str = sys.executable) -> list[Step]:
              "scripts/demos/speed_tools.py", "--out", str(out / "speed_tools")]  # fmt: skip
     cpu = {"runs_on_cpu": True}  # --cpu: these also run on a machine without a GPU
     return [
-        Step("inventory", [*probe, "inventory", str(out)], 30, measures="inventory", **cpu),
+        # a cold torch import and CUDA's start on 8 GPUs without persistence mode: tens of s
+        Step("inventory", [*probe, "inventory", str(out)], 60, measures="inventory", **cpu),
         Step("gpu tests (one GPU)", pytest, 150),
         Step("lesson 11: amp, compile, overlap", speed, 120, **cpu),
         Step(
             "lesson 06: utilization",
             [*probe, "utilization", str(out)],
-            60,
+            50,
             measures="utilization",
             **cpu,
         ),
-        Step("lesson 12: memory", [*probe, "memory", str(out)], 45, measures="memory"),
+        Step("lesson 12: memory", [*probe, "memory", str(out)], 40, measures="memory"),
         Step(
-            "template twice, bitwise", [*probe, "bitwise", str(out)], 75, measures="bitwise", **cpu
+            "template twice, bitwise", [*probe, "bitwise", str(out)], 60, measures="bitwise", **cpu
         ),
     ]
 
