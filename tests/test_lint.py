@@ -1254,6 +1254,33 @@ def test_a_cpu_tensor_in_an_nccl_collective_is_found_however_it_was_made():
         assert "DDP128" not in codes(source), label
 
 
+def test_the_hand_made_prefix_edits_behind_a_guard_and_beside_it_helper_102():
+    """lstrip is wrong behind a startswith guard too; replace everywhere is wrong behind one
+    unless it replaces once; replacing torch.compile's _orig_mod. inside keys is right, and a
+    loop over named_modules() holds no checkpoint keys."""
+    flagged = {
+        "if k.startswith('module.'):\n        k = k.lstrip('module.')": "DDP124",
+        "k = k.lstrip('module.') if k.startswith('module.') else k": "DDP124",
+        "if k.startswith('module.'):\n        k = k.replace('module.', '')": "DDP129",
+        "k = k.replace('module.', '') if k.startswith('module.') else k": "DDP129",
+        "k = k.replace('module.', 'backbone.')": "DDP129",
+    }
+    for edit, code in flagged.items():
+        found = codes(f"for k, v in state.items():\n    {edit}\n    plain[k] = v\n")
+        assert code in found, (edit, found)
+    clean = [
+        "for k, v in state.items():\n    if k.startswith('module.'):\n"
+        "        k = k.replace('module.', '', 1)\n    plain[k] = v\n",
+        "for k, v in state.items():\n    plain[k.replace('_orig_mod.', '')] = v\n",
+        "for name, m in model.named_modules():\n    print(name.replace('module.', ''))\n",
+    ]
+    for source in clean:
+        assert not {"DDP124", "DDP129"} & set(codes(source)), source
+    message = lint_source("for k, v in state.items():\n    d[k.replace('module.', 'b.')] = v\n",
+                          "x.py")[0].message  # fmt: skip
+    assert message.startswith("k.replace('module.', 'b.') replaces"), message
+
+
 def test_a_device_made_from_the_local_rank_places_values_and_splits_tests_on_itself():
     """Helper 97's read of the DLRM change: an attribute holding the device (args.device,
     self.device) places values as a name does; the usual DDP(..., device_ids=[local_rank])

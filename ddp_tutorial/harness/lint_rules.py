@@ -92,10 +92,10 @@ RULES: dict[str, tuple[str, str]] = {
         "05",
     ),
     "DDP129": (
-        "{name}.replace({prefix!r}, '') removes {prefix!r} anywhere in a key, not only at its "
-        "start: a layer whose name ends in {stem!r} loses part of it ('fusion_{prefix}weight' "
-        "becomes 'fusion_weight'); use {name}.removeprefix({prefix!r}) or "
-        "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, {prefix!r})",
+        "{name}.replace('module.', {new}) replaces 'module.' anywhere in a key, not only at "
+        "its start: a layer whose name ends in 'module' loses part of it "
+        "('fusion_module.weight' becomes 'fusion_weight'); use {name}.removeprefix('module.') "
+        "or torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.')",
         "05",
     ),
     "DDP116": (
