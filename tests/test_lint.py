@@ -459,6 +459,7 @@ COURSE_SCRIPTS = [
     "scripts/minimal_ddp.py",
     "scripts/resumable_ddp.py",
     "scripts/train.py",
+    "scripts/ddp_kit.py",  # helper 103: the copied pair is linted together (`lint .`)
     "scripts/exercises/solutions",
     "scripts/benchmark.py",
     "scripts/compare",
@@ -473,6 +474,47 @@ def test_the_course_scripts_and_every_exercise_solution_pass():
     assert len(solutions) >= 13
     status = main([str(REPO / p) for p in COURSE_SCRIPTS], out=out, err=out)
     assert status == 0, out.getvalue()
+
+
+def test_the_world_size_and_a_stores_methods_are_no_rank_branch_or_collective():
+    """Helper 103, the sidecar's four false findings: ``rank, world = _rank_world()`` made
+    ``if world > 1`` a rank test; ``store.check(...)`` under ``if rank == 0`` was taken for
+    the file's own ``check``, which all_reduces. A method is reached through an object, a
+    function of the file by its bare name; an object made by an imported class is not ours."""
+    world = """
+        def _rank_world():
+            return dist.get_rank(), dist.get_world_size()
+
+        def share(names):
+            rank, world = _rank_world()
+            if world > 1:
+                dist.broadcast_object_list(names, src=0)
+        """
+    assert "DDP101" not in codes(world)
+    assert "DDP101" in codes(world.replace("if world > 1", "if rank > 0"))  # still a rank
+    function = """
+        def check(flag):
+            t = torch.tensor([flag])
+            dist.all_reduce(t)
+
+        def wait_for_peers(store):
+            if dist.get_rank() == 0:
+                store.check(["ready"])
+        """
+    assert "DDP101" not in codes(function)
+    assert "DDP101" in codes(function.replace('store.check(["ready"])', "check(1)"))
+    method = """
+        class Stop:
+            def check(self):
+                dist.all_reduce(torch.zeros(1))
+
+        def wait_for_peers(stop):
+            kv = dist.TCPStore("h", 1, 2, True)
+            if dist.get_rank() == 0:
+                kv.check(["ready"])
+        """
+    assert "DDP101" not in codes(method)
+    assert "DDP101" in codes(method.replace('kv.check(["ready"])', "stop.check()"))
 
 
 def test_the_command_exits_1_on_a_finding_and_2_on_a_file_it_cannot_read(tmp_path, capsys):

@@ -10,7 +10,13 @@ import ast
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ddp_tutorial.harness.lint_rules import COLLECTIVES, DIST_PREFIXES, GLOBAL_RANK_SOURCES, MAIN
+from ddp_tutorial.harness.lint_rules import (
+    COLLECTIVES,
+    DIST_PREFIXES,
+    GLOBAL_RANK_SOURCES,
+    MAIN,
+    WORLD,
+)
 
 
 def dotted(node: ast.AST) -> str:
@@ -240,8 +246,8 @@ class Scope:
         test on it splits the ranks (``if device.index == 0``) and a value computed with it
         does not (DLRM's metrics of a model on this rank's GPU are every rank's); ``net.to(
         device)``, ``DDP(net, device_ids=[local_rank])``: the same model, placed."""
-        if not self.depends_on_rank(value):
-            return
+        if not self.depends_on_rank(value) or WORLD.fullmatch(name.rsplit(".", 1)[-1]):
+            return  # `rank, world = rank_world()`: the world size is every rank's
         call = value if isinstance(value, ast.Call) else None
         cuda = isinstance(value, ast.JoinedStr) and "cuda" in ast.unparse(value)
         if cuda or (call and last_name(call) == "device"):

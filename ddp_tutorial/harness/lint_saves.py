@@ -19,6 +19,7 @@ from ddp_tutorial.harness.lint_ast import (
     last_name,
     names_in,
     only_local,
+    pairs,
 )
 
 
@@ -29,13 +30,25 @@ class Helpers:
 
     def __init__(self, tree: ast.Module) -> None:
         self.by_name = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+        self.methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                        for f in c.body if isinstance(f, ast.FunctionDef)}  # fmt: skip
         imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
         self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
+        # names that hold an object of an imported class (`store = dist.TCPStore(...)`): their
+        # methods are not this file's, whatever they are called
+        self.foreign = {name for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                        and isinstance(node.value, ast.Call)
+                        and dotted(node.value.func).split(".")[0] in self.modules
+                        for name, _ in pairs(node)}  # fmt: skip
 
     def get(self, call: ast.Call) -> ast.FunctionDef | None:
-        if isinstance(call.func, ast.Attribute) and dotted(call.func).split(".")[0] in self.modules:
+        if not isinstance(call.func, ast.Attribute):
+            return self.by_name.get(last_name(call))
+        owner = dotted(call.func.value)
+        if owner.split(".")[0] in self.modules or owner in self.foreign:
             return None
-        return self.by_name.get(last_name(call))
+        found = self.by_name.get(call.func.attr)  # `x.check()` reaches a method, never a
+        return found if found is not None and id(found) in self.methods else None  # function
 
 
 RESTORES = re.compile(r"(^|_)(load|resume|restart|restore)(_|$)")
