@@ -118,6 +118,13 @@ CASES = register(
                      '    losses.append(loss_fn(model(x), y, reduction="sum") * world / count)\n'
                      "    for loss in losses:\n        loss.backward()"),)),
         # helper 98: the parameters through the all_reduce too came back the same and passed
+        # helper 102: the output of a gather is world x what a rank sends: right, one call
+        Case(BUFFERS, "gathered-into-one-tensor-then-averaged", None,
+             edits=(("    dist.all_reduce(flat)  # SUM over the ranks: one collective for every "
+                     "layer\n    flat /= world\n",
+                     "    parts = torch.empty(world * flat.numel(), dtype=flat.dtype)\n"
+                     "    dist.all_gather_into_tensor(parts, flat)\n"
+                     "    flat = parts.view(world, -1).mean(0)\n"),)),
         Case(BUFFERS, "state-dict-averaged-parameters-too", "the parameters too",
              edits=(("model.buffers() if b.is_floating_point()",
                      "model.state_dict().values() if b.is_floating_point()"),)),

@@ -109,6 +109,9 @@ CASES = register([
     Case(SNAP, "sleeps-instead-of-the-barrier", "without a collective",
          edits=(("    dist.barrier()\n",
                  "    else:\n        __import__(\"time\").sleep(2.0)\n"),)),
+    Case(SNAP, "waits-in-all-gather-object", None,  # helper 102: any collective waits
+         edits=(("    dist.barrier()\n", "    dist.all_gather_object([None] * "
+                 "dist.get_world_size(), 0)\n"),)),
     Case(SNAP, "barrier-before-the-rename", "after the rename - not before it",
          edits=(("        os.replace(tmp, path)\n    dist.barrier()\n",
                  "    dist.barrier()\n    if dist.get_rank() == 0:\n"

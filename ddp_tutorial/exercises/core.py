@@ -22,8 +22,16 @@ BEGIN, END = "# YOUR CODE", "# END YOUR CODE"
 # a verdict that ends with this names the one section behind its mistake (not every one)
 OWN_SECTION = re.compile(r'\(lesson \d\d, "[^"]+"\)$')
 
-# a division by 2, the checks' number of ranks, where the world size belongs (/ 2, /= 2, .div_(2))
-DIVIDED_BY_2 = r"(?:/=?|\.div_?\()\s*2\b(?!\.\d)"
+
+def divided_by(n: int) -> str:
+    """A regex of a division by ``n`` (``/ n``, ``/= n``, ``/ n.0``, ``.div_(n)``,
+    ``torch.div(t, n)``), not ``// n`` (integer arithmetic): the check's own count written in."""
+    number = rf"{n}(?:\.0*)?(?![\w.])"
+    return rf"(?<!/)/(?!/)=?\s*{number}|\.div_?\(\s*{number}\s*\)|torch\.div\([^,()]+,\s*{number}"
+
+
+# a division by 2, the checks' number of ranks, where the world size belongs
+DIVIDED_BY_2 = divided_by(2)
 
 Record = dict[str, Any]
 # rank side: (the learner's module, this rank's context) -> what the judge reads

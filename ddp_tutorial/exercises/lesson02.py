@@ -325,7 +325,7 @@ _COUNTS_ERRORS = (
      "cannot write it back - all_reduce them with the default SUM, and compute from the totals"),
 )  # fmt: skip
 _UNEVEN = (
-    "the ranks passed tensors of different sizes to one collective (gloo refuses): "
+    "the ranks passed tensors of different sizes (or dtypes) to one collective (gloo refuses): "
     "each rank's own predictions (8 and 5), or counts for only the classes a rank saw "
     "- add a [3, num_classes] count (TP, FP, FN of every class) with dist.all_reduce, "
     "the same shape on every rank"

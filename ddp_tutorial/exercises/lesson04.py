@@ -53,7 +53,9 @@ def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         calls.append(name)
-        tensor = args[0] if args else kwargs.get("tensor")
+        # what this rank sends: all_gather*(out, in) and reduce_scatter*(out, in) name it second
+        second = name.startswith(("all_gather", "reduce_scatter")) and len(args) > 1
+        tensor = args[1] if second else args[0] if args else kwargs.get("tensor")
         if sizes is not None and isinstance(tensor, torch.Tensor):
             sizes.append((name, tensor.numel()))
         if asyncs is None or not is_async(args, kwargs):  # all_reduce's and broadcast's 4th

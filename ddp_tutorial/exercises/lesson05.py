@@ -22,15 +22,19 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.lesson01 import COLLECTIVES
 from ddp_tutorial.exercises.runner import agent_store, meet
 from ddp_tutorial.exercises.spies import paths_through_os, spied_os, spying
 
 DELAY_S = 1.5  # the longest rank 0's first save (write, then rename) waits for the others
-# what a rank that waits for rank 0's file calls (a sleep that outlasts DELAY_S waits for none)
-WAITS = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "broadcast_object_list")
+# what a rank that waits for rank 0's file calls (a sleep that outlasts DELAY_S waits for none):
+# any collective, since rank 0 reaches it only after its rename
+WAITS = (*COLLECTIVES, "barrier", "monitored_barrier", "broadcast_object_list", "gather_object",
+         "scatter_object_list")  # fmt: skip
 EPOCH, STEP = 3, 120  # what the first save is asked to store
 
 
@@ -129,7 +133,7 @@ def _save_phase(
             _spied_save(calls, hold if ctx.rank == 0 else None),
             spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None, folder),
             mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
-            spying(WAITS, lambda name, *_: waits.append(name), module),
+            spying(WAITS, lambda name, *_: waits.append(name), module, also=(c10d,)),
         ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:

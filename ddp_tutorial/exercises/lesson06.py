@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record, divided_by
 from ddp_tutorial.exercises.lesson04 import EVERY, counted
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
 from ddp_tutorial.exercises.spies import spying
@@ -399,7 +399,7 @@ def _call_order(calls: list[str], step: int) -> str | None:
 EXERCISES = [
     Exercise(
         name="06_clip_and_schedule", lesson="06", run=run_clip, judge=judge_clip,
-        hidden=((r"(?:/=?|\.div_?\()\s*4\b(?!\.\d)", "the loss is divided by 4, this check's "
+        hidden=((divided_by(K), "the loss is divided by 4, this check's "
                  "number of micro-batches: with another accumulation count the gradient is "
                  "scaled wrong - divide by k = len(micro_batches)"),),
         title="an accumulated, clipped, scheduled step under a GradScaler, alike on every rank",
