@@ -102,6 +102,31 @@ def test_the_port_torchrun_reads_is_checked_before_the_one_env_init_reads(monkey
     endpoint = check_port({"PET_RDZV_ENDPOINT": "node0:29400"})
     assert endpoint.status == "fail" and "PET_RDZV_ENDPOINT" in endpoint.detail
     assert check_port({"MASTER_PORT": "29401"}).status == "ok"
+    # helper 102: torchrun's order and parser (run.py, rendezvous/utils.py): the endpoint wins
+    # over --master-port, a c10d endpoint without a port is 29400, --standalone picks its own
+    both = check_port({"PET_MASTER_PORT": "29401", "PET_RDZV_ENDPOINT": "node0:29400"})
+    assert both.status == "fail" and both.detail.startswith("PET_RDZV_ENDPOINT=")
+    for endpoint in ("node0", "[::1]", " node0:29400 ", "[::1]:29400"):
+        assert check_port({"PET_RDZV_ENDPOINT": endpoint}).status == "fail", endpoint
+    broken = check_port({"PET_RDZV_ENDPOINT": "node0:"})
+    assert broken.status == "fail" and "must be an integer" in broken.detail
+    assert check_port({"PET_STANDALONE": "1", "PET_MASTER_PORT": "29400"}).status == "ok"
+
+
+def test_a_listener_on_ipv6_alone_takes_the_port_the_store_wants():
+    """The store listens on every address, IPv6 too: a process on [::]:port only, IPv4 free,
+    still refuses it (helper 102: the check bound IPv4 alone and called it free)."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            s.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 address to listen on")
+        s.listen()
+        taken = check_port({"MASTER_PORT": str(s.getsockname()[1])})
+    assert taken.status == "fail", taken.detail
 
 
 def test_a_port_a_finished_job_left_in_time_wait_is_free_as_the_store_sees_it():

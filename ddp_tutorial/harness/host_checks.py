@@ -17,6 +17,7 @@ Port (lessons 09, 10): the port the job's store would listen on here, judged as 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from collections.abc import Mapping
@@ -109,32 +110,54 @@ def check_host_name(local_addr: str | None = None) -> Finding:
 def port_in_use(port: int) -> bool:
     """Whether the rendezvous store could *not* listen on ``port`` right now.
 
-    Bound as c10d's TCPStore binds: on every address, with ``SO_REUSEADDR``, so that a port a
-    finished job left in TIME_WAIT (a minute after its store closed) counts as free, as it is
-    for the next store, and a listener on any one address counts as taken.
+    Bound as c10d's TCPStore binds: on every address, IPv6 and IPv4 both where the machine has
+    IPv6, with ``SO_REUSEADDR``, so that a port a finished job left in TIME_WAIT (a minute
+    after its store closed) counts as free, as it is for the next store, and a listener on any
+    one address counts as taken.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
         try:
-            s.bind(("", port))
-        except OSError:
-            return True
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: IPv4 alone
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # and IPv4's
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+                continue  # this family cannot bind here (no IPv6 address): the next one
+            return False
     return False
 
 
-def _asked_port(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """``(variable, value)`` of the port a launch here would listen on, if one is set.
+def _asked_port(env: Mapping[str, str]) -> tuple[str, int | None, str] | None:
+    """``(what asked for it, the port, why it is none)`` of the port a launch here would
+    listen on, if one is set; in torchrun's order (torch 2.14's run.py): ``--standalone``
+    picks a free one, else the rendezvous endpoint (a c10d endpoint without a port: 29400),
+    else ``--master-port``. torchrun reads each from ``PET_*`` and sets ``MASTER_PORT`` for its
+    ranks itself; ``MASTER_PORT`` counts for a script started without it (``python
+    script.py``, ``mp.spawn``: env://)."""
+    if env.get("PET_STANDALONE", "").strip().lower() in ("1", "true"):
+        return None
+    if endpoint := env.get("PET_RDZV_ENDPOINT", "").strip():
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    torchrun reads ``--master-port``/``--rdzv-endpoint`` from ``PET_MASTER_PORT`` and
-    ``PET_RDZV_ENDPOINT`` and sets ``MASTER_PORT`` for its ranks itself; ``MASTER_PORT``
-    counts for a script started without it (``python script.py``, ``mp.spawn``: env://).
-    """
-    if raw := env.get("PET_MASTER_PORT"):
-        return "PET_MASTER_PORT", raw
-    if endpoint := env.get("PET_RDZV_ENDPOINT"):
-        return "PET_RDZV_ENDPOINT", endpoint.rpartition(":")[2]
-    if raw := env.get("MASTER_PORT"):
-        return "MASTER_PORT", raw
+        try:
+            return (
+                f"PET_RDZV_ENDPOINT={endpoint}",
+                parse_rendezvous_endpoint(endpoint, 29400)[1],
+                "",
+            )
+        except ValueError as exc:
+            return f"PET_RDZV_ENDPOINT={endpoint}", None, str(exc)
+    for name in ("PET_MASTER_PORT", "MASTER_PORT"):
+        if raw := env.get(name, "").strip():
+            port = int(raw) if raw.isdigit() else None
+            return f"{name}={raw}", port, "" if port is not None else f"{raw!r} is no port number"
     return None
 
 
@@ -146,19 +169,18 @@ def check_port(env: Mapping[str, str]) -> Finding:
     except OSError as exc:
         return Finding("port", "fail", f"cannot open a TCP port on 127.0.0.1: {exc}", "")
     if asked := _asked_port(env):
-        name, raw = asked
-        shown = f"{name}={env[name]}"
-        if not raw.isdigit():
-            return Finding("port", "fail", f"{shown}: {raw!r} is not a port number", "")
-        if port_in_use(int(raw)):
+        shown, asked_port, why = asked
+        if asked_port is None:
+            return Finding("port", "fail", f"{shown}: {why}", "")
+        if port_in_use(asked_port):
             return Finding(
                 "port",
                 "fail",
-                f"{shown}: port {raw} is already in use (another job?): "
+                f"{shown}: port {asked_port} is already in use (another job?): "
                 "the rendezvous would fail with EADDRINUSE",
                 "pick a free port, or let torchrun choose one: torchrun --standalone",
             )
-        return Finding("port", "ok", f"{shown}: port {raw} is free")
+        return Finding("port", "ok", f"{shown}: port {asked_port} is free")
     if port_in_use(DEFAULT_MASTER_PORT):
         return Finding(
             "port",
