@@ -293,6 +293,18 @@ def test_cli_exit_status(capsys, monkeypatch):
     assert "[FAIL] CUDA_VISIBLE_DEVICES" in out and "1 problem(s) block training" in out
 
 
+def test_negative_plans_are_refused_by_the_parser(capsys):
+    """Helper 103: --num-workers -1 divided by zero; -5 and --dataset-gib -3 printed negative
+    processes and memory as "ok"."""
+    from ddp_tutorial.harness.cli import main
+
+    for flags in (["--num-workers", "-1"], ["--dataset-gib", "-3"], ["--num-workers", "x"]):
+        with pytest.raises(SystemExit) as ended:
+            main(["doctor", "--no-launch", *flags])
+        assert ended.value.code == 2
+        assert "invalid _at_least" not in (err := capsys.readouterr().err) and flags[0] in err
+
+
 @pytest.mark.gpu
 def test_nccl_probe_on_gpus():
     from conftest import gpu_count

@@ -100,6 +100,9 @@ def test_unknown_lessons_and_files_get_a_clear_error(capsys, tmp_path):
     if len(find("01")) > 1:
         assert exercise_check.main("01", [str(other)]) == 2
         assert "which exercise?" in capsys.readouterr().err
+        # helper 103: a mistyped path was asked "which exercise?", not told it is not there
+        assert exercise_check.main("01", [str(tmp_path / "nosuch.py")]) == 2
+        assert "nosuch.py: no such file" in capsys.readouterr().err
 
 
 def test_a_renamed_copy_of_a_stub_is_known_by_its_first_line(capsys, tmp_path):

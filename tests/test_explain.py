@@ -255,9 +255,9 @@ def test_the_command_reads_files_and_stdin_and_says_when_it_knows_nothing(
     assert "the rank that fell behind: 2" in capsys.readouterr().out
     monkeypatch.setattr("sys.stdin", io.StringIO("all good\nloss 0.1\n"))
     assert cli(["explain"]) == 1
-    assert capsys.readouterr().out == (
-        "no message this course knows; the first error line is the place to start\n"
-    )  # no error line to point at
+    assert capsys.readouterr().out == (  # helper 103: it pointed to an error line not there
+        "no error in this log: no message this course knows, no line that reads as one\n"
+    )
     log.write_text("loss 0.1\nTraceback (most recent call last):\nKeyError: 'label'\n")
     assert cli(["explain", str(log)]) == 1
     assert capsys.readouterr().out.endswith("place to start\nline 3: KeyError: 'label'\n")
@@ -547,3 +547,18 @@ def test_what_explain_says_holds_in_torch_2_14():
     assert "lazy" not in said["model-mismatch"]
     report = explain_log("Weights only load failed ... must be imported to load DTensors")
     assert "options=StateDictOptions(full_state_dict=True)" in report
+
+
+@pytest.mark.torchrun  # a real pipe to a real reader: two processes (no torchrun)
+def test_a_reader_that_goes_away_is_no_traceback(tmp_path):
+    """Helper 103: `ddp-tutorial explain job.log | head -1` ended in a BrokenPipeError."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "job.log"
+    log.write_text(watchdog_log([0, 1, 3], {2: 11}))
+    logs = " ".join([str(log)] * 400)  # a report each: more than a pipe holds (64 KiB)
+    done = subprocess.run(f"{sys.executable} -m ddp_tutorial.harness.cli explain {logs} | head -1",
+                          shell=True, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.stdout.strip()

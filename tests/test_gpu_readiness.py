@@ -3,7 +3,8 @@
 Each test pins a GPU-side behaviour that this CPU-only machine can still check:
 the scripts' device discipline (read from their source), the Makefile's
 commands (``make -n``), and that ``make gpu-check`` collects and starts on a
-machine with only torch, torchvision, pytest, psutil, nvidia-ml-py, matplotlib and tqdm.
+machine with only torch, pytest, psutil, nvidia-ml-py, matplotlib and tqdm (torchvision
+optional: lessons 04 and 06 are then rows "not run").
 """
 
 from __future__ import annotations

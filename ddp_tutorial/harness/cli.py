@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,12 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-launch", action="store_true", help="skip the gloo/nccl all_reduce launches"
     )
     doctor.add_argument("--timeout", type=float, default=90.0, help="seconds per probe launch")
-    doctor.add_argument(
-        "--num-workers", type=int, default=4, help="DataLoader workers per rank you plan"
-    )
-    doctor.add_argument(
-        "--dataset-gib", type=float, help="GiB of dataset (or index) each rank holds in memory"
-    )
+    doctor.add_argument("--num-workers", type=_at_least(int, 0), default=4, help=(
+        "DataLoader workers per rank you plan, for the memory check (default 4, a common "
+        "choice; the template's own default is 0)"))  # fmt: skip
+    doctor.add_argument("--dataset-gib", type=_at_least(float, 0), help=(
+        "GiB of dataset (or index) each rank holds in memory"))  # fmt: skip
     doctor.set_defaults(func=_doctor)
     check = sub.add_parser("check", help="check your answers to a lesson's exercises")
     check.add_argument("lesson", help="the lesson (01) or one exercise by name (01_ring_average)")
@@ -139,9 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _at_least(kind: type, low: float) -> Any:
+    """An argparse type: ``kind`` of the text, refused below ``low`` with argparse's message."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
+        return value
+
+    return convert
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `ddp-tutorial explain job.log | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -286,6 +286,8 @@ def check(key: str, files: Sequence[str | Path] = (), solution: bool = False,
         for f in map(Path, files):
             ex = by_name.get(f.stem) or (exercises[0] if len(exercises) == 1 else None)
             ex = ex or from_first_line(f, exercises)
+            if ex is None and not f.is_file():
+                raise LookupError(f"{f}: no such file")
             if ex is None:
                 names = ", ".join(by_name)
                 raise LookupError(f"{f}: which exercise? name the file after one of {names}, "

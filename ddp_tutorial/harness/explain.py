@@ -131,8 +131,11 @@ def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = N
         known = known or bool(report)
         if len(paths) > 1:
             print(f"== {path}", file=out)
-        if not report:
-            report = "no message this course knows; the first error line is the place to start"
-            report += f"\n{line}" if (line := first_error(text)) else ""
+        if not report and (line := first_error(text)):
+            report = (
+                f"no message this course knows; the first error line is the place to start\n{line}"
+            )
+        elif not report:
+            report = "no error in this log: no message this course knows, no line that reads as one"
         print(report, file=out)
     return 0 if known else 1

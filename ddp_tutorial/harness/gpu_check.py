@@ -1,8 +1,9 @@
 """``make gpu-check``: the one prepared command a GPU owner runs, and the table it prints.
 
-On a machine with GPUs and only what :data:`NEEDS` lists — torch *and
-torchvision* (resnet18, lessons 04 and 06), pytest, psutil, nvidia-ml-py,
-matplotlib, numpy, pillow, tqdm; no pip, no Jupyter — it runs, each with a time limit:
+On a machine with GPUs and only what :data:`NEEDS` lists — torch, pytest, psutil,
+nvidia-ml-py, matplotlib, numpy, pillow, tqdm, and torchvision if it is there (without it,
+lessons 04 and 06, whose resnet18 needs it, are rows "not run"); no pip, no Jupyter — it
+runs, each with a time limit:
 
 1. the ``gpu``-marked tests (``pytest -m gpu``);
 2. ``scripts/demos/hello.py`` with nccl across *every* visible GPU — with two or
