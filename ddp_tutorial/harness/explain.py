@@ -64,9 +64,17 @@ def root_cause(text: str) -> str | None:
     if not failures:
         return None
     first = failures[0]
+    lines = text.splitlines()
+    if first.signal == "SIGABRT" and (what := next((ln for ln in lines if "what():" in ln), "")):
+        return f"{first.describe()}, a C++ error's abort: {what.strip()[:200]}"
     if first.signal:
         return f"{first.describe()}: no traceback, a killed rank writes none"
     last = next((ln for ln in reversed(first.traceback.splitlines()) if ln.strip()), "")
+    if "To enable traceback" in last:  # no error_file (no @record): the rank's own lines have it
+        own = [
+            ln for ln in lines if ln.startswith(f"[rank{first.rank}]:") and ERROR_LINE.search(ln)
+        ]
+        last = own[-1].split(":", 1)[1] if own else last
     return f"{first.describe()}: {last.strip()[:160]}" if last else first.describe()
 
 

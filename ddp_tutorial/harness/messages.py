@@ -17,6 +17,7 @@ from ddp_tutorial.harness.log_details import (
     reset_at_init,
     said_if,
 )
+from ddp_tutorial.harness.messages_code import CODE
 from ddp_tutorial.harness.messages_launch import LAUNCH
 
 # a line from an HTTP client (a download, a logger's upload) is no rendezvous or collective
@@ -117,9 +118,10 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "mismatched-collectives",
-        r"Detected mismatch between collectives on ranks",
+        r"Detected mismatch between collectives on ranks|"
+        r"Received data size doesn't match expected size",  # gloo's, before it aborts
         "ranks called different collectives, or the same one with different shapes or "
-        "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compared them)",
+        "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compares them; gloo aborts the rank)",
         "a collective outside rank-dependent branches; shapes that do not depend on the "
         "data (bincount(..., minlength=K))",
         "09",
@@ -357,6 +359,7 @@ KNOWN: tuple[Known, ...] = (
         detail=other_processes,
     ),
     *LAUNCH,  # how jobs start and end: harness/messages_launch.py
+    *CODE,  # what the code handed to torch, and what C++ or the GPU said: messages_code.py
     Known(
         "no-nccl",
         r"Distributed package doesn't have NCCL built in|"
