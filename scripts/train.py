@@ -649,7 +649,8 @@ def train(
     last = history[-1] if history else {"train_loss": math.nan}
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "
-        f"{last['train_loss']:.4f}, {described(last)}{'' if ckpt else ', nothing saved'}"
+        f"{last['train_loss']:.4f}, {described(last)}, "
+        + (f"saved in {ckpt}/ (final.pt, best.pt, snapshots)" if ckpt else "nothing saved")
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})

@@ -1139,6 +1139,17 @@ def test_without_a_checkpoint_dir_the_template_says_that_nothing_is_saved(
     assert list(tmp_path.iterdir()) == [], "no file written anywhere"
 
 
+def test_a_finished_run_says_where_it_saved(template, tmp_path, one_rank, monkeypatch, capsys):
+    """Helper 103: the last line of a run with --checkpoint-dir did not say where its files
+    went (final.pt, best.pt, the snapshots)."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1"]
+    template.main([*argv, "--checkpoint-dir", "ck"])
+    out = capsys.readouterr().out
+    assert re.search(r"done: 8 steps, .*, saved in ck/ \(final\.pt, best\.pt, snapshots\)\n", out)
+    assert (tmp_path / "ck" / "final.pt").is_file() and (tmp_path / "ck" / "best.pt").is_file()
+
+
 def test_a_ranks_error_line_is_one_write(tmp_path, one_rank, monkeypatch):
     """Two ranks failing together printed "...(y.view_as(output))[rank0]: train.py: error: ..."
     on one line (a learner's review): print() writes the text and the newline apart, and the
