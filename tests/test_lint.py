@@ -530,6 +530,9 @@ def test_the_command_exits_1_on_a_finding_and_2_on_a_file_it_cannot_read(tmp_pat
     assert capsys.readouterr().out == ""
     assert cli(["lint", str(broken)]) == 2
     assert "not Python the linter can parse" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # helper 103: a folder without Python exited 0, silent
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no Python file in" in capsys.readouterr().err
 
 
 def test_a_test_of_whether_torchrun_started_the_script_is_no_rank_branch():

@@ -392,6 +392,9 @@ def main(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = N
     if not paths:
         print("ddp-tutorial lint: give the training scripts to check (files or folders)", file=err)
         return 2
+    if empty := [p for p in map(Path, paths) if p.is_dir() and not expand([p])]:
+        print(f"ddp-tutorial lint: no Python file in {empty[0]}: nothing was checked", file=err)
+        return 2
     findings, errors = lint_paths(paths)
     for finding in findings:
         print(finding.format(), file=out)
