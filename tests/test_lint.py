@@ -515,6 +515,28 @@ def test_the_world_size_and_a_stores_methods_are_no_rank_branch_or_collective():
         """
     assert "DDP101" not in codes(method)
     assert "DDP101" in codes(method.replace('kv.check(["ready"])', "stop.check()"))
+    # helper 104: a name is judged by its last binding before the call, not by any binding in
+    # the file; torch.compile hands back this file's model; the world size only from a helper
+    rebound = """
+        import torchvision
+
+        class Net(torch.nn.Module):
+            def evaluate(self):
+                dist.all_reduce(torch.zeros(1))
+
+        def other():
+            model = torchvision.models.resnet18()
+
+        def main():
+            model = torch.compile(Net())
+            if dist.get_rank() == 0:
+                model.evaluate()
+        """
+    assert "DDP101" in codes(rebound)
+    ranked = world.replace("rank, world = _rank_world()", "world = dist.get_rank() % 2")
+    assert "DDP101" in codes(ranked.replace("if world > 1", "if world == 0"))
+    assert "DDP101" not in codes(world.replace("rank, world", "rank, size").replace(
+        "if world > 1", "if size > 1"))  # fmt: skip
 
 
 def test_the_command_exits_1_on_a_finding_and_2_on_a_file_it_cannot_read(tmp_path, capsys):
@@ -532,6 +554,9 @@ def test_the_command_exits_1_on_a_finding_and_2_on_a_file_it_cannot_read(tmp_pat
     assert "not Python the linter can parse" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()  # helper 103: a folder without Python exited 0, silent
     assert main([str(tmp_path / "empty")]) == 2
+    assert "no Python file in" in capsys.readouterr().err
+    # helper 104: ... and it stopped the other paths from being read
+    assert main([str(tmp_path / "empty"), str(REPO / "tests/lint_cases/seed_001.py")]) == 1
     assert "no Python file in" in capsys.readouterr().err
 
 

@@ -392,8 +392,9 @@ def main(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = N
     if not paths:
         print("ddp-tutorial lint: give the training scripts to check (files or folders)", file=err)
         return 2
-    if empty := [p for p in map(Path, paths) if p.is_dir() and not expand([p])]:
-        print(f"ddp-tutorial lint: no Python file in {empty[0]}: nothing was checked", file=err)
+    for empty in [p for p in map(Path, paths) if p.is_dir() and not expand([p])]:
+        print(f"ddp-tutorial lint: no Python file in {empty}: nothing checked there", file=err)
+    if not expand(paths):
         return 2
     findings, errors = lint_paths(paths)
     for finding in findings:

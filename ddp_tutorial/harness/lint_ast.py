@@ -246,8 +246,8 @@ class Scope:
         test on it splits the ranks (``if device.index == 0``) and a value computed with it
         does not (DLRM's metrics of a model on this rank's GPU are every rank's); ``net.to(
         device)``, ``DDP(net, device_ids=[local_rank])``: the same model, placed."""
-        if not self.depends_on_rank(value) or WORLD.fullmatch(name.rsplit(".", 1)[-1]):
-            return  # `rank, world = rank_world()`: the world size is every rank's
+        if not self.depends_on_rank(value) or self.world_half(name, value):
+            return
         call = value if isinstance(value, ast.Call) else None
         cuda = isinstance(value, ast.JoinedStr) and "cuda" in ast.unparse(value)
         if cuda or (call and last_name(call) == "device"):
@@ -260,6 +260,11 @@ class Scope:
             held = call.args[:1]
         if any(self.depends_on_rank(h) for h in held):
             self.rank.add(name)
+
+    def world_half(self, name: str, value: ast.expr) -> bool:
+        """``rank, world = rank_world()``: the world size from a helper, not from a rank."""
+        named = isinstance(value, ast.Call) and WORLD.fullmatch(name.rsplit(".", 1)[-1])
+        return bool(named) and not any(self.is_global_rank(n) for n in ast.walk(value))
 
     def holds_wrapper(self, value: ast.expr, line: int) -> bool | None:
         """True: a DDP model (``DDP(...)``, or a name holding one); False: surely not (its

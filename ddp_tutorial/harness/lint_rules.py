@@ -177,7 +177,10 @@ DIST_PREFIXES = ("dist", "torch.distributed", "distributed")
 # names that say "the main rank": is_main_process(), is_master(args), args.main_rank
 MAIN = re.compile(r"(main|master)_?(process|rank)|is_main|is_master")
 # names that hold the world size, the same on every rank wherever it came from
-WORLD = re.compile(r"world(_size)?|num_replicas|n_?procs?|nproc_per_node|n_?gpus|num_gpus", re.I)
+WORLD = re.compile(
+    r"world(_size)?|ws|size|num_replicas|num_processes|n_?procs?|nproc_per_node|n_?gpus|num_gpus",
+    re.I,
+)
 GLOBAL_RANK_SOURCES = ("get_rank", "get_global_rank")
 SLOW_WORK = re.compile(  # tokenising is; a tokenizer written or loaded is not, one trained is
     r"download|prepare|preprocess|tokeni[sz]e(?!r)|(train|build|fit)_?tokeni[sz]er|build_cache|"

@@ -34,23 +34,33 @@ class Helpers:
                         for f in c.body if isinstance(f, ast.FunctionDef)}  # fmt: skip
         imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
         self.modules = {(a.asname or a.name).split(".")[0] for node in imports for a in node.names}
-        # names that hold an object of an imported class (`store = dist.TCPStore(...)`): their
-        # methods are not this file's, whatever they are called
-        self.foreign = {name for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                        and isinstance(node.value, ast.Call)
-                        and dotted(node.value.func).split(".")[0] in self.modules
-                        for name, _ in pairs(node)}  # fmt: skip
+        # each name's bindings, in line order, and whether each made an object of an imported
+        # class (`store = dist.TCPStore(...)`: its methods are not this file's, whatever they
+        # are called); torch.compile and deepcopy hand back this file's object, wrapped
+        self.bindings: dict[str, list[tuple[int, bool]]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                made = dotted(node.value.func) if isinstance(node.value, ast.Call) else ""
+                foreign = made.split(".")[0] in self.modules and made not in KEEPS_OBJECT
+                for name, _ in pairs(node):
+                    self.bindings.setdefault(name, []).append((node.lineno, foreign))
+
+    def foreign(self, name: str, line: int) -> bool:
+        """Whether ``name``'s last binding before ``line`` made an imported class's object."""
+        before = sorted(b for b in self.bindings.get(name, []) if b[0] < line)
+        return bool(before) and before[-1][1]
 
     def get(self, call: ast.Call) -> ast.FunctionDef | None:
         if not isinstance(call.func, ast.Attribute):
             return self.by_name.get(last_name(call))
         owner = dotted(call.func.value)
-        if owner.split(".")[0] in self.modules or owner in self.foreign:
+        if owner.split(".")[0] in self.modules or self.foreign(owner, call.lineno):
             return None
         found = self.by_name.get(call.func.attr)  # `x.check()` reaches a method, never a
         return found if found is not None and id(found) in self.methods else None  # function
 
 
+KEEPS_OBJECT = frozenset({"torch.compile", "copy.deepcopy", "deepcopy", "compile"})
 RESTORES = re.compile(r"(^|_)(load|resume|restart|restore)(_|$)")
 
 
