@@ -7,6 +7,7 @@ GLOO_SOCKET_IFNAME (lesson 09 shows that setting's static check).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -106,11 +107,36 @@ def test_the_port_torchrun_reads_is_checked_before_the_one_env_init_reads(monkey
     # over --master-port, a c10d endpoint without a port is 29400, --standalone picks its own
     both = check_port({"PET_MASTER_PORT": "29401", "PET_RDZV_ENDPOINT": "node0:29400"})
     assert both.status == "fail" and both.detail.startswith("PET_RDZV_ENDPOINT=")
+    c10d = {"PET_RDZV_BACKEND": "c10d"}  # an endpoint without a port: c10d's 29400
     for endpoint in ("node0", "[::1]", " node0:29400 ", "[::1]:29400"):
-        assert check_port({"PET_RDZV_ENDPOINT": endpoint}).status == "fail", endpoint
-    broken = check_port({"PET_RDZV_ENDPOINT": "node0:"})
+        found = check_port({**c10d, "PET_RDZV_ENDPOINT": endpoint})
+        assert found.status == "fail" and "already in use" in found.detail, endpoint
+    broken = check_port({**c10d, "PET_RDZV_ENDPOINT": "node0:"})
     assert broken.status == "fail" and "must be an integer" in broken.detail
+    static = check_port({"PET_RDZV_ENDPOINT": "node0"})  # helper 104: torchrun's default
+    assert static.status == "fail" and "the static rendezvous has no default" in static.detail
+    # --standalone as torchrun reads a flag: bool(int(value)) ("true" makes torchrun fail)
     assert check_port({"PET_STANDALONE": "1", "PET_MASTER_PORT": "29400"}).status == "ok"
+    assert check_port({"PET_STANDALONE": "2", "PET_MASTER_PORT": "29400"}).status == "ok"
+    assert check_port({"PET_STANDALONE": "0", "PET_MASTER_PORT": "29400"}).status == "fail"
+    assert "as a number" in check_port({"PET_STANDALONE": "true"}).detail
+    assert "no port number" in check_port({"MASTER_PORT": "70000"}).detail
+
+
+def test_a_port_this_user_may_not_listen_on_is_no_free_port(monkeypatch):
+    """Helper 104: a port below 1024 without root failed to bind with EACCES, which the check
+    took for 'no IPv6 here, try IPv4' and then called free."""
+
+    real = socket.socket.bind
+
+    def bind(self, address):
+        if address[1] == 80:  # as for a user without root, whatever this test runs as
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(self, address)
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    found = check_port({"MASTER_PORT": "80"})
+    assert found.status == "fail" and "Permission denied" in found.detail and "root" in found.fix
 
 
 def test_a_listener_on_ipv6_alone_takes_the_port_the_store_wants():
@@ -298,11 +324,13 @@ def test_negative_plans_are_refused_by_the_parser(capsys):
     processes and memory as "ok"."""
     from ddp_tutorial.harness.cli import main
 
-    for flags in (["--num-workers", "-1"], ["--dataset-gib", "-3"], ["--num-workers", "x"]):
+    for flags in (["--num-workers", "-1"], ["--dataset-gib", "-3"], ["--num-workers", "x"],
+                  ["--dataset-gib", "nan"], ["--dataset-gib", "inf"]):  # fmt: skip
         with pytest.raises(SystemExit) as ended:
             main(["doctor", "--no-launch", *flags])
         assert ended.value.code == 2
-        assert "invalid _at_least" not in (err := capsys.readouterr().err) and flags[0] in err
+        err = capsys.readouterr().err  # argparse's usage line, then what the value is
+        assert flags[0] in err and ("is below 0" in err or "is not a number" in err), err
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -147,6 +148,8 @@ def _at_least(kind: type, low: float) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):  # float("nan"), float("inf"): no amount of memory
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number")
         if value < low:
             raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
         return value

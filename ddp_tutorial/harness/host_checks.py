@@ -129,34 +129,43 @@ def port_in_use(port: int) -> bool:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     return True
-                continue  # this family cannot bind here (no IPv6 address): the next one
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue  # this family cannot bind here (no IPv6 address): the next one
+                raise  # EACCES (a port below 1024 without root): the caller says so
             return False
     return False
+
+
+# the port of a rendezvous endpoint given without one, by --rdzv-backend (torch 2.14: c10d's
+# default_port in c10d_rendezvous_backend.py, etcd's in etcd_rendezvous.py; static has none)
+ENDPOINT_PORTS = {"c10d": 29400, "etcd": 2379, "etcd-v2": 2379}
 
 
 def _asked_port(env: Mapping[str, str]) -> tuple[str, int | None, str] | None:
     """``(what asked for it, the port, why it is none)`` of the port a launch here would
     listen on, if one is set; in torchrun's order (torch 2.14's run.py): ``--standalone``
-    picks a free one, else the rendezvous endpoint (a c10d endpoint without a port: 29400),
-    else ``--master-port``. torchrun reads each from ``PET_*`` and sets ``MASTER_PORT`` for its
+    picks a free one, else the rendezvous endpoint, else ``--master-port``. torchrun reads
+    each from ``PET_*`` (a flag as ``bool(int(value))``) and sets ``MASTER_PORT`` for its
     ranks itself; ``MASTER_PORT`` counts for a script started without it (``python
     script.py``, ``mp.spawn``: env://)."""
-    if env.get("PET_STANDALONE", "").strip().lower() in ("1", "true"):
-        return None
+    if standalone := env.get("PET_STANDALONE", "").strip():
+        if not standalone.lstrip("+-").isdigit():
+            return f"PET_STANDALONE={standalone}", None, "torchrun reads it as a number: 1 or 0"
+        if int(standalone):
+            return None
     if endpoint := env.get("PET_RDZV_ENDPOINT", "").strip():
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+        backend = env.get("PET_RDZV_BACKEND", "static").strip()
         try:
-            return (
-                f"PET_RDZV_ENDPOINT={endpoint}",
-                parse_rendezvous_endpoint(endpoint, 29400)[1],
-                "",
-            )
+            _, port = parse_rendezvous_endpoint(endpoint, ENDPOINT_PORTS.get(backend, -1))
         except ValueError as exc:
             return f"PET_RDZV_ENDPOINT={endpoint}", None, str(exc)
+        why = f"no port, and the {backend} rendezvous has no default: HOST:PORT" if port < 0 else ""
+        return f"PET_RDZV_ENDPOINT={endpoint}", None if port < 0 else port, why
     for name in ("PET_MASTER_PORT", "MASTER_PORT"):
         if raw := env.get(name, "").strip():
-            port = int(raw) if raw.isdigit() else None
+            port = int(raw) if raw.isdigit() and 0 < int(raw) < 65536 else None
             return f"{name}={raw}", port, "" if port is not None else f"{raw!r} is no port number"
     return None
 
@@ -172,7 +181,12 @@ def check_port(env: Mapping[str, str]) -> Finding:
         shown, asked_port, why = asked
         if asked_port is None:
             return Finding("port", "fail", f"{shown}: {why}", "")
-        if port_in_use(asked_port):
+        try:
+            taken = port_in_use(asked_port)
+        except OSError as exc:
+            why = f"{shown}: cannot listen on port {asked_port}: {exc.strerror}"
+            return Finding("port", "fail", why, "ports below 1024 need root: pick one above")
+        if taken:
             return Finding(
                 "port",
                 "fail",
