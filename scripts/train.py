@@ -647,10 +647,11 @@ def train(
         bar.close()
         log.close()  # TensorBoard's scalars reach the disk on every exit path
     last = history[-1] if history else {"train_loss": math.nan}
+    kept = [n for n in ("final.pt", "best.pt") if ckpt and (ckpt / n).is_file()]  # best: if scored
     say(
         f"{'nothing left to train: ' if finished else ''}done: {step} steps, train loss "
         f"{last['train_loss']:.4f}, {described(last)}, "
-        + (f"saved in {ckpt}/ (final.pt, best.pt, snapshots)" if ckpt else "nothing saved")
+        + (f"saved in {ckpt}/ ({', '.join([*kept, 'snapshots'])})" if ckpt else "nothing saved")
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})

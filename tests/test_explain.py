@@ -272,8 +272,10 @@ def test_the_command_reads_files_and_stdin_and_says_when_it_knows_nothing(
     assert "the rank that fell behind: 2" in capsys.readouterr().out
     monkeypatch.setattr("sys.stdin", io.StringIO("all good\nloss 0.1\n"))
     assert cli(["explain"]) == 1
-    assert capsys.readouterr().out == (  # helper 103: it pointed to an error line not there
-        "no error in this log: no message this course knows, no line that reads as one\n"
+    assert capsys.readouterr().out == (  # helper 103: it pointed to an error line not there;
+        # helper 104: a log that ended in a segfault has no such line either: no "no error"
+        "no message this course knows, and no line it reads as an error ('...Error:', 'error:', "
+        "'ERROR'): look for how the run ended\n"
     )
     log.write_text("loss 0.1\nTraceback (most recent call last):\nKeyError: 'label'\n")
     assert cli(["explain", str(log)]) == 1
@@ -591,3 +593,18 @@ def test_a_reader_that_goes_away_is_no_traceback(tmp_path):
                           shell=True, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.stdout.strip()
+
+
+def test_the_first_failure_is_read_from_that_ranks_own_lines_whatever_their_prefix():
+    """Helper 104: a SIGABRT's cause was the log's first 'what():', any rank's; without an
+    error_file the rank's own error was found only behind a bare '[rank1]:' prefix."""
+    from ddp_tutorial.harness.explain import root_cause
+
+    crash = (LOGS / "crash_no_record_course.log").read_text()
+    stamped = crash.replace("[rank1]:", "2026-12-06 16:20:19,001 [rank1]:")  # a logger's stamp
+    assert root_cause(stamped).endswith("exited with code 1: KeyError: 'warmup'")
+    abort = (LOGS / "gloo_size_abort_course.log").read_text()
+    other = "  what():  [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(...)\n"
+    assert "Received data size" in root_cause(abort)  # rank 0's, the log's only one
+    assert root_cause(other + abort).endswith("none names this rank)")  # rank 1's is no cause
+    assert "[Rank 0]" in root_cause(other.replace("Rank 1", "Rank 0") + abort)

@@ -224,8 +224,10 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
-        hidden=((r"if [^\n]*(?:LOCAL_RANK|local_rank)[^\n]*==\s*[\"']?0[\"']?[^\n]*:"
-                 r"(?:\n[^\n]*){0,2}?save_snapshot\(", "the snapshot is saved "
+        hidden=((r"(?m)^(?P<i>[ \t]*)if [^\n]*(?:LOCAL_RANK|local_rank)"
+                 r"[^\n]*==\s*[\"']?0[\"']?[^\n]*:(?:[^\n]*save_snapshot\("
+                 r"|(?:\n(?:(?P=i)[ \t]+[^\n]*|[ \t]*))*?"
+                 r"\n(?P=i)[ \t]+[^\n]*save_snapshot\()", "the snapshot is saved "
                  "where LOCAL_RANK is 0: on several nodes each node's local rank 0 writes the same "
                  "file - global rank 0 saves (`rank == 0`, dist.get_rank()) (lesson 10, \"Who "
                  "writes checkpoints: global rank 0, not local rank 0\")"),),

@@ -17,7 +17,12 @@ from typing import TextIO
 
 from ddp_tutorial.harness.known import Known
 from ddp_tutorial.harness.messages import KNOWN
-from ddp_tutorial.harness.rank_lines import lagging_ranks, rank_of, where_ranks_failed
+from ddp_tutorial.harness.rank_lines import (
+    RANK_PREFIX,
+    lagging_ranks,
+    rank_of,
+    where_ranks_failed,
+)
 
 # A Python exception's line ("ValueError:", "torch.OutOfMemoryError:"), a tool's "error:",
 # a logger's "ERROR"
@@ -65,17 +70,27 @@ def root_cause(text: str) -> str | None:
         return None
     first = failures[0]
     lines = text.splitlines()
-    if first.signal == "SIGABRT" and (what := next((ln for ln in lines if "what():" in ln), "")):
-        return f"{first.describe()}, a C++ error's abort: {what.strip()[:200]}"
+    if first.signal == "SIGABRT" and (what := _abort_reason(lines, first.rank)):
+        return f"{first.describe()}, {what}"
     if first.signal:
         return f"{first.describe()}: no traceback, a killed rank writes none"
     last = next((ln for ln in reversed(first.traceback.splitlines()) if ln.strip()), "")
     if "To enable traceback" in last:  # no error_file (no @record): the rank's own lines have it
-        own = [
-            ln for ln in lines if ln.startswith(f"[rank{first.rank}]:") and ERROR_LINE.search(ln)
-        ]
-        last = own[-1].split(":", 1)[1] if own else last
+        own = [ln for ln in lines if rank_of(ln) == first.rank and ERROR_LINE.search(ln)]
+        last = RANK_PREFIX.sub("", own[-1]) if own else last
     return f"{first.describe()}: {last.strip()[:160]}" if last else first.describe()
+
+
+def _abort_reason(lines: list[str], rank: int | None) -> str:
+    """A SIGABRT's C++ cause: the ``what():`` line of that rank (one that names it, or carries
+    its prefix), or the log's only one; "" when none, or several and none of them its."""
+    said = [ln for ln in lines if "what():" in ln]
+    mine = [ln for ln in said if f"Rank {rank}]" in ln or rank_of(ln) == rank]
+    if mine or len(said) == 1:
+        return f"a C++ error's abort: {RANK_PREFIX.sub('', (mine or said)[0]).strip()[:200]}"
+    if said:
+        return "a C++ error's abort ('what():' lines above; none names this rank)"
+    return ""
 
 
 def explain_log(text: str) -> str:
@@ -144,6 +159,7 @@ def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = N
                 f"no message this course knows; the first error line is the place to start\n{line}"
             )
         elif not report:
-            report = "no error in this log: no message this course knows, no line that reads as one"
+            report = ("no message this course knows, and no line it reads as an error "
+                      "('...Error:', 'error:', 'ERROR'): look for how the run ended")  # fmt: skip
         print(report, file=out)
     return 0 if known else 1
