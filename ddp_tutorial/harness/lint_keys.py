@@ -20,16 +20,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ddp_tutorial.harness.lint_ast import last_name
+from ddp_tutorial.harness.lint_ast import bound_names, last_name
 from ddp_tutorial.harness.lint_rules import WRAPPER_PREFIXES
 
 STATE = re.compile(r"state|ckpt|checkpoint|weights", re.I)  # what a state dict is called
-
-
-def _first_name(target: ast.expr) -> str | None:
-    """``k`` of ``for k, v in ...`` or of ``for k in ...``."""
-    first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-    return first.id if isinstance(first, ast.Name) else None
 
 
 def _loop_names(tree: ast.Module, states_only: bool = False) -> set[str]:
@@ -38,7 +32,8 @@ def _loop_names(tree: ast.Module, states_only: bool = False) -> set[str]:
     of anything but a ``named_*()`` call, or a name that says so (``state_dict``, ``ckpt``)."""
     keys = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.For | ast.comprehension) and (name := _first_name(node.target)):
+        if isinstance(node, ast.For | ast.comprehension) and (names := bound_names(node.target)):
+            name = names[0].id
             text = ast.unparse(node.iter)
             listed = re.search(r"\.(items|keys)\(\)$", text) and "named_" not in text
             if not states_only or listed or STATE.search(text):
