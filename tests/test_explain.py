@@ -159,6 +159,10 @@ EXAMPLES = {
     "lazy-parameters": "RuntimeError: Modules with uninitialized parameters can't be used with "
     "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize the modules",
     "illegal-memory-access": "RuntimeError: CUDA error: an illegal memory access was encountered",
+    "gpu-count-changed": "torch.cuda.DeferredCudaCallError: CUDA call failed lazily at "
+    "initialization with error: device >= 0 && device < num_gpus INTERNAL ASSERT FAILED at "
+    '"../aten/src/ATen/cuda/CUDAContext.cpp":50, please report a bug to PyTorch. device=1, '
+    "num_gpus=",
     "gloo-interface-missing": "RuntimeError: [enforce fail at ../third_party/gloo/gloo/transport/"
     "tcp/device.cc:208] ifa != nullptr. Unable to find address for: eth1",
     "nccl-communicator-aborted": "RuntimeError: NCCL communicator was aborted on rank 0.",

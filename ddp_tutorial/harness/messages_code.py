@@ -56,6 +56,17 @@ CODE: tuple[Known, ...] = (
         "09",
     ),
     Known(
+        "gpu-count-changed",
+        r"device >= 0 && device < num_gpus",
+        "torch counted more GPUs than CUDA lets this process use: a GPU in MIG mode (NVML "
+        "counts the physical GPUs, a CUDA process sees one MIG instance at most), or - before "
+        "torch 2.4 - CUDA_VISIBLE_DEVICES changed inside the script after the GPUs were counted",
+        "set CUDA_VISIBLE_DEVICES before Python starts (the shell, the job script), never in "
+        "the script; under MIG, one instance per process (CUDA_VISIBLE_DEVICES=MIG-<uuid> "
+        "from nvidia-smi -L), so one node cannot run several DDP ranks on one GPU's instances",
+        "03",
+    ),
+    Known(
         "gloo-interface-missing",
         r"Unable to find address for",
         "GLOO_SOCKET_IFNAME names an interface this node does not have, or one without an "
