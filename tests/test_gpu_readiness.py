@@ -188,7 +188,7 @@ def test_a_torch_only_box_checks_all_but_the_lessons_that_need_torchvision(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
     ran = []
-    monkeypatch.setattr(gpu_check, "run_command", lambda command, **_: ran.append(command)
+    monkeypatch.setattr(gpu_check, "run_step_command", lambda command, **_: ran.append(command)
                         or Done())  # fmt: skip
     assert gpu_check.main() == 1  # two lessons unchecked: not a pass
     out = capsys.readouterr()
@@ -370,12 +370,18 @@ def test_a_torch_the_machine_already_has_is_kept(tmp_path):
     )
 
 
-def test_gpu_check_names_a_missing_nvml_module(monkeypatch, capsys):
-    from ddp_tutorial.harness import gpu_check
-
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
-    assert gpu_check.main() == 2
-    assert "missing nvidia-ml-py: pip install nvidia-ml-py" in capsys.readouterr().err
+@pytest.mark.torchrun
+@pytest.mark.parametrize("tool", ["gpu_check", "gpu_smoke"])
+def test_both_gpu_tools_name_a_missing_package_before_importing_it(tool):
+    """psutil (the tools' process trees) was imported at the top of gpu_check: on a box
+    without it both tools stopped with an ImportError, never the line saying what to install."""
+    done = _without(GPU_BOX_LACKS + ("psutil",), (
+        f"from ddp_tutorial.harness import {tool}; sys.exit({tool}.main([]) if '{tool}' == "
+        f"'gpu_smoke' else {tool}.main())"
+    ))  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "missing psutil: pip install psutil" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 # -- make rehearse: GPU world sizes on the CPU ---------------------------------------------
@@ -512,7 +518,7 @@ def test_gpu_check_stops_where_torch_cannot_use_the_gpus_nvml_lists(nvml, monkey
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "")
     monkeypatch.setattr(checks, "torch_gpu_count", lambda env: 0)  # error 802, say
-    monkeypatch.setattr(gpu_check, "run_command", lambda *a, **k: pytest.fail("a step ran"))
+    monkeypatch.setattr(gpu_check, "run_step_command", lambda *a, **k: pytest.fail("a step ran"))
     assert gpu_check.main() == 2
     assert "torch sees 0 of the 2 GPU(s) NVML lists" in capsys.readouterr().err
     monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "this torch is a CPU-only build")

@@ -135,7 +135,7 @@ def test_the_gpu_tests_step_sees_one_gpu_of_eight(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr("ddp_tutorial.devices.visible_gpus", lambda: [OneGpu()] * 8)
     monkeypatch.setattr("ddp_tutorial.harness.gpu_plan.torch_blind", lambda gpus: "")
-    monkeypatch.setattr(gpu_smoke, "run_command", run)
+    monkeypatch.setattr(gpu_smoke, "run_step_command", run)
     assert gpu_smoke.main([]) == 0
     assert seen["pytest"]["CUDA_VISIBLE_DEVICES"] == OneGpu.uuid
     probes = seen["ddp_tutorial.harness.gpu_probes"]

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_tutorial import settings
-from ddp_tutorial.harness.processes import run_command
 from ddp_tutorial.lessons.utilization import GPU_SECONDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,7 +174,7 @@ def run_step(step: Step) -> dict[str, object]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     runs = str(REPO / "build" / "gpu-check-runs")  # the lessons' runs: not into notebooks/
     env = {"PYTHONPATH": path, settings.RUNS_ENV: runs}
-    done = run_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
+    done = run_step_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
     if done.timed_out:
         status = f"TIMEOUT ({step.timeout_s:.0f} s)"
     else:
@@ -188,17 +187,32 @@ def run_step(step: Step) -> dict[str, object]:
             "note": step.note}  # fmt: skip
 
 
+def run_step_command(*args: object, **kwargs: object) -> object:
+    """processes.run_command, imported when a step runs: it needs psutil, one of NEEDS, and a
+    box without it must hear that from :func:`missing_packages`, not from an ImportError."""
+    from ddp_tutorial.harness.processes import run_command as run
+
+    return run(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def missing_packages(tool: str) -> list[str]:
+    """The pip names of what this box lacks from NEEDS (less OPTIONAL), said on stderr first:
+    a GPU box has no pip access for us, its owner installs them by the line this prints."""
+    missing = [pip for module, pip in NEEDS.items()
+               if module not in OPTIONAL and importlib.util.find_spec(module) is None]  # fmt: skip
+    if missing:  # pynvml: how the course counts GPUs without a CUDA context
+        print(f"{tool}: missing {', '.join(missing)}: pip install {' '.join(missing)} "
+              "(nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
+    return missing
+
+
 def main() -> int:
+    if missing_packages("gpu-check"):
+        return 2
     from ddp_tutorial.devices import DeviceError, MigError, visible_gpus
     from ddp_tutorial.records import format_table
 
-    absent = [module for module in NEEDS if importlib.util.find_spec(module) is None]
-    missing = [NEEDS[module] for module in absent if module not in OPTIONAL]
-    if missing:  # pynvml: how the course counts GPUs without a CUDA context
-        print(f"gpu-check: missing {', '.join(missing)}: pip install {' '.join(missing)} "
-              "(nvidia-ml-py: NVML)", file=sys.stderr)  # fmt: skip
-        return 2
-    optional = tuple(module for module in absent if module in OPTIONAL)
+    optional = tuple(module for module in OPTIONAL if importlib.util.find_spec(module) is None)
     for module in optional:  # a torch-only box: check the rest, and say what was not
         print(f"gpu-check: no {module} here: lessons {', '.join(OPTIONAL[module])} are not "
               f"run (resnet18), their gpu tests skip; pip install {NEEDS[module]} to check "

@@ -33,8 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ddp_tutorial import settings
-from ddp_tutorial.harness.gpu_check import Step
-from ddp_tutorial.harness.processes import run_command
+from ddp_tutorial.harness.gpu_check import Step, missing_packages, run_step_command
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 480.0  # 8 minutes: the steps' limits add up to this
@@ -77,7 +76,7 @@ def run_smoke_step(step: Step, out: Path, index: int) -> dict[str, object]:
     """Run one step; its row (never raises: a failed step is a row)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, settings.RUNS_ENV: str(out / "runs"), **dict(step.env)}
-    done = run_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
+    done = run_step_command(step.command, timeout=step.timeout_s, env=env, cwd=str(REPO))
     (out / f"step{index}.log").write_text(done.output)
     if done.timed_out:
         status = f"TIMEOUT ({step.timeout_s:.0f} s)"
@@ -106,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step.timeout_s:5.0f} s  {step.name}: {' '.join(step.command)}")
         print(f"{sum(s.timeout_s for s in steps):5.0f} s  in all, at most; into {out}")
         return 0
+    if missing_packages("gpu-smoke"):
+        return 2
     from ddp_tutorial.devices import DeviceError, visible_gpus
     from ddp_tutorial.harness.gpu_plan import torch_blind
     from ddp_tutorial.records import format_table
