@@ -94,9 +94,8 @@ def average_all_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """The portable average: all_reduce(SUM), then divide - every rank gets it.
 
     ReduceOp.AVG works on nccl, and on gloo since pytorch#149781 (March 2025: a SUM, then a
-    division in float, which an integer tensor cannot hold: gloo refuses AVG on int64, and
-    on torch 2.14.1 that error may surface in the *next* collective instead). SUM works
-    everywhere.
+    division in float, which an integer tensor cannot hold: gloo refuses AVG on int64, in
+    the call itself - lesson 01 asserts its error). SUM works everywhere.
     """
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     tensor /= world_size
@@ -124,6 +123,12 @@ def run_collectives(rank: int, world_size: int, device: torch.device) -> dict[st
                                  "error": None}  # fmt: skip
     except (RuntimeError, ValueError) as exc:  # backends without AVG say so here
         out["all_reduce_avg"] = {"before": values(t), "after": None, "error": str(exc)[:300]}
+    if dist.get_backend() == "gloo":  # an integer tensor cannot hold AVG's float division
+        try:
+            dist.all_reduce(torch.tensor([rank + 1]), op=dist.ReduceOp.AVG)
+            out["avg_int64_error"] = None
+        except (RuntimeError, ValueError) as exc:
+            out["avg_int64_error"] = str(exc)[:300]
     dist.barrier()  # keep the ranks in step even if one raised
     loss = torch.tensor([rank_loss(rank)], device=device)
     before = values(loss)
