@@ -27,10 +27,15 @@ CASES = register(
              edits=((REDUCE, "    dist.all_reduce(slowest)"),)),
         Case(TIMING, "rank-0s-time", "report the max over the ranks",
              edits=((REDUCE, "    dist.broadcast(slowest, src=0)"),)),
-        Case(TIMING, "synchronize-only-after-warm-up-unsynced", "the warm-up was timed",
+        Case(TIMING, "synchronize-only-after-warm-up-unsynced", "still queued when the clock",
              edits=(("        synchronize()  # start with nothing queued\n", ""),
                     ("        synchronize()  # the step's work has run, not only been queued\n",
                      "        if i >= warmup:\n            synchronize()\n"))),
+        # helper 105: the warm-up untimed in a loop of its own, and no synchronize() after it
+        Case(TIMING, "warm-up-loop-never-drained", "still queued when the clock",
+             edits=(("    for i in range(warmup + steps):\n        synchronize()  # start with "
+                     "nothing queued\n", "    for _ in range(warmup):\n        step()\n"
+                     "    for i in range(warmup, warmup + steps):\n"),)),
         Case(TIMING, "one-timed-step-short", "an off-by-one",
              edits=(("        if i >= warmup:", "        if i > warmup:"),)),
         Case(TIMING, "one-timed-step-too-many", "the warm-up was timed",  # the second call's

@@ -28,6 +28,10 @@ CASES = register([
     Case(EX, "evaluated-in-train-mode", "in eval mode", edits=(("            net.eval()\n", ""),)),
     Case(EX, "split-without-filter", "without a label",
          edits=((SHARD_FIX, "    shard = list(DistributedSampler(train_set, shuffle=False))\n"),)),
+    # helper 105: the sampler's positions in the labelled list taken for sample numbers
+    Case(EX, "sampler-positions-taken-for-samples", "not sample numbers: map them back",
+         edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                            "    shard = list(DistributedSampler(labelled, shuffle=False))\n"),)),
     Case(EX, "padded-to-the-longest-shard", "repeats - pad as DistributedSampler does",
          edits=((SHARD_FIX, "    longest = torch.tensor(len(shard))\n"
                             "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"

@@ -21,6 +21,10 @@ CASES = register(
     [
         Case(HOOKS, "no-broadcast", "started from its own random weights",
              edits=(("            dist.broadcast(p, src=0)\n", "            pass\n"),)),
+        # helper 105: a broadcast that lands in a copy the learner then drops
+        Case(HOOKS, "broadcast-into-a-copy", "not into a copy such as p.clone()",
+             edits=(("            dist.broadcast(p, src=0)\n",
+                     "            dist.broadcast(p.detach().clone(), src=0)\n"),)),
         Case(HOOKS, "sum-not-mean", "SUMMED over the ranks, not averaged",
              edits=(("        p.grad /= world\n", ""),)),
         Case(HOOKS, "averaged-a-copy", "trained on its own gradients alone",

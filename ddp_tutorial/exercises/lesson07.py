@@ -44,6 +44,7 @@ class QueuedDevice:
 
     def __init__(self, rank: int) -> None:
         self.work, self.calls, self.syncs = work_s(rank), 0, 0
+        self.synced_after_warmup = False  # a synchronize() between warm-up and timed calls
         self.busy_until = time.perf_counter()
 
     def step(self) -> None:
@@ -53,6 +54,7 @@ class QueuedDevice:
 
     def synchronize(self) -> None:
         self.syncs += 1
+        self.synced_after_warmup |= self.calls == WARMUP
         left = self.busy_until - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -107,7 +109,8 @@ def run_timing(module: ModuleType, ctx: Context) -> Record:
     except (TypeError, ValueError):
         seconds = None
     return {"seconds": seconds, "returned": repr(got)[:80], "calls": device.calls,
-            "syncs": device.syncs, **notes}  # fmt: skip
+            "syncs": device.syncs, "synced_after_warmup": device.synced_after_warmup,
+            **notes}  # fmt: skip
 
 
 def _judge_habits(records: list[Record]) -> str | None:
@@ -125,9 +128,10 @@ def _judge_habits(records: list[Record]) -> str | None:
     return None
 
 
-def _judge_value(value: float, mine: list[float], maxed: bool) -> str | None:
+def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) -> str | None:
     """The reported time against each rank's device work: what each habit skipped adds or
-    removes (``mine``: each rank's timed work, at least; ``maxed``: every rank reduced MAX)."""
+    removes (``mine``: each rank's timed work, at least; ``maxed``: every rank reduced MAX;
+    ``drained``: every rank synchronized between its warm-up and its first timed call)."""
     slowest = max(mine)
     everything = sum(WARMUP_S) + (STEPS + WARMUP) * slowest / STEPS  # all its work, warm-up too
     for unit, scale in (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9)):
@@ -147,6 +151,13 @@ def _judge_value(value: float, mine: list[float], maxed: bool) -> str | None:
             f"included ({everything * 1e3:.0f} ms) - were the clock's readings added up from "
             "one start? Read the clock at the start of each timed step (after synchronize()), "
             "or once around all the timed steps"
+        )
+    if value > slowest + 0.5 * WARMUP_S[0] and not drained:  # the clock untouched by it
+        return (
+            f"{value * 1e3:.0f} ms for {STEPS} steps of at most {slowest * 1e3:.0f} ms of work: "
+            f"the {WARMUP} warm-up calls' work was still queued when the clock started (no "
+            "synchronize() after them), so it ran inside the first timed step - synchronize() "
+            "before starting the clock"
         )
     if value > slowest + 0.5 * WARMUP_S[0]:  # one step more timed: + WARMUP_S[1]
         return (
@@ -220,7 +231,8 @@ def judge_timing(records: list[Record]) -> str | None:
                 f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
                 f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
                 "op=ReduceOp.MAX")  # fmt: skip
-    return _judge_value(values[0], mine, maxed)
+    drained = all(rec["synced_after_warmup"] for rec in records)
+    return _judge_value(values[0], mine, maxed, drained)
 
 
 def measured(records: list[Record]) -> str:

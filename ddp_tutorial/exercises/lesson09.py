@@ -130,7 +130,9 @@ def judge_hang(records: list[Record]) -> str | None:
 
 ERRORS = (
     ("Target -1 is out of bounds", "the loss met a sample without a label (-1): keep only the "
-     "labelled samples, then split them between the ranks"),
+     "labelled samples, then split them between the ranks - and a sampler over a list of "
+     "labelled samples yields positions in that list (0, 1, 2, ...), not sample numbers: map "
+     "them back, [labelled[j] for j in sampler]"),
 )  # fmt: skip
 
 EXERCISES = [

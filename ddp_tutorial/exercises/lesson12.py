@@ -228,7 +228,8 @@ def judge_start(records: list[Record]) -> str | None:
             return (
                 f"rank {rank} started from its own random weights, not rank 0's: broadcast "
                 "every parameter from rank 0 before training (what DDP(model) does at "
-                "construction), or the replicas train apart from step 0 "
+                "construction), in place - into p itself (p.data, or p under torch.no_grad()), "
+                "not into a copy such as p.clone() - or the replicas train apart from step 0 "
                 '(lesson 04, "1 · The broadcast at construction")'
             )
     return None

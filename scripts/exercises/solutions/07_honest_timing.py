@@ -13,6 +13,7 @@ def time_steps(
     """Seconds the slowest rank took for ``steps`` calls of ``step()`` after ``warmup`` more."""
     times: list[float] = []  # the seconds of each timed call, on this rank
     # YOUR CODE: warmup + steps calls of step(); time only the last `steps`, each between two
+    # clock readings (time.perf_counter()), with synchronize() before each reading.
     for i in range(warmup + steps):
         synchronize()  # start with nothing queued
         start = time.perf_counter()
