@@ -695,10 +695,13 @@ class UnpaddedDistributedSampler(Sampler[int]):
 class ResumableSampler(Sampler[int]):
     """``DistributedSampler``'s shards, resumable mid-epoch on any world size.
 
-    One seeded order per epoch, the same on every rank; rank r of N takes positions
+    One seeded order per epoch, the same on every rank, padded with its own start to a
+    multiple of the world size (DistributedSampler's padding); rank r of N takes positions
     r, r+N, ...: after k steps of batch B the job consumed the first k*B*N positions,
-    whatever N was. ``set_epoch(epoch, consumed)`` starts there, padding the rest to a
-    multiple of this world size as DistributedSampler pads (repeating its start)."""
+    whatever N was. ``set_epoch(epoch, consumed)`` starts there, dealing exactly what the
+    uninterrupted epoch would have. When another world size took over the epoch at position
+    ``since`` (a resume on more or fewer ranks), the positions from there on are padded
+    instead, with their own start, to a multiple of the new world size."""
 
     def __init__(
         self,
@@ -711,24 +714,31 @@ class ResumableSampler(Sampler[int]):
     ):
         self.num_replicas, self.rank = _world(num_replicas, rank)
         self.length, self.seed, self.shuffle = len(dataset), seed, shuffle
-        self.epoch, self.consumed = 0, 0
+        self.epoch, self.consumed, self.since = 0, 0, 0
 
-    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
-        """Start ``epoch`` after its first ``consumed`` samples (all ranks, padding included)."""
+    def set_epoch(self, epoch: int, consumed: int = 0, since: int = 0) -> None:
+        """Start ``epoch`` after its first ``consumed`` samples (all ranks, padding included),
+        ``since``: the position at which this world size took the epoch over (0: it began it)."""
         if consumed < 0:
             raise ValueError(f"consumed must be >= 0, got {consumed}")
-        self.epoch, self.consumed = epoch, min(consumed, self.length)
+        if not 0 <= since <= consumed:
+            raise ValueError(f"need 0 <= since <= consumed, got since={since}, consumed={consumed}")
+        self.epoch, self.consumed, self.since = epoch, consumed, min(since, self.length)
 
-    def __iter__(self) -> Iterator[int]:
+    def _positions(self) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.length, generator=gen).tolist() if self.shuffle else None
-        rest = list(order or range(self.length))[self.consumed :]
-        if rest and (padding := -len(rest) % self.num_replicas):
-            rest += (rest * math.ceil(padding / len(rest)))[:padding]
-        return iter(rest[self.rank :: self.num_replicas])
+        tail = list(order or range(self.length))[self.since :]
+        if tail and (padding := -len(tail) % self.num_replicas):
+            tail += (tail * math.ceil(padding / len(tail)))[:padding]
+        return tail[self.consumed - self.since :]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._positions()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil((self.length - self.consumed) / self.num_replicas)
+        tail = math.ceil((self.length - self.since) / self.num_replicas) * self.num_replicas
+        return math.ceil(max(0, tail - (self.consumed - self.since)) / self.num_replicas)
 
 
 def rank_seed(seed: int, rank: int, *streams: int) -> int:

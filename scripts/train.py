@@ -398,6 +398,7 @@ def train(
 
     # 7. Resume from the newest snapshot, the one rank 0 sees, on any number of ranks.
     epoch, step, consumed, samples_seen, history, resumed = 0, 0, 0, 0, [], None
+    since = 0  # where this world size took over the epoch (the sampler pads from there)
     totals, window = [0.0, 0.0], [0.0, 0.0]  # the epoch's [loss sum, targets]; the log line's
     best, owed = -math.inf, False  # the best score so far (best.pt, --best-by); owed: below
     try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
@@ -424,6 +425,7 @@ def train(
             kit.seed_everything(kit.rank_seed(args.seed, rank, where["step"]))
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
         consumed, samples_seen, history = extra["consumed"], extra["samples_seen"], extra["history"]
+        since = extra.get("since", 0) if same_world else consumed  # same: the epoch's own padding
         totals = extra.get("loss_sums", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]  # once
         window = extra.get("log_window", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]
         resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}
@@ -481,6 +483,7 @@ def train(
             dist.all_reduce(global_totals)  # every rank's: the epoch's, the log line's so far
             extra = {
                 "consumed": consumed,
+                "since": since,
                 "samples_seen": samples_seen,
                 "best": best,
                 "eval_owed": owed,  # this step's evaluation was stopped: the rerun's first act
@@ -568,7 +571,7 @@ def train(
         stop, steps_here = finished, 0
         while not stop:
             # 8. The loop. set_epoch: a new shuffle every epoch, the same on every rank.
-            sampler.set_epoch(epoch, consumed)
+            sampler.set_epoch(epoch, consumed, since)
             loader.generator.manual_seed(kit.rank_seed(args.seed, rank, epoch, 1))  # workers
             micro_batches = len(loader) // args.grad_accum * args.grad_accum
             model.train()
@@ -631,7 +634,7 @@ def train(
             if not history or history[-1]["step"] != step:  # not just evaluated (--eval-every)
                 pause(evaluate)
             if done == micro_batches:  # the epoch is complete (also when --max-steps ends on it)
-                epoch, consumed = epoch + 1, 0
+                epoch, consumed, since = epoch + 1, 0, 0
                 log.epoch_end(loss_sum)  # a --log-every window may span the epochs' border
                 loss_sum.zero_()
             stop = stop or epoch >= args.epochs

@@ -44,7 +44,7 @@ def test_a_restart_on_another_world_sees_every_sample_once(before, after):
     consumed = steps * batch * before  # what the snapshot records
     for rank in range(after):  # the rest of epoch 7 on `after` ranks
         sampler = ResumableSampler(range(length), after, rank, seed=1)
-        sampler.set_epoch(7, consumed)
+        sampler.set_epoch(7, consumed, since=consumed)  # another world takes over here
         assert len(sampler) == len(list(sampler)) == (length - consumed) // after
         seen += list(sampler)
     assert Counter(seen) == Counter(range(length)), "the whole epoch, each sample once"
@@ -63,7 +63,7 @@ def test_a_restart_whose_rest_does_not_divide_pads_it(length, before, after):
     shards = []
     for rank in range(after):
         sampler = ResumableSampler(range(length), after, rank, seed=2)
-        sampler.set_epoch(0, consumed)
+        sampler.set_epoch(0, consumed, since=consumed)
         shards.append(list(sampler))
         assert len(sampler) == len(shards[-1])
     rest = order[consumed:]
@@ -104,6 +104,40 @@ def test_a_resume_on_the_same_world_continues_each_shard():
     assert list(resumed) == list(full)[8:]
 
 
+@pytest.mark.parametrize("length,world", [(255, 2), (49, 3), (50, 4)])
+def test_a_resume_on_the_same_world_deals_the_epochs_own_padding(length, world):
+    """Helper 107: the epoch's padding (its order's start) came from the resume point's rest
+    instead, so a resumed epoch whose size did not divide ended on other samples than the
+    uninterrupted one (1023 images on 2 ranks, batch 32: the last batch is full of them)."""
+    full = []
+    for rank in range(world):
+        sampler = ResumableSampler(range(length), world, rank, seed=6)
+        sampler.set_epoch(1)
+        full.append(list(sampler))
+    for steps in (1, len(full[0]) - 1):  # a resume early, and one before the padded last step
+        for rank in range(world):
+            resumed = ResumableSampler(range(length), world, rank, seed=6)
+            resumed.set_epoch(1, consumed=steps * world)
+            assert list(resumed) == full[rank][steps:] and len(resumed) == len(full[rank]) - steps
+
+
+def test_after_another_world_took_over_a_resume_on_it_continues_its_own_padding():
+    """2 ranks stop, 3 take over at `since` (their rest padded with its own start: lesson 10's
+    exercise); a second stop on those 3 ranks resumes exactly where they were."""
+    length, since = 49, 8
+    took_over = []
+    for rank in range(3):
+        sampler = ResumableSampler(range(length), 3, rank, seed=2)
+        sampler.set_epoch(0, consumed=since, since=since)
+        took_over.append(list(sampler))
+    for rank in range(3):
+        again = ResumableSampler(range(length), 3, rank, seed=2)
+        again.set_epoch(0, consumed=since + 3 * 5, since=since)  # 5 more steps of 1 on 3 ranks
+        assert list(again) == took_over[rank][5:] and len(again) == len(took_over[rank]) - 5
+    with pytest.raises(ValueError, match="since"):
+        ResumableSampler(range(10), 2, 0).set_epoch(0, consumed=2, since=4)
+
+
 def test_bad_positions_are_refused():
     with pytest.raises(ValueError, match="consumed must be >= 0"):
         ResumableSampler(range(10), 2, 0).set_epoch(0, consumed=-1)
@@ -122,7 +156,7 @@ def test_a_snapshot_of_a_padded_last_step_leaves_nothing_of_the_epoch(after):
     assert len(handed) == 10 and set(handed) == set(range(9)), "one step, padded"
     for rank in range(after):
         sampler = ResumableSampler(range(9), after, rank, seed=4)
-        sampler.set_epoch(0, consumed=10)
+        sampler.set_epoch(0, consumed=10, since=0 if after == 2 else 10)
         assert len(sampler) == 0 and list(sampler) == []
 
 

@@ -24,7 +24,7 @@ import torch
 
 from conftest import SCRIPTS
 
-ARGS = ["--model", "cnn", "--image-size", "16", "--num-samples", "512", "--num-val", "64",
+ARGS = ["--model", "cnn", "--image-size", "16", "--num-samples", "511", "--num-val", "64",
         "--batch-size", "16", "--epochs", "2", "--log-every", "1", "--num-workers", "2",
         "--backend", "gloo", "--save-minutes", "0"]  # fmt: skip
 BLOCKER = "raise ImportError('the course package is not part of a copied template')\n"
