@@ -200,6 +200,42 @@ def share_outcome(failure: BaseException | str | None, path: PathLike) -> None:
         raise CheckpointError(f"rank 0 failed to save {path}: {message[0]}")
 
 
+class FolderInUse(RuntimeError):
+    """Another live job holds the checkpoint folder: this one must not touch it."""
+
+
+def hold_folder(directory: PathLike) -> Any:
+    """An exclusive lock on ``directory`` (its ``.lock`` file) for as long as the returned file
+    stays open, taken by global rank 0 before anything in the folder is touched: two jobs given
+    one folder (the same job submitted twice) delete each other's saves in progress, prune each
+    other's snapshots and overwrite each other's best.pt. The OS drops the lock when the process
+    ends, however it ends (SIGKILL too): a restart takes it again. None where the filesystem
+    has no flock (some parallel filesystems; Windows): unguarded, as before."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    handle = open(Path(directory) / ".lock", "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that wrote nothing"
+        handle.close()
+        raise FolderInUse(
+            f"{directory} is in use by another job ({holder}): give this job its own "
+            "--checkpoint-dir, or stop the other one first"
+        ) from None
+    except OSError:  # ENOLCK, EOPNOTSUPP: no locks on this filesystem
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {os.uname().nodename}, pid {os.getpid()}, since {time.ctime()}\n")
+    handle.flush()
+    return handle
+
+
 def stale_temp_files(directory: PathLike) -> list[Path]:
     """Temp files of writers killed mid-save (safe to delete when no save runs)."""
     found = Path(directory).iterdir() if Path(directory).is_dir() else ()

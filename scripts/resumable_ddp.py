@@ -90,6 +90,9 @@ def main() -> None:
     dist.broadcast_object_list(resume, src=0)  # its file fails to load it, never starts afresh
     if resume[0]:  # resume: every rank reads the file rank 0 wrote
         state = torch.load(ckpt / "snapshot.pt", map_location=device, weights_only=True)
+        if len(state["rng"]) != world_size:  # each rank's batches and streams: not remappable
+            raise SystemExit(f"{ckpt}/snapshot.pt was written by {len(state['rng'])} processes: "
+                             "resume with as many (train.py resumes on any number)")  # fmt: skip
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]

@@ -61,6 +61,8 @@ HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never i
 # The scores of an evaluation, each named once: +1 when higher is better, how it prints.
 # Another score (a regression's MAE): a line here, one in scores_of, and its sum in
 # kit.local_sums with its field in kit.EvalResult (kit.distributed_evaluate fills it).
+# What a resume compares to say that the data changed under it (a warning, the run goes on).
+DATA_FLAGS = ("data", "data_dir", "num_samples", "seed", "image_size")
 SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 # How samples become a batch, for training and evaluation alike: None stacks them (torch's
 # default). Sequences: a function defined in this file that pads them; it may return the model
@@ -76,10 +78,20 @@ CLASS_DIM = 1
 PREDICTION = None
 
 
-def positive(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+def positive(text: str, least: int = 1) -> int:
+    if int(text) < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
     return int(text)
+
+
+def count(text: str) -> int:  # 0 or more: 0 turns the thing off
+    return positive(text, 0)
+
+
+def amount(text: str) -> float:  # nan, inf and negatives stop here, not deep inside torch
+    if not 0 <= float(text) < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return float(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,26 +112,42 @@ def parser() -> argparse.ArgumentParser:
     add("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw, or sgd (momentum 0.9)")
     add(
         "--lr",
-        type=float,
+        type=amount,
         help=f"peak LR for a global batch of {REFERENCE_BATCH}, scaled to the run's: x k for "
         "sgd, x sqrt(k) for adamw (default: 3e-3 adamw, 0.2 sgd)",
     )
     add(
         "--weight-decay",
-        type=float,
+        type=amount,
         help="not on biases and norm weights (default: 0.05 adamw, 5e-4 sgd)",
     )
-    add("--warmup", type=float, default=0.05, help="fraction of training warming up, then cosine")
-    add("--clip-grad", type=float, default=1.0, help="max gradient norm, logged (0: off)")
-    add("--num-workers", type=int, default=0, help="DataLoader workers per rank")
-    add("--seed", type=int, default=0)
+    add("--warmup", type=amount, default=0.05, help="fraction of training warming up, then cosine")
+    add("--clip-grad", type=amount, default=1.0, help="max gradient norm, logged (0: off)")
+    add(
+        "--num-workers",
+        type=count,
+        default=0,
+        help="DataLoader workers per rank (resumed "
+        "mid-epoch: the same samples, but the rest of the epoch's random augmentation differs)",
+    )
+    add("--seed", type=count, default=0)
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
     add("--best-by", choices=SCORES, default="val_accuracy",
         help="best.pt: the highest val accuracy, or the lowest val loss")  # fmt: skip
-    add("--save-every", type=int, default=0, help="snapshot at epoch ends, and every N steps if >0")
-    add("--save-minutes", type=float, default=30, help="and a snapshot this often (0: off)")
+    add(
+        "--save-every",
+        type=count,
+        default=0,
+        help="snapshot at epoch ends, and every N steps if >0",
+    )
+    add("--save-minutes", type=amount, default=30, help="and a snapshot this often (0: off)")
     add("--keep", type=positive, default=2, help="snapshots kept (>= 2: one to fall back to)")
-    add("--eval-every", type=int, default=0, help="evaluate at epoch ends, and every N steps if >0")
+    add(
+        "--eval-every",
+        type=count,
+        default=0,
+        help="evaluate at epoch ends, and every N steps if >0",
+    )
     add("--max-steps", type=positive, help="stop early (the LR schedule still spans --epochs)")
     add("--log-every", type=positive, default=50, help="steps between log lines (a host sync)")
     add("--tensorboard", help="rank 0 writes TensorBoard scalars to this folder")
@@ -150,12 +178,12 @@ def parser() -> argparse.ArgumentParser:
     )
     add(
         "--timeout",
-        type=float,
+        type=amount,
         default=600,
         help="seconds a collective may wait once the "
         "first step ran (a long rank-0 save included); joining may take --init-timeout",
     )
-    add("--init-timeout", type=float, default=600, help="seconds every rank may take to join")
+    add("--init-timeout", type=amount, default=600, help="seconds every rank may take to join")
     add("--no-progress", action="store_true", help="no progress bar (none off a terminal)")
     add("--out", help="the course's records (needs the course's package): the one hook")
     for action in p._actions:  # --help shows every default
@@ -174,12 +202,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lr, decay = OPTIMIZERS[args.optimizer]
     args.lr = lr if args.lr is None else args.lr
     args.weight_decay = decay if args.weight_decay is None else args.weight_decay
-    counts = (args.num_workers, args.save_every, args.eval_every, args.save_minutes)
-    if min(*counts, args.lr, args.weight_decay, args.clip_grad) < 0:
-        p.error(
-            "--num-workers, --save-every, --eval-every, --save-minutes, --lr, --weight-decay "
-            "and --clip-grad must be >= 0"
-        )
     for flag in ("timeout", "init_timeout"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0 (seconds)")
@@ -199,7 +221,9 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             f"--data {args.data} --data-dir {args.data_dir} --download --max-steps 1; then "
             f"start this job without --download"
         )
-    for name, path in (("--checkpoint-dir", args.checkpoint_dir), ("--out", args.out)):
+    folders = (("--checkpoint-dir", args.checkpoint_dir), ("--out", args.out),
+               ("--tensorboard", args.tensorboard))  # fmt: skip
+    for name, path in folders:
         try:
             if path:  # made now: a file in the way fails before training, not at the save
                 Path(path).mkdir(parents=True, exist_ok=True)
@@ -208,6 +232,8 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             return f"{name} {path}: {what}; give a directory this user can write to"
         if path and not os.access(path, os.W_OK):
             return f"{name} {path}: not writable by this user; give another directory"
+    if args.compile and args.compile not in (known := torch.compiler.list_backends(())):
+        return f"--compile {args.compile}: not a torch.compile backend; one of {', '.join(known)}"
     if args.pretrain and not Path(args.pretrain).is_file():
         return f"--pretrain {args.pretrain}: no such file"
     if args.out and importlib.util.find_spec(HOOK.split(".")[0]) is None:
@@ -300,8 +326,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc), everywhere=True)
     if problem := check_run(args, world_size, len(data[0])):
         fail(problem)
-    target = torch.as_tensor(data[1][0][1]) if len(data[1]) else None  # one validation sample's
-    if args.best_by == "val_accuracy" and target is not None and target.is_floating_point():
+    if not len(data[1]):  # found after an epoch otherwise, with nothing saved
+        fail("the validation set is empty: the evaluations and best.pt need one (DIR/val/<class>/"
+             " with --data-dir, --num-val with synthetic data)")  # fmt: skip
+    target = torch.as_tensor(data[1][0][1])  # one validation sample's
+    if args.best_by == "val_accuracy" and target.is_floating_point():
         fail(
             "--best-by val_accuracy counts classes, and these targets are floats (a "
             "regression, multi-label classes?): use --best-by val_loss, or make it the default "
@@ -314,7 +343,10 @@ def main(argv: list[str] | None = None) -> None:
     # 3. The device, then the process group. Bind the GPU first: without set_device
     #    every rank's first CUDA call lands on cuda:0 (seed 002's stray contexts, lesson 03).
     store, attempt = kit.job_store(rank, world_size, args.init_timeout)  # this restart's keys
-    backend, why = kit.agreed_backend(args.backend, rank, world_size, local_world, store)
+    try:  # every rank reaches the same verdict (the store): one line, no traceback
+        backend, why = kit.agreed_backend(args.backend, rank, world_size, local_world, store)
+    except kit.BackendError as exc:
+        fail(str(exc))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if cuda := device.type == "cuda":
         torch.cuda.set_device(device)
@@ -329,7 +361,16 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=max(args.timeout, args.init_timeout)),
         store=store,
     )
+    held = None  # one job per --checkpoint-dir: rank 0 locks it before touching anything
     try:
+        busy = None
+        if rank == 0 and args.checkpoint_dir:
+            try:
+                held = kit.hold_folder(args.checkpoint_dir)
+            except kit.FolderInUse as exc:
+                busy = str(exc)
+        if busy := kit.from_rank0(busy):  # no failed.json: the folder is the other job's
+            fail(busy)
         train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
     except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a line, no traceback
@@ -340,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(line)  # one write: print's text and newline can interleave across ranks
         sys.exit(1)
     finally:
+        if held is not None:
+            held.close()  # the lock: another job (or this one in the same process) may go on
         dist.destroy_process_group()  # on every exit path (seed 001 never calls it)
 
 
@@ -443,6 +486,18 @@ def train(
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
         if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
             say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
+        if consumed and args.num_workers:  # their generators are not in the snapshot
+            say(
+                "WARNING: a mid-epoch resume with --num-workers > 0: the same samples, other "
+                "random augmentation for the rest of this epoch (exact again from the next)"
+            )
+        if data := kit.schedule_changes(extra["config"], vars(args), DATA_FLAGS):
+            say(f"WARNING: resumed with {', '.join(data)}: other samples or another order")
+        if consumed and extra.get("train_size", len(train_set)) != len(train_set):
+            say(f"WARNING: {extra['train_size']} training samples then, {len(train_set)} now: "
+                f"epoch {epoch}'s position points at other samples; it starts over")  # fmt: skip
+            consumed = since = 0
+            totals = [0.0, 0.0]  # the epoch's loss sums: begun again too
         best, owed = extra["best"], extra.get("eval_owed", False)
         if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
             best = -math.inf
@@ -484,6 +539,7 @@ def train(
             extra = {
                 "consumed": consumed,
                 "since": since,
+                "train_size": len(train_set),  # a resume on another data set restarts the epoch
                 "samples_seen": samples_seen,
                 "best": best,
                 "eval_owed": owed,  # this step's evaluation was stopped: the rerun's first act
@@ -623,7 +679,8 @@ def train(
                     pause(save_snapshot)  # an evaluation due here: owed, the rerun's first act
                 if args.eval_every and step % args.eval_every == 0:
                     pause(evaluate)
-                if verdict.save or args.save_every and step % args.save_every == 0:
+                due = verdict.save or args.save_every and step % args.save_every == 0
+                if due and done < micro_batches and not stop_at(step):  # else: saved below
                     pause(save_snapshot)
                 if stop := stop_at(step):
                     break
@@ -683,8 +740,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) -> None:
-    """failed.json (rank 0): why the run stopped, so that every restart stops at once."""
-    if rank == 0 and ckpt is not None:
+    """failed.json: why the run stopped, so that every restart stops at once. Rank 0 writes it,
+    and a rank whose own data failed (a file only its shard holds: the others see a peer gone)."""
+    if (rank == 0 or isinstance(exc, kit.DataError)) and ckpt is not None:
         with contextlib.suppress(OSError):
             write_json(ckpt / FAILED, {"stopped_at_step": step, "error": str(exc)})  # error: why
 

@@ -252,6 +252,98 @@ def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     assert made[-1].save_s == 0, "no folder: the timed save is off"
 
 
+def test_a_save_due_at_an_epochs_end_writes_its_snapshot_once(template, kit, tmp_path, one_rank,
+                                                                monkeypatch):  # fmt: skip
+    """Helper 107: --save-every dividing the epoch (and --max-steps ending on a save) wrote the
+    same snapshot twice: in the loop, then again at the epoch's end."""
+    written = []
+    real = kit.atomic_save
+    monkeypatch.setattr(kit, "atomic_save",
+                        lambda obj, path, *a, **k: written.append(Path(path).name)
+                        or real(obj, path, *a, **k))  # fmt: skip
+    argv = [
+        *TINY,
+        "--num-samples",
+        "64",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--keep",
+        "9",
+        "--save-every",
+        "4",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]  # 8 steps an epoch
+    template.main(argv)
+    snapshots = [n for n in written if n.startswith("snapshot-")]
+    assert len(snapshots) == len(set(snapshots)) == 4, snapshots  # 4, 8, 12, 16
+    assert snapshot_steps(kit, tmp_path) == [4, 8, 12, 16]
+    second = torch.load(kit.snapshot_path(tmp_path, 8), weights_only=True)
+    assert (second["epoch"], second["extra"]["consumed"]) == (1, 0), "the epoch-end form"
+
+
+def test_a_resume_on_other_data_says_so_and_starts_a_changed_epoch_over(
+    template, tmp_path, one_rank, capsys
+):
+    """Helper 107: a resume with another --seed or --num-samples (or images added to the
+    folder) said nothing, and the epoch's position pointed at other samples (256 reads, 219
+    distinct). Now it warns, and an epoch whose training set changed size starts over."""
+    argv = [*TINY, "--batch-size", "8", "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+    template.main([*argv, "--num-samples", "64", "--max-steps", "3"])  # 8 steps an epoch
+    capsys.readouterr()
+    template.main([*argv, "--num-samples", "72"])  # 9 steps an epoch
+    out = capsys.readouterr().out
+    assert "WARNING: resumed with --num-samples 64 -> 72: other samples" in out, out
+    assert "64 training samples then, 72 now: epoch 0's position" in out, out
+    assert "done: 12 steps" in out, "3 before, then all 9 of the changed epoch"
+
+
+def test_a_mid_epoch_resume_with_workers_says_what_is_not_exact(template, tmp_path, one_rank,
+                                                                capsys):  # fmt: skip
+    """Helper 107: the docstrings promise an exact resume, and with workers a mid-epoch one
+    is exact in its samples only (lesson 08 measures it): the run now says so."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--num-workers", "1", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "3"])
+    capsys.readouterr()
+    template.main(argv)
+    assert "WARNING: a mid-epoch resume with --num-workers > 0" in capsys.readouterr().out
+
+
+def test_a_second_job_on_the_same_folder_is_refused_and_touches_nothing(
+    template, kit, tmp_path, one_rank, capsys
+):
+    """Helper 107: a job started on a folder another job used deleted that job's save in
+    progress (its temporary file), then pruned its snapshots. Rank 0 now locks the folder."""
+    argv = [*TINY, "--num-samples", "32", "--batch-size", "8", "--epochs", "1",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    other = kit.hold_folder(tmp_path)  # the other job, alive
+    saving = tmp_path / ".snapshot-000000040.pt.424242.deadbeef.tmp"
+    saving.write_bytes(b"the other job's save in progress")
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "is in use by another job (host " in err, err[-2000:]
+    assert saving.exists() and not (tmp_path / template.FAILED).exists()
+    other.close()  # that job ended: this one runs, and a rerun after it too
+    template.main(argv)
+    template.main(argv)
+    assert (tmp_path / "final.pt").is_file() and not saving.exists(), "its temp: stale now"
+
+
+def test_a_data_error_on_another_rank_than_0_stops_the_restarts(template, kit, tmp_path):
+    """Helper 107: a file only rank 1's shard holds fails rank 1 alone (rank 0 sees a peer
+    gone), and only rank 0 wrote failed.json: every restart met the file again."""
+    template.stopped_for_good(kit.DataError("img/train/b/014.png cannot be decoded"), tmp_path,
+                              rank=1, step=3)  # fmt: skip
+    assert "014.png" in json.loads((tmp_path / template.FAILED).read_text())["error"]
+    (tmp_path / template.FAILED).unlink()
+    template.stopped_for_good(kit.DivergedError("loss nan"), tmp_path, rank=1, step=3)
+    assert not (tmp_path / template.FAILED).exists(), "rank 0 says why the job diverged"
+
+
 class Payload:
     """What a malicious checkpoint holds: unpickling it would run code (here: make a file)."""
 
@@ -414,13 +506,16 @@ def test_a_regression_copy_is_scored_by_its_loss_and_refuses_accuracy(tmp_path, 
 def test_an_accuracy_that_cannot_be_counted_stops_the_run_that_would_keep_best_pt_by_it(
     tmp_path, one_rank, capsys
 ):
-    """No validation samples (or targets that are not class indices) leave every accuracy nan,
-    and best.pt would never be written: the first evaluation says so and names the flag."""
+    """No validation samples leave every accuracy nan, and best.pt would never be written:
+    the first evaluation said so and named the flag, after an epoch with nothing saved
+    (helper 107); now the start stops, before training."""
     template = regression_copy(tmp_path, "regression_data(args, val=0)")
     argv = [*TINY, "--image-size", "4", "--num-samples", "32", "--batch-size", "16",
             "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    stops_with(template, argv, capsys, "DataError", "no accuracy")
-    assert not (tmp_path / "ckpt" / "best.pt").exists()
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    assert stopped.value.code == 2 and "the validation set is empty" in capsys.readouterr().err
+    assert not list((tmp_path / "ckpt").iterdir()), "stopped before anything was written"
 
 
 def test_accuracy_is_counted_for_class_indices_only(kit):
@@ -1154,7 +1249,13 @@ def test_a_ranks_error_line_is_one_write(tmp_path, one_rank, monkeypatch):
     """Two ranks failing together printed "...(y.view_as(output))[rank0]: train.py: error: ..."
     on one line (a learner's review): print() writes the text and the newline apart, and the
     other rank's line came between. The line is written whole now."""
-    template = regression_copy(tmp_path, "regression_data(args, val=0)")
+    template = load_script("train.py")
+    kit = template.kit
+
+    def unscorable(*args, **kwargs):
+        raise kit.DataError("these targets cannot be scored")
+
+    monkeypatch.setattr(kit, "distributed_evaluate", unscorable)
     writes: list[str] = []
 
     class Stderr(io.StringIO):

@@ -81,6 +81,17 @@ def run_main(template, monkeypatch, capsys, *argv):
         (["--grad-accum", "0"], "argument --grad-accum: must be at least 1"),
         (["--model", "vgg"], "invalid choice"),
         (["--warmup", "1.5"], "--warmup is a fraction"),
+        # helper 107: tracebacks from numpy and torch, a failed.json, or silently off
+        (["--seed", "-1"], "argument --seed: must be at least 0"),
+        (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
+        (["--lr", "-1"], "argument --lr: must be a finite number >= 0"),
+        (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number"),
+        (["--clip-grad", "inf"], "argument --clip-grad: must be a finite number"),
+        (["--save-minutes", "nan"], "argument --save-minutes: must be a finite number"),
+        (["--timeout", "inf"], "argument --timeout: must be a finite number"),
+        (["--init-timeout", "nan"], "argument --init-timeout: must be a finite number"),
+        (["--eval-every", "-3"], "argument --eval-every: must be at least 0"),
+        (["--num-workers", "-1"], "argument --num-workers: must be at least 0"),
     ],
 )
 def test_bad_flags_fail_before_training(template, capsys, bad, message):
@@ -779,6 +790,20 @@ def test_out_without_the_course_package_is_refused_before_training(template, mon
     monkeypatch.setattr(importlib.util, "find_spec", missing)
     args = template.parse_args(["--out", "records"])
     assert "leave --out out in your own project" in template.check_run(args, 2, None)
+
+
+def test_a_file_for_tensorboard_or_an_unknown_compile_backend_is_refused_before_training(
+    template, tmp_path
+):
+    """Helper 107: --tensorboard naming a file failed in the writer (33 lines ending in
+    FileExistsError), --compile bogus at the first step, after the data and the model."""
+    (tmp_path / "a-file").write_text("not a folder")
+    args = template.parse_args(["--tensorboard", str(tmp_path / "a-file")])
+    assert "--tensorboard" in (template.check_run(args, 1, None) or ""), "a file is no folder"
+    args = template.parse_args(["--compile", "bogus"])
+    problem = template.check_run(args, 1, None) or ""
+    assert "--compile bogus" in problem and "inductor" in problem, problem
+    assert template.check_run(template.parse_args(["--compile"]), 1, None) is None
 
 
 def test_download_is_refused_on_several_ranks(template):
