@@ -486,6 +486,9 @@ def train(
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
         if decay := kit.schedule_changes(extra["config"], vars(args), ("weight_decay",)):
             say(f"WARNING: resumed with {decay[0]}: it applies from step {step} on")
+        if args.pretrain:  # loaded into the model above, then replaced by the snapshot's
+            say(f"NOTE: --pretrain {args.pretrain} is for a new run: this one goes on from "
+                f"{path.name}'s weights")  # fmt: skip
         if consumed and args.num_workers:  # their generators are not in the snapshot
             say(
                 "WARNING: a mid-epoch resume with --num-workers > 0: the same samples, other "

@@ -333,6 +333,28 @@ def test_a_second_job_on_the_same_folder_is_refused_and_touches_nothing(
     assert (tmp_path / "final.pt").is_file() and not saving.exists(), "its temp: stale now"
 
 
+def test_a_resume_says_that_pretrain_weights_are_not_what_it_continues(
+    template, tmp_path, one_rank, capsys
+):
+    """Helper 107: --pretrain was silently replaced by the snapshot's weights on a resume."""
+    argv = [*TINY, "--num-samples", "32", "--batch-size", "8", "--checkpoint-dir", str(tmp_path)]
+    template.main([*argv, "--max-steps", "2"])
+    weights = tmp_path / "pre.pt"
+    weights.write_bytes((tmp_path / "final.pt").read_bytes())
+    capsys.readouterr()
+    template.main([*argv, "--pretrain", str(weights)])
+    assert "NOTE: --pretrain " in capsys.readouterr().out
+
+
+def test_nccl_asked_for_without_gpus_is_one_line(template, tmp_path, one_rank, capsys):
+    """Helper 107: the message was clear, but it came as a BackendError traceback."""
+    argv = [*TINY, "--num-samples", "32", "--batch-size", "8", "--backend", "nccl"]
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "train.py: error: " in err and "Traceback" not in err, err
+
+
 def test_a_data_error_on_another_rank_than_0_stops_the_restarts(template, kit, tmp_path):
     """Helper 107: a file only rank 1's shard holds fails rank 1 alone (rank 0 sees a peer
     gone), and only rank 0 wrote failed.json: every restart met the file again."""
