@@ -62,9 +62,10 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
     padding = -len(rest) % world
     from_order = rest + (order * (padding + 1))[:padding]
     if padding and lists == [from_order[r::world] for r in range(world)]:
-        return (f"{where}: the padding repeated the start of the epoch's order, samples "
-                "trained before the stop: pad with the start of the rest "
-                "(rest + rest[:padding], repeated as often as needed)")  # fmt: skip
+        return (f"{where}: the padding repeated the start of the epoch's order: pad the list "
+                "this world deals out, as DistributedSampler pads its own - the rest: rest + "
+                "rest[:padding], repeated as often as needed (the template's sampler too, so "
+                "that a later resume on this world size deals the same samples)")  # fmt: skip
     if consumed and lists == skipped:
         return (f"{where}: each rank skipped consumed // world_size of its own shard; "
                 "the stopped job's shards were those of its own world size, not this "
