@@ -264,6 +264,14 @@ def exp_unused(args: argparse.Namespace, info: DistInfo) -> dict:
     out["same_result_with_and_without"] = torch.equal(
         flat_params(models[False]), flat_params(models[True])
     )
+    # ... and its extra all_reduce per step (which parameters were used): counted by the
+    # profiler, since DDP's reducer calls the process group from C++ (a comm hook sees buckets)
+    calls = {}
+    for flag, model in models.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            sgd_step(model, x, y, opts[flag])
+        calls[flag] = sum(e.name == "c10d::allreduce_" for e in prof.events())
+    out["allreduces_per_step"] = {"default": calls[False], "find_unused": calls[True]}
 
     # The flag does not turn off the overlap: with small buckets, a bucket still leaves
     # while backward is running (the second of two steps is recorded).
