@@ -215,7 +215,16 @@ def hold_folder(directory: PathLike) -> Any:
         import fcntl
     except ImportError:
         return None
-    handle = open(Path(directory) / ".lock", "a+")  # noqa: SIM115 - held open on purpose
+    path = Path(directory) / ".lock"
+    try:
+        handle = open(path, "a+")  # noqa: SIM115 - held open on purpose
+    except PermissionError:  # another user's .lock in a shared folder: read-only locks too
+        try:
+            handle = open(path)  # noqa: SIM115
+        except OSError:
+            return None
+    except OSError:  # .lock is a folder, the filesystem refuses: unguarded
+        return None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -229,10 +238,11 @@ def hold_folder(directory: PathLike) -> Any:
     except OSError:  # ENOLCK, EOPNOTSUPP: no locks on this filesystem
         handle.close()
         return None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"host {os.uname().nodename}, pid {os.getpid()}, since {time.ctime()}\n")
-    handle.flush()
+    if handle.writable():  # who holds it, for the job that is refused
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {os.uname().nodename}, pid {os.getpid()}, since {time.ctime()}\n")
+        handle.flush()
     return handle
 
 
@@ -759,6 +769,12 @@ class ResumableSampler(Sampler[int]):
             raise ValueError(f"consumed must be >= 0, got {consumed}")
         if not 0 <= since <= consumed:
             raise ValueError(f"need 0 <= since <= consumed, got since={since}, consumed={consumed}")
+        if since < self.length and (consumed - since) % self.num_replicas:  # unequal shards
+            raise ValueError(
+                f"{consumed - since} samples since this world size took over is not a multiple "
+                f"of its {self.num_replicas} ranks: was the epoch begun on another world size? "
+                "Pass since= the position where this one took over"
+            )
         self.epoch, self.consumed, self.since = epoch, consumed, min(since, self.length)
 
     def _positions(self) -> list[int]:

@@ -468,7 +468,7 @@ def train(
             kit.seed_everything(kit.rank_seed(args.seed, rank, where["step"]))
         epoch, step, extra = where["epoch"], where["step"], state["extra"]
         consumed, samples_seen, history = extra["consumed"], extra["samples_seen"], extra["history"]
-        since = extra.get("since", 0) if same_world else consumed  # same: the epoch's own padding
+        since = extra.get("since", consumed) if same_world else consumed  # same: its own padding
         totals = extra.get("loss_sums", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]  # once
         window = extra.get("log_window", [0.0, 0.0]) if rank == 0 else [0.0, 0.0]
         resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}

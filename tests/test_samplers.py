@@ -136,6 +136,10 @@ def test_after_another_world_took_over_a_resume_on_it_continues_its_own_padding(
         assert list(again) == took_over[rank][5:] and len(again) == len(took_over[rank]) - 5
     with pytest.raises(ValueError, match="since"):
         ResumableSampler(range(10), 2, 0).set_epoch(0, consumed=2, since=4)
+    # helper 108: a position from another world size, given without its since, dealt the
+    # ranks unequal shares (len() said 1 and 1, the lists held 1 and 0: a StopIteration)
+    with pytest.raises(ValueError, match="not a multiple of its 2 ranks"):
+        ResumableSampler(range(1), 2, 1).set_epoch(0, consumed=1)
 
 
 def test_bad_positions_are_refused():

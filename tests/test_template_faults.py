@@ -328,6 +328,10 @@ def test_a_second_job_on_the_same_folder_is_refused_and_touches_nothing(
     assert stopped.value.code == 2 and "is in use by another job (host " in err, err[-2000:]
     assert saving.exists() and not (tmp_path / template.FAILED).exists()
     other.close()  # that job ended: this one runs, and a rerun after it too
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").mkdir()  # helper 108: IsADirectoryError; now unguarded, and it runs
+    template.main(argv)
+    (tmp_path / ".lock").rmdir()
     template.main(argv)
     template.main(argv)
     assert (tmp_path / "final.pt").is_file() and not saving.exists(), "its temp: stale now"
