@@ -351,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     if cuda := device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
+    try:  # bf16 on a GPU that only emulates it (V100, T4): a line now, not a traceback later
+        kit.amp_dtype(device, args.amp)
+    except ValueError as exc:
+        fail(str(exc))
     if args.sync_bn and backend != "nccl":
         fail(f"--sync-bn needs GPUs with nccl (this run: {backend} on {device}); drop it on CPU")
     dist.init_process_group(  # device_id: nccl makes this GPU's communicator now

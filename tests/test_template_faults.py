@@ -350,6 +350,21 @@ def test_a_resume_says_that_pretrain_weights_are_not_what_it_continues(
     assert "NOTE: --pretrain " in capsys.readouterr().out
 
 
+def test_bf16_on_a_gpu_without_it_is_one_line(template, kit, one_rank, monkeypatch, capsys):
+    """Helper 107 (a V100 or T4, which this machine lacks: amp_dtype's refusal is simulated,
+    its own rule is tested in tests/test_training.py): the ValueError came as a traceback."""
+
+    def v100(device, amp, native_bf16=None):
+        raise ValueError("--amp trains in bfloat16, which this GPU does not support natively")
+
+    monkeypatch.setattr(kit, "amp_dtype", v100)
+    with pytest.raises(SystemExit) as stopped:
+        template.main([*TINY, "--num-samples", "32", "--batch-size", "8", "--amp"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "train.py: error: --amp trains in bfloat16" in err, err
+    assert "Traceback" not in err
+
+
 def test_nccl_asked_for_without_gpus_is_one_line(template, tmp_path, one_rank, capsys):
     """Helper 107: the message was clear, but it came as a BackendError traceback."""
     argv = [*TINY, "--num-samples", "32", "--batch-size", "8", "--backend", "nccl"]
