@@ -36,6 +36,14 @@ CASES = register(
                      "listed.split(\",\")[local_rank].strip()"),)),
         Case(GPU, "sorted-list", "expected 7",
              edits=(('listed.split(",")', 'sorted(listed.split(","), key=int)'),)),
+        # helper 109: the stub's rule, "no torch.cuda call" - named, even when harmless here
+        Case(GPU, "device-count-modulo", "called torch.cuda.device_count()",
+             edits=((DEVICE, 'device = torch.device("cuda", local_rank % '
+                             "max(torch.cuda.device_count(), 1))"),)),
+        Case(GPU, "device-count-asked-aside", "called torch.cuda.device_count()",
+             edits=((DEVICE, DEVICE + "\n    torch.cuda.device_count()"),)),
+        Case(GPU, "cpu-when-unavailable", "called torch.cuda.is_available()",
+             edits=((DEVICE, DEVICE + ' if torch.cuda.is_available() else torch.device("cpu")'),)),
         # from a learner review
         Case(GPU, "digits-read-one-by-one", "expected 13",  # right while every id was one digit
              edits=(('int(listed.split(",")[local_rank])',

@@ -10,8 +10,11 @@ where it sets no ``CUDA_VISIBLE_DEVICES``); ``judge`` names the first wrong pick
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -65,6 +68,31 @@ def _answer(got: Any) -> dict[str, Any]:
     return {"type": device.type, "index": device.index, "physical": physical}
 
 
+# What a rank_gpu may not call (the stub's rule): on a machine without the job's GPUs, as here,
+# each answers about this machine, not the node the rank runs on; several initialise CUDA.
+CUDA_CALLS = ("device_count", "is_available", "current_device", "set_device", "device",
+              "get_device_name", "get_device_properties", "mem_get_info", "init")  # fmt: skip
+
+
+@contextmanager
+def noting_cuda(module: ModuleType, called: list[str]) -> Iterator[None]:
+    """Every torch.cuda call in CUDA_CALLS noted, through ``torch.cuda`` or a name the
+    learner's file bound (``from torch.cuda import device_count``)."""
+    with ExitStack() as stack:
+        for name in CUDA_CALLS:
+            real = getattr(torch.cuda, name)
+
+            def noted(*args: Any, _name: str = name, _real: Any = real, **kwargs: Any) -> Any:
+                called.append(_name)
+                return _real(*args, **kwargs)
+
+            stack.enter_context(mock.patch.object(torch.cuda, name, noted))
+            for attr, value in list(vars(module).items()):
+                if value is real:
+                    stack.enter_context(mock.patch.object(module, attr, noted))
+        yield
+
+
 def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, str]) -> Record:
     """One scenario's answer; an exception is recorded, so that the judge can name an earlier
     scenario's mistake first (a global-RANK index can overrun a later list)."""
@@ -75,13 +103,16 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
 
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
-    answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
+    called: list[str] = []
+    with noting_cuda(module, called):
+        answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
     # this rank's own environment, from torchrun, as on a node that sets no
     # CUDA_VISIBLE_DEVICES (the check hides the GPUs: nothing here may touch them)
     own = {k: os.environ[k] for k in OWN}
     sees = {k: v for k, v in os.environ.items() if k != CVD}
-    answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, sees))
-    return {"answers": answers}
+    with noting_cuda(module, called):
+        answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, sees))
+    return {"answers": answers, "cuda_calls": sorted(set(called))}
 
 
 def _judge_physical(where: str, got: int, env: dict[str, str], physical: int) -> str:
@@ -130,7 +161,20 @@ def _constant(records: list[Record]) -> int | None:
     return seen.pop() if len(seen) == 1 else None
 
 
+def _judge_cuda_calls(records: list[Record]) -> str | None:
+    if called := sorted({c for rec in records for c in rec.get("cuda_calls", ())}):
+        return (f"rank_gpu called torch.cuda.{called[0]}(): the device comes from the "
+                "environment alone (the stub's rule: no torch.cuda call) - a rank's torch.cuda "
+                "answers about the machine it runs on (here: none of the job's GPUs), and "
+                "several calls initialise CUDA there "
+                '(lesson 03, "When the variable takes effect: before CUDA initialises, '
+                'never after")')  # fmt: skip
+    return None
+
+
 def judge_gpu(records: list[Record]) -> str | None:
+    if mistake := _judge_cuda_calls(records):
+        return mistake
     for rank, rec in enumerate(records):
         for a in rec["answers"]:
             where, env = a["where"], a["env"]

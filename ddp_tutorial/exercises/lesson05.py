@@ -412,7 +412,7 @@ EXERCISES = [
         collective_timeout_s=6.0,
         proves=(
             "rank 0 alone wrote, through a temporary file and a rename, and the others waited for"
-            " it; the snapshot holds model (no 'module.'), optimizer and epoch, loads with "
+            " it; the snapshot holds model (no 'module.'), optimizer, epoch and step, loads with "
             "weights_only=True, and every rank reads it back, weights only, mapped to its device"
         ),
     ),

@@ -2,9 +2,10 @@
 
 ``dist.all_gather(out, t)`` needs the same shape on every rank, but per-rank results often
 differ (an evaluation shard of 151 samples beside one of 150). Return every rank's 1-D
-tensor, in rank order, on every rank, each with its own length and dtype (the check sends
-int64 labels, -1 and 0 among them), the tensors through ``dist.all_gather`` (not
-``all_gather_object``: it pickles on the CPU; a few lengths may go either way).
+tensor, in rank order, on every rank, each with its own length, in the dtype it was sent in
+(every rank sends the same dtype: the check sends int64 labels, -1 and 0 among them), the
+tensors through ``dist.all_gather`` (not ``all_gather_object``: it pickles on the CPU; a few
+lengths may go either way).
 
 Check it (2 gloo ranks; rank 0 has 2 values, rank 1 has 3):
 
