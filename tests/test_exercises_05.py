@@ -60,6 +60,14 @@ CASES = register([
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
 '''),)),
+    # helper 109: the whole load under `if rank == 0`: a hang, named by the lines
+    Case(RESUME, "snapshot-loaded-on-rank-0-alone", "loaded under `if rank == 0`",
+         edits=(("    if snapshot.is_file():\n", "    if rank == 0 and snapshot.is_file():\n"),)),
+    Case(RESUME, "snapshot-loaded-in-a-rank-0-block", "loaded under `if rank == 0`",
+         edits=(("    if snapshot.is_file():\n        state = torch.load(",
+                 "    if snapshot.is_file():\n      if rank == 0:\n        state = torch.load("),
+                ('        model.load_state_dict(state["model"])\n',
+                 '        model.load_state_dict(state["model"])\n'),)),
     Case(RESUME, "no-weights", "did not start from the weights of epoch 1",
          edits=(('        model.load_state_dict(state["model"])\n', ""),)),
     Case(RESUME, "no-set-epoch", "sampler.set_epoch(epoch)",

@@ -84,6 +84,9 @@ class Exercise:
     # (a regex over the code of the learner's blocks, the mistake): what the runs cannot show,
     # tried on a file that passed (05: the resume epoch read from the simulation's own flag)
     hidden: tuple[tuple[str, str], ...] = ()
+    # (a regex over the code of the learner's blocks, the mistake): named when the ranks hang,
+    # instead of the hang's general causes (05: the snapshot loaded under `if rank == 0`)
+    when_hung: tuple[tuple[str, str], ...] = ()
 
     @property
     def stub(self) -> Path:

@@ -179,6 +179,13 @@ EXERCISES = [
         judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
         teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=12.0,
         around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
+        when_hung=(
+            (r"(?m)^( *)if\b[^\n]*\brank\s*==\s*0\b[^\n]*:[ \t]*(?:[^\n]*torch\.load|\n(?:\1 "
+             r"+[^\n]*\n|[ \t]*\n)*?\1 +[^\n]*torch\.load)",
+             "the snapshot was loaded under `if rank == 0`: the other ranks started over at "
+             "epoch 0 and waited in a step rank 0 never took - load it on every rank (DDP's "
+             "broadcast copies rank 0's weights, not its epoch or its optimizer)"),
+        ),
         hidden=(
             (r"stop_after", "start_epoch came from --stop-after-epoch, a flag of this "
              "simulation: a real job is stopped at any epoch, by a signal - start at "

@@ -178,12 +178,26 @@ def by_luck(ex: Exercise, path: Path) -> str | None:
     if found:
         return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
                        f"{found[0].message}")  # fmt: skip
-    code = "\n".join(line.split("#", 1)[0] for block in your_code_blocks(text)
-                     for line in block.splitlines())  # fmt: skip
+    code = _your_lines(text)
     for pattern, mistake in ex.hidden:
         if re.search(pattern, code):
             return ex.hint(f"right in this check's run only: {mistake}")
     return None
+
+
+def _your_lines(text: str) -> str:
+    """The code of the learner's YOUR CODE blocks, comments left out."""
+    return "\n".join(line.split("#", 1)[0] for block in your_code_blocks(text)
+                     for line in block.splitlines())  # fmt: skip
+
+
+def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
+    """A hang whose cause the learner's own lines show (``ex.when_hung``): named, instead of
+    the list of what makes ranks wait for each other."""
+    if not ex.when_hung or not any(_hung(r) for r in records) or not path.is_file():
+        return None
+    code = _your_lines(path.read_text())
+    return next((ex.hint(m) for p, m in ex.when_hung if re.search(p, code)), None)
 
 
 def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_dir: Path,
@@ -199,6 +213,8 @@ def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_
         passed, message = judge(ex, records, result.output)
         if passed and (luck := by_luck(ex, path)):
             passed, message = False, luck
+        elif not passed and (named := hung_by(ex, path, records)):
+            message = named
         verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=result.seconds)
         ran += 1
     if ran == 0:  # the launch died before the first candidate's records
