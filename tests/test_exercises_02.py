@@ -63,6 +63,9 @@ CASES = register(
              edits=((ALL_REDUCE, "    dist.all_reduce(sums)\n    sums //= world\n"),)),
         Case(ACC, "averaged-integer-counts", "with the default SUM",
              edits=(("dist.all_reduce(sums)", "dist.all_reduce(sums, op=dist.ReduceOp.AVG)"),)),
+        # helper 109: only the TP row added up: FP and FN stay each rank's own
+        Case(F1, "only-tp-added", "counts only partly added over the ranks (TP added",
+             edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),
         Case(F1, "mean-of-the-ranks-f1", "the mean of the ranks' own F1s",
              edits=((REDUCE_COUNTS, "pass"),
                     (SCORE, "mine = per_class.mean().reshape(1)\n    dist.all_reduce(mine)\n"

@@ -9,6 +9,7 @@ it evaluated); each ``judge`` names the first mistake.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from types import ModuleType
@@ -291,10 +292,27 @@ def judge_f1(records: list[Record]) -> str | None:
                 f"rank {rank} returned {got:.4f}, the F1 of its own shard only: add the ranks' "
                 "per-class TP, FP, FN counts (dist.all_reduce) before computing F1"
             )
+        if partly := _partly_added(got, every, f1_counts(*shards[rank])):
+            return f"rank {rank} returned {got:.4f}, {partly}; the macro F1 is {truth:.4f}"
         for value, what in wrong:
             if abs(got - value) < F1_TOL:
                 return f"rank {rank} returned {got:.4f}, {what}; the macro F1 is {truth:.4f}"
         return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth!r}"
+    return None
+
+
+def _partly_added(got: float, every: torch.Tensor, mine: torch.Tensor) -> str | None:
+    """If ``got`` is the F1 of counts some of which were added over the ranks and the others
+    this rank's own (one row all_reduced, or TP and FP in separate tensors, one forgotten)."""
+    names = ("TP", "FP", "FN")
+    for added in itertools.product((True, False), repeat=3):
+        mix = torch.stack([every[i] if a else mine[i] for i, a in enumerate(added)])
+        if any(added) and not all(added) and abs(f1_of(mix) - got) < F1_TOL:
+            summed = ", ".join(n for n, a in zip(names, added, strict=True) if a)
+            own = ", ".join(n for n, a in zip(names, added, strict=True) if not a)
+            return (f"the F1 of counts only partly added over the ranks ({summed} added; {own} "
+                    "this rank's own): all_reduce every count - TP, FP and FN in one tensor "
+                    "(torch.stack), one call")  # fmt: skip
     return None
 
 
