@@ -63,6 +63,11 @@ CASES = register(
              edits=((ALL_REDUCE, "    dist.all_reduce(sums)\n    sums //= world\n"),)),
         Case(ACC, "averaged-integer-counts", "with the default SUM",
              edits=(("dist.all_reduce(sums)", "dist.all_reduce(sums, op=dist.ReduceOp.AVG)"),)),
+        # helper 109: the stub's hints, model.eval() and torch.no_grad(), never checked
+        Case(ACC, "left-in-training-mode", "evaluated in training mode",
+             edits=(("    model.eval()\n", ""),)),
+        Case(ACC, "gradients-on", "ran with gradients on",
+             edits=(("    with torch.no_grad():\n", "    if True:\n"),)),
         # helper 109: only the TP row added up: FP and FN stay each rank's own
         Case(F1, "only-tp-added", "counts only partly added over the ranks (TP added",
              edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),

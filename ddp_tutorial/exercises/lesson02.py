@@ -41,12 +41,27 @@ def val_data(flipped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return x, labels
 
 
-def predictor() -> nn.Module:
-    """A fixed model: the class is the largest feature (no training, the same on every rank)."""
-    model = nn.Linear(FEATURES, FEATURES, bias=False)
-    with torch.no_grad():
-        model.weight.copy_(torch.eye(FEATURES))
-    return model
+class Predictor(nn.Linear):
+    """A fixed model: the class is the largest feature (no training, the same on every rank).
+    Each forward notes whether it ran in training mode and with gradients on: neither changes
+    this model's numbers, and both matter on the learner's (dropout, BatchNorm, memory)."""
+
+    def __init__(self) -> None:
+        super().__init__(FEATURES, FEATURES, bias=False)
+        with torch.no_grad():
+            self.weight.copy_(torch.eye(FEATURES))
+        self.modes: set[str] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.modes.add("train")
+        if torch.is_grad_enabled():
+            self.modes.add("grad")
+        return super().forward(x)
+
+
+def predictor() -> Predictor:
+    return Predictor()
 
 
 class WatchedSet(Dataset):
@@ -85,8 +100,9 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     unwaited: list[int] = []
     data = WatchedSet()
     start_late(ctx)
+    model = predictor()
     with watched(calls, module, unwaited=unwaited):  # batches of 5: 6 and 5 samples: 2 and 1
-        got = module.exact_accuracy(predictor(), data, batch_size=EVAL_BATCH)
+        got = module.exact_accuracy(model, data, batch_size=EVAL_BATCH)
     if isinstance(got, tuple | list) and len(got) == 2:
         got = [_number(v) for v in got]
     else:
@@ -96,7 +112,8 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
     flipped = module.exact_accuracy(predictor(), WatchedSet(flipped=True), EVAL_BATCH)
     flipped = [_number(v) for v in flipped] if isinstance(flipped, tuple | list) else None
     return {"got": got, "read": data.read, "calls": [name for name, _ in calls], "ops": ops,
-            "unwaited": len(unwaited), "flipped": flipped}  # fmt: skip
+            "unwaited": len(unwaited), "flipped": flipped,
+            "modes": sorted(model.modes)}  # fmt: skip
 
 
 def truth_correct(flipped: bool = False) -> int:
@@ -200,6 +217,22 @@ def judge_accuracy(records: list[Record]) -> str | None:
         return _judge_repeats(records, flipped) or (
             f"on the same set with the other {truth_correct(True)} predictions right it "
             f"returned {flipped}: count every sample once, its own prediction"
+        )
+    return _judge_modes(records)
+
+
+def _judge_modes(records: list[Record]) -> str | None:
+    """The right counts from a model left in training mode, or with autograd on: right here
+    only (this model has no dropout, no BatchNorm), wrong or wasteful on the learner's."""
+    modes = {m for rec in records for m in rec.get("modes", ())}
+    if "train" in modes:
+        return ("the model evaluated in training mode: model.eval() first - here the counts "
+                "are right, but dropout and BatchNorm change a real model's predictions "
+                "(lesson 02, exact evaluation)")  # fmt: skip
+    if "grad" in modes:
+        return (
+            "the forward ran with gradients on: evaluate under torch.no_grad() - autograd "
+            "keeps every activation for a backward that never comes (memory, time)"
         )
     return None
 
