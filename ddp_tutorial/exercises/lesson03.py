@@ -10,15 +10,13 @@ where it sets no ``CUDA_VISIBLE_DEVICES``); ``judge`` names the first wrong pick
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from types import ModuleType
 from typing import Any
-from unittest import mock
 
 import torch
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.spies import spying
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV as CVD
 
 # (where, the environment a rank sees, as torchrun sets it); nodes have 4 GPUs unless
@@ -74,25 +72,6 @@ CUDA_CALLS = ("device_count", "is_available", "current_device", "set_device", "d
               "get_device_name", "get_device_properties", "mem_get_info", "init")  # fmt: skip
 
 
-@contextmanager
-def noting_cuda(module: ModuleType, called: list[str]) -> Iterator[None]:
-    """Every torch.cuda call in CUDA_CALLS noted, through ``torch.cuda`` or a name the
-    learner's file bound (``from torch.cuda import device_count``)."""
-    with ExitStack() as stack:
-        for name in CUDA_CALLS:
-            real = getattr(torch.cuda, name)
-
-            def noted(*args: Any, _name: str = name, _real: Any = real, **kwargs: Any) -> Any:
-                called.append(_name)
-                return _real(*args, **kwargs)
-
-            stack.enter_context(mock.patch.object(torch.cuda, name, noted))
-            for attr, value in list(vars(module).items()):
-                if value is real:
-                    stack.enter_context(mock.patch.object(module, attr, noted))
-        yield
-
-
 def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, str]) -> Record:
     """One scenario's answer; an exception is recorded, so that the judge can name an earlier
     scenario's mistake first (a global-RANK index can overrun a later list)."""
@@ -104,13 +83,13 @@ def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, st
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
     called: list[str] = []
-    with noting_cuda(module, called):
+    with spying(CUDA_CALLS, lambda name, *_: called.append(name), module, source=torch.cuda):
         answers = [_ask(module, where, env, dict(env)) for where, env in SCENARIOS]
     # this rank's own environment, from torchrun, as on a node that sets no
     # CUDA_VISIBLE_DEVICES (the check hides the GPUs: nothing here may touch them)
     own = {k: os.environ[k] for k in OWN}
     sees = {k: v for k, v in os.environ.items() if k != CVD}
-    with noting_cuda(module, called):
+    with spying(CUDA_CALLS, lambda name, *_: called.append(name), module, source=torch.cuda):
         answers.append(_ask(module, f"this launch, rank {ctx.rank}", own, sees))
     return {"answers": answers, "cuda_calls": sorted(set(called))}
 
