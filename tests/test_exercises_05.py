@@ -63,6 +63,10 @@ CASES = register([
     # helper 109: the whole load under `if rank == 0`: a hang, named by the lines
     Case(RESUME, "snapshot-loaded-on-rank-0-alone", "loaded under `if rank == 0`",
          edits=(("    if snapshot.is_file():\n", "    if rank == 0 and snapshot.is_file():\n"),)),
+    # helper 112: the spelling lesson 05's own atomic-snapshot answer uses
+    Case(RESUME, "snapshot-loaded-under-get-rank", "loaded under `if rank == 0`",
+         edits=(("    if snapshot.is_file():\n",
+                 "    if dist.get_rank() == 0 and snapshot.is_file():\n"),)),
     Case(RESUME, "snapshot-loaded-in-a-rank-0-block", "loaded under `if rank == 0`",
          edits=(("    if snapshot.is_file():\n        state = torch.load(",
                  "    if snapshot.is_file():\n      if rank == 0:\n        state = torch.load("),

@@ -180,8 +180,8 @@ EXERCISES = [
         teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=12.0,
         around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
         when_hung=(
-            (r"(?m)^( *)if\b[^\n]*\brank\s*==\s*0\b[^\n]*:[ \t]*(?:[^\n]*torch\.load|\n(?:\1 "
-             r"+[^\n]*\n|[ \t]*\n)*?\1 +[^\n]*torch\.load)",
+            (r"(?m)^( *)if\b[^\n]*\b(?:rank|get_rank\(\))\s*==\s*0\b[^\n]*:[ \t]*"
+             r"(?:[^\n]*torch\.load|\n(?:\1 +[^\n]*\n|[ \t]*\n)*?\1 +[^\n]*torch\.load)",
              "the snapshot was loaded under `if rank == 0`: the other ranks started over at "
              "epoch 0 and waited in a step rank 0 never took - load it on every rank (DDP's "
              "broadcast copies rank 0's weights, not its epoch or its optimizer)"),
