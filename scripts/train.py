@@ -63,6 +63,7 @@ HOOK = "ddp_tutorial.recorder"  # --out's module: the course's recorder, never i
 # kit.local_sums with its field in kit.EvalResult (kit.distributed_evaluate fills it).
 # What a resume compares to say that the data changed under it (a warning, the run goes on).
 DATA_FLAGS = ("data", "data_dir", "num_samples", "seed", "image_size")
+VAL_FLAGS = ("data", "data_dir", "image_size", "num_val", "num_classes", "seed")  # synthetic: all
 SCORES = {"val_loss": (-1, "{:.4f}"), "val_accuracy": (+1, "{:.1%}")}
 # How samples become a batch, for training and evaluation alike: None stacks them (torch's
 # default). Sequences: a function defined in this file that pads them; it may return the model
@@ -86,6 +87,12 @@ def positive(text: str, least: int = 1) -> int:
 
 def count(text: str) -> int:  # 0 or more: 0 turns the thing off
     return positive(text, 0)
+
+
+def seed(text: str) -> int:  # numpy's range (a ns timestamp overflows torch's manual_seed)
+    if not 0 <= int(text) < 2**32:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 2**32, got {text}")
+    return int(text)
 
 
 def amount(text: str) -> float:  # nan, inf and negatives stop here, not deep inside torch
@@ -130,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
         help="DataLoader workers per rank (resumed "
         "mid-epoch: the same samples, but the rest of the epoch's random augmentation differs)",
     )
-    add("--seed", type=count, default=0)
+    add("--seed", type=seed, default=0)
     add("--checkpoint-dir", help="snapshot-<step>.pt, best.pt, final.pt; a rerun resumes from it")
     add("--best-by", choices=SCORES, default="val_accuracy",
         help="best.pt: the highest val accuracy, or the lowest val loss")  # fmt: skip
@@ -202,9 +209,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lr, decay = OPTIMIZERS[args.optimizer]
     args.lr = lr if args.lr is None else args.lr
     args.weight_decay = decay if args.weight_decay is None else args.weight_decay
-    for flag in ("timeout", "init_timeout"):
-        if getattr(args, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be > 0 (seconds)")
+    for flag in ("timeout", "init_timeout"):  # torch waits in ns: 292 years overflow, at start
+        if not 0 < getattr(args, flag) <= 365 * 86400:
+            p.error(f"--{flag.replace('_', '-')} must be > 0 and at most 31536000 (a year, s)")
+    args.data = args.data or ("folder" if args.data_dir else "synthetic")  # as the help says
     if not 0 <= args.warmup < 1:
         p.error("--warmup is a fraction of training: 0 <= warmup < 1")
     return args
@@ -448,6 +456,7 @@ def train(
     since = 0  # where this world size took over the epoch (the sampler pads from there)
     totals, window = [0.0, 0.0], [0.0, 0.0]  # the epoch's [loss sum, targets]; the log line's
     best, owed = -math.inf, False  # the best score so far (best.pt, --best-by); owed: below
+    rescored = []  # flags that changed the validation set: best.pt's score is not comparable
     try:  # weights_only: runs no code; a damaged newest snapshot: the one before it
         found = kit.load_resume_point(ckpt, map_location=device)
     except kit.CheckpointError as exc:  # a restart would only repeat it
@@ -498,18 +507,26 @@ def train(
                 "WARNING: a mid-epoch resume with --num-workers > 0: the same samples, other "
                 "random augmentation for the rest of this epoch (exact again from the next)"
             )
-        if data := kit.schedule_changes(extra["config"], vars(args), DATA_FLAGS):
+        then = dict(extra["config"])  # older snapshots: data None, the default as a word now
+        then["data"] = then.get("data") or ("folder" if then.get("data_dir") else "synthetic")
+        if data := kit.schedule_changes(then, vars(args), DATA_FLAGS):
             say(f"WARNING: resumed with {', '.join(data)}: other samples or another order")
+        checked = VAL_FLAGS if args.data == "synthetic" else VAL_FLAGS[:3]  # what the set is
+        rescored = kit.schedule_changes(then, vars(args), checked)
         if consumed and extra.get("train_size", len(train_set)) != len(train_set):
             say(f"WARNING: {extra['train_size']} training samples then, {len(train_set)} now: "
                 f"epoch {epoch}'s position points at other samples; it starts over")  # fmt: skip
             consumed = since = 0
             totals = [0.0, 0.0]  # the epoch's loss sums: begun again too
         best, owed = extra["best"], extra.get("eval_owed", False)
+        if rescored:  # a score on another set: the next evaluation replaces best.pt
+            best = -math.inf
+            say(f"WARNING: resumed with {', '.join(rescored)}: another validation set, "
+                "whose next evaluation replaces best.pt")  # fmt: skip
         if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
             best = -math.inf
             say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
-    if ckpt and (ckpt / "best.json").is_file():  # best.pt may be newer than the snapshot
+    if ckpt and not rescored and (ckpt / "best.json").is_file():  # may be newer than snapshot
         try:
             held = json.loads((ckpt / "best.json").read_text())
         except ValueError:  # empty or cut short (a crash): the snapshot's best decides

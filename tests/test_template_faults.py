@@ -300,6 +300,26 @@ def test_a_resume_on_other_data_says_so_and_starts_a_changed_epoch_over(
     assert "done: 12 steps" in out, "3 before, then all 9 of the changed epoch"
 
 
+def test_a_resume_on_another_validation_set_lets_the_next_evaluation_replace_best(
+    template, tmp_path, one_rank, capsys
+):
+    """Helper 113: after --num-val changed on a resume, best.pt's score (the old set's) was
+    compared with the new set's without a word; an explicit --data synthetic (the default)
+    warned of other samples. Now the validation flags warn and reset best; the default does not."""
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
+            "--eval-every", "2", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--max-steps", "4"])
+    best = json.loads((tmp_path / "best.json").read_text())
+    capsys.readouterr()
+    template.main([*argv, "--data", "synthetic", "--max-steps", "5"])
+    assert "WARNING" not in capsys.readouterr().out  # the same data, said explicitly
+    template.main([*argv, "--num-val", "40", "--max-steps", "6"])
+    out = capsys.readouterr().out
+    assert "WARNING: resumed with --num-val 16 -> 40: another validation set" in out, out
+    now = json.loads((tmp_path / "best.json").read_text())
+    assert now["step"] == 6 and best["step"] <= 4, (best, now)  # replaced by the new set's
+
+
 def test_a_mid_epoch_resume_with_workers_says_what_is_not_exact(template, tmp_path, one_rank,
                                                                 capsys):  # fmt: skip
     """Helper 107: the docstrings promise an exact resume, and with workers a mid-epoch one

@@ -92,6 +92,11 @@ def run_main(template, monkeypatch, capsys, *argv):
         (["--init-timeout", "nan"], "argument --init-timeout: must be a finite number"),
         (["--eval-every", "-3"], "argument --eval-every: must be at least 0"),
         (["--num-workers", "-1"], "argument --num-workers: must be at least 0"),
+        # helper 113: "no timeout" as a huge number failed every start in gloo (its ns overflow),
+        # a nanosecond timestamp as a seed in torch's manual_seed
+        (["--timeout", "1e10"], "--timeout must be > 0 and at most 31536000"),
+        (["--init-timeout", "1e14"], "--init-timeout must be > 0 and at most 31536000"),
+        (["--seed", "20000000000000"], "argument --seed: must be at least 0 and below 2**32"),
     ],
 )
 def test_bad_flags_fail_before_training(template, capsys, bad, message):
