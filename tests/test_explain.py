@@ -558,6 +558,16 @@ IN_TORCH_2_14 = {  # as torch 2.14 (and its NCCL) print them: the entry each bel
     "AttributeError: Can't get attribute 'f' on <module '__main__' (<class "
     "'_frozen_importlib.BuiltinImporter'>)>": "main-attribute",
     "[rank0]: RuntimeError: Address already in use": "address-in-use",
+    # helper 114: torch 2.14's strings (libtorch, distributed_c10d.py) that said nothing
+    "[rank0]:[W1206 ProcessGroupNCCL.cpp:1538] WARNING: NCCL communicator hasn't been "
+    "destroyed. This may cause memory leaks.": "no-destroy",
+    "RuntimeError: [1]: params[3] in this process with sizes [64, 32] appears not to match "
+    "sizes of the same param in process 0.": "model-mismatch",
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= "
+    "op.nbytes. 8000 vs 7936": "mismatched-collectives",
+    "torch.distributed.DistStoreError: Timed out initializing process group in store based "
+    "barrier on rank 3, for key: store_based_barrier_key:1 (world_size=8, "
+    "num_workers_joined=4, timeout=0:30:00 error=...)": "rendezvous-failed",
 }
 
 

@@ -599,6 +599,21 @@ def test_the_idioms_a_review_found_flagged_are_not_and_the_mistakes_still_are():
     yolo = rank_0_first.replace("if rank != 0:", "if rank not in [-1, 0]:")  # YOLOv5, HF
     assert codes(yolo) == []
     assert codes(rank_0_first.replace("if rank != 0:", "if rank == 1:")) == ["DDP101", "DDP101"]
+    fallback = """
+    if distributed:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        model = DDP(model, device_ids=[local_rank])
+    elif torch.cuda.device_count() > 1:  # one process, several GPUs (pytorch/examples)
+        model = torch.nn.DataParallel(model)
+    """  # helper 114: the deliberate fallback beside DDP; DDP111 once, not per init call
+    assert codes(fallback + 'dist.init_process_group("gloo")\n') == ["DDP111"]
+    assert codes(fallback.replace("model = DDP(model, device_ids=[local_rank])", "pass")) == [
+        "DDP111", "DDP116"]  # fmt: skip
+    for others in ("if rank > 0:", "if rank >= 1:"):  # YOLOX's wait_for_the_master (helper 114)
+        assert codes(rank_0_first.replace("if rank != 0:", others)) == [], others
+    assert codes(rank_0_first.replace("if rank == 0:", "if rank < 1:")) == []
+    assert codes(rank_0_first.replace("if rank != 0:", "if rank > 1:")) == ["DDP101", "DDP101"]
     hf_unwrap = """
     model = DDP(model)
     model_to_save = model.module if hasattr(model, "module") else model

@@ -93,6 +93,7 @@ class Linter(ScopeChecks):
             if name == "init_process_group":
                 if "destroy_process_group" not in names:
                     self.add(call, "DDP111")
+                    names.add("destroy_process_group")  # said once, at the first init
                 binds = {"set_device", "set_device_index"} & names  # the current GPU, set
                 if self.nccl(call) and keyword(call, "device_id") is None and not binds:
                     self.add(call, "DDP109")
@@ -120,7 +121,7 @@ class Linter(ScopeChecks):
                 unused = keyword(call, "find_unused_parameters")
                 if isinstance(unused, ast.Constant) and unused.value is True:
                     self.add(call, "DDP114")
-            elif name == "DataParallel":
+            elif name == "DataParallel" and not names & {"DistributedDataParallel", "DDP"}:
                 self.add(call, "DDP116")
             elif (
                 name == "tqdm"

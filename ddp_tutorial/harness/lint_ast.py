@@ -1,8 +1,7 @@
 """What ``ddp-tutorial lint`` knows of Python code: names, calls, and what a name holds.
 
 The linter reads one file at a time and guesses what a name holds from how it was made
-(``dist.get_rank()``, ``DistributedDataParallel(...)``, a name whose ``.module`` is read).
-"""
+(``dist.get_rank()``, ``DistributedDataParallel(...)``, a name whose ``.module`` is read)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def dotted(node: ast.AST) -> str:
 
 
 def last_name(call: ast.Call) -> str:
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else dotted(func)
+    return call.func.attr if isinstance(call.func, ast.Attribute) else dotted(call.func)
 
 
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
@@ -366,7 +364,8 @@ def complementary(a: ast.expr, b: ast.expr) -> bool:
 
 
 def _membership(test: ast.expr) -> tuple[str, bool, frozenset[object]] | None:
-    """``x == 0`` -> (x, True, {0}); ``x not in [-1, 0]`` -> (x, False, {-1, 0})."""
+    """``x == 0`` -> (x, True, {0}); ``x not in [-1, 0]`` -> (x, False, {-1, 0}); a rank's
+    ``x > 0`` or ``x >= 1`` is ``x != 0``, ``x < 1`` or ``x <= 0`` is ``x == 0`` (YOLOX)."""
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
         return None
     op, right = test.ops[0], test.comparators[0]
@@ -379,10 +378,12 @@ def _membership(test: ast.expr) -> tuple[str, bool, frozenset[object]] | None:
         if not isinstance(item, ast.Constant):
             return None
         values.append(item.value)
-    positive = isinstance(op, ast.Eq | ast.In)
+    if (bound := {ast.Gt: 0, ast.GtE: 1, ast.Lt: 1, ast.LtE: 0}.get(type(op))) is not None:
+        below = isinstance(op, ast.Lt | ast.LtE)
+        return (ast.dump(test.left), below, frozenset({0})) if values == [bound] else None
     if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
         return None
-    return ast.dump(test.left), positive, frozenset(values)
+    return ast.dump(test.left), isinstance(op, ast.Eq | ast.In), frozenset(values)
 
 
 def launched_test(node: ast.AST) -> bool:

@@ -76,7 +76,8 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "model-mismatch",
-        r"DDP expects same model across all ranks",
+        r"DDP expects same model across all ranks|"
+        r"appears not to match (?:sizes|strides) of the same param in process",
         "the ranks built different models: a rank-dependent branch or config, weights loaded "
         "on some ranks only into a model whose shape they change",
         "build the model the same way on every rank before DDP; load weights on every rank, "
@@ -119,7 +120,8 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "mismatched-collectives",
         r"Detected mismatch between collectives on ranks|"
-        r"Received data size doesn't match expected size",  # gloo's, before it aborts
+        r"Received data size doesn't match expected size|"  # gloo's, before it aborts
+        r"op\.preamble\.length <= op\.nbytes",  # gloo's, a recv shorter than the send
         "ranks called different collectives, or the same one with different shapes or "
         "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compares them; gloo aborts the rank)",
         "a collective outside rank-dependent branches; shapes that do not depend on the "
@@ -235,7 +237,8 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         "no-destroy",
-        r"destroy_process_group\(\) was not called",
+        r"destroy_process_group\(\) was not called|"
+        r"NCCL communicator hasn't been destroyed",  # torch 2.14's own words
         "the process exited with its process group still open",
         "dist.destroy_process_group() at the end of main(), in a finally:",
         "09",

@@ -41,7 +41,8 @@ LAUNCH: tuple[Known, ...] = (
         r"RendezvousTimeoutError|RendezvousConnectionError|connect\(\) timed out|"
         r"client socket has timed out after \d+m?s while trying to connect|"
         r"client socket has failed to connect to any network address|"
-        r"Timed out after \d+ seconds waiting for clients",
+        r"Timed out after \d+ seconds waiting for clients|"
+        r"Timed out initializing process group in store based barrier",  # ranks missing
         "the nodes did not meet: the endpoint unreachable (wrong address or port, a "
         "firewall), nodes started too far apart, mismatched --nnodes or --rdzv-id, or "
         "--standalone on several nodes",
