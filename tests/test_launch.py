@@ -73,8 +73,10 @@ time.sleep(120)
 
 HANGING = """
 import json, os, sys, time
-with open(os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json"), "w") as f:
+path = os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json")
+with open(path + ".tmp", "w") as f:  # then renamed: the test reads a whole record or none
     json.dump({"rank": int(os.environ["RANK"]), "pid": os.getpid()}, f)
+os.replace(path + ".tmp", path)
 print("rank", os.environ["RANK"], "hanging", flush=True)
 time.sleep(3600)
 """
