@@ -15,6 +15,7 @@ one process: the same script can be stepped through in a debugger.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
@@ -260,7 +261,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Here because a world of one needs it (:func:`setup` without torchrun);
     the launcher uses the same function for multi-node rendezvous endpoints.
+    The port is bound seconds later, by torchrun: one the kernel hands out for ``bind(0)``
+    or an outgoing connection (its ephemeral range) could be taken by then by any socket of
+    any process (every gloo group and TCPStore binds port 0), so on Linux it is picked below
+    that range, where only a port asked for by number lands.
     """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's pick
+        low = 1024
+    for port in random.Random().sample(
+        range(max(1024, low - 12000), low), max(0, min(200, low - 1024))
+    ):
+        if port in (29400, 29500):  # the defaults of torchrun's rendezvous and MASTER_PORT
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

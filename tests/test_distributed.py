@@ -170,3 +170,31 @@ def test_joining_may_take_long_but_a_collective_times_out_fast(tmp_path, write_s
     # all_reduce would have waited for rank 1 and succeeded. A lower bound: host speed cannot
     # break it (a busy host only makes the wait longer).
     assert r0["waited_s"] >= 1.4, r0  # 1.5 s, less the clock readings around the call
+
+
+def test_a_free_port_is_one_the_kernel_never_hands_out_for_port_0(monkeypatch):
+    """Helper 111: the port is bound seconds later (by torchrun); one from the kernel's
+    ephemeral range could be taken by then by any bind(0) or outgoing connection (every gloo
+    group and TCPStore of the suite binds port 0). Below that range only a number lands."""
+    import socket
+    from pathlib import Path
+
+    from ddp_tutorial.distributed import free_port
+
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ephemeral.is_file():
+        pytest.skip("no Linux ephemeral port range here")
+    low = int(ephemeral.read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1, (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free, as promised
+    real = socket.socket.bind
+
+    def bind(self, address):  # every port below the range taken: the kernel's pick
+        if 0 < address[1] < low:
+            raise OSError(98, "Address already in use")
+        return real(self, address)
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    assert free_port() >= low
