@@ -1108,6 +1108,33 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "            if True:\n",
         ["DDP110"],
     ),
+    # helper 114: MoCo v3 and SimSiam join (backend from a flag), then barrier, then set_device
+    "a barrier before set_device on a group that may be nccl runs on cuda:0 (MoCo v3)": (
+        """
+        def main_worker(gpu, args):
+            dist.init_process_group(backend=args.dist_backend, init_method=args.dist_url)
+            torch.cuda.set_device(gpu)
+            torch.distributed.barrier()
+            if args.gpu is not None:
+                torch.cuda.set_device(args.gpu)
+        """,
+        [],
+        "            torch.cuda.set_device(gpu)\n            torch.distributed.barrier()\n",
+        "            torch.distributed.barrier()\n            torch.cuda.set_device(gpu)\n",
+        ["DDP110"],  # once: the first set_device after it
+    ),
+    "a barrier before set_device on a gloo group uses no GPU": (
+        """
+        def main_worker(gpu, args):
+            dist.init_process_group("gloo")
+            torch.cuda.set_device(gpu)
+            torch.distributed.barrier()
+        """,
+        [],
+        "            torch.cuda.set_device(gpu)\n            torch.distributed.barrier()\n",
+        "            torch.distributed.barrier()\n            torch.cuda.set_device(gpu)\n",
+        [],
+    ),
     "a save behind rank % gpus per node: one writer per node (imagenet, SimSiam)": (
         """
         dist.init_process_group("nccl")

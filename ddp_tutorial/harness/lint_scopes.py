@@ -177,6 +177,12 @@ class ScopeChecks(SaveChecks):
         backend = keyword(call, "backend") or (call.args[0] if call.args else None)
         return isinstance(backend, ast.Constant) and "nccl" in str(backend.value)
 
+    @staticmethod
+    def gloo(call: ast.Call) -> bool:
+        """A backend named, without nccl in it: a group that never runs on a GPU."""
+        backend = keyword(call, "backend") or (call.args[0] if call.args else None)
+        return isinstance(backend, ast.Constant) and "nccl" not in str(backend.value)
+
     def forward(self, call: ast.Call, scope: Scope) -> bool:
         return isinstance(call.func, ast.Name) and scope.wrapper(call.func.id, call.lineno)
 
@@ -290,16 +296,21 @@ class ScopeChecks(SaveChecks):
         touched: int | None = None  # the line CUDA was first used on (the driver started)
         context: int | None = None  # the line a CUDA context was first made on
         made: ast.Call | None = None  # the call that made it
+        group = False  # a group joined that may be nccl's (a barrier then runs on the device)
         for stmt in self.statements(owner):
             for call in self.own_calls(stmt):
                 name = dotted(call.func)
                 if name.endswith("cuda.set_device") and made and not self.apart(made, call, owner):
                     self.add(call, "DDP110", line=context)
+                    made = None  # the first set_device after it says so
                 makes = (
                     last_name(call) == "cuda"
                     or (last_name(call) == "to" and any(self.is_cuda(a) for a in call.args))
                     or self.is_cuda(keyword(call, "device"))
+                    or (group and is_collective(call))  # on cuda:0 (MoCo v3, SimSiam)
                 )
+                group = group or last_name(call) == "init_process_group" and not self.gloo(call)
+                group = group and not name.endswith("cuda.set_device")  # then on its device
                 starts = (
                     makes
                     or (".cuda." in f".{name}" and not name.endswith("set_device"))
