@@ -1108,6 +1108,31 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "            if True:\n",
         ["DDP110"],
     ),
+    # helper 114: DINO, MAE, ConvNeXt, timm: declared for old launch commands, never read here,
+    # the group joined by a helper that reads LOCAL_RANK from the environment
+    "an unread --local_rank beside an init_distributed helper (DINO)": (
+        """
+        parser.add_argument("--local_rank", default=0, type=int, help="Please ignore")
+        args = parser.parse_args()
+        utils.init_distributed_mode(args)
+        """,
+        [],
+        "utils.init_distributed_mode(args)",
+        "utils.init_distributed_mode(args)\n        torch.cuda.set_device(args.local_rank)",
+        ["DDP113"],  # read here: under torchrun it stays 0 on every rank
+    ),
+    "a load without map_location where the other branch has one (pytorch/examples imagenet)": (
+        """
+        if args.gpu is None:
+            checkpoint = torch.load(args.resume)
+        else:
+            checkpoint = torch.load(args.resume, map_location=f"cuda:{args.gpu}")
+        """,
+        [],
+        'torch.load(args.resume, map_location=f"cuda:{args.gpu}")',
+        "torch.load(args.resume)",
+        ["DDP108", "DDP108"],
+    ),
     # helper 114: MoCo v3 and SimSiam join (backend from a flag), then barrier, then set_device
     "a barrier before set_device on a group that may be nccl runs on cuda:0 (MoCo v3)": (
         """

@@ -87,7 +87,7 @@ class Linter(ScopeChecks):
 
     def whole_file(self) -> None:
         names, guarded = {last_name(c) for c in self.every}, self.rank_guarded()
-        reads_env = any(env_key(n) == "LOCAL_RANK" for n in ast.walk(self.tree))
+        legacy, chosen = self.local_rank_flag_used(names), self.loads_with_a_chosen_device()
         for call in self.every:
             name = last_name(call)
             if name == "init_process_group":
@@ -98,19 +98,16 @@ class Linter(ScopeChecks):
                 if self.nccl(call) and keyword(call, "device_id") is None and not binds:
                     self.add(call, "DDP109")
             elif name == "DataLoader":
-                sampler, shuffle = keyword(call, "sampler"), keyword(call, "shuffle")
-                if (
-                    not is_none(sampler)
-                    and isinstance(shuffle, ast.Constant)
-                    and shuffle.value is True
-                ):
+                shuffle = keyword(call, "shuffle")
+                if not is_none(keyword(call, "sampler")) and getattr(shuffle, "value", 0) is True:
                     self.add(call, "DDP104")
             elif dotted(call.func) == "torch.load":
-                if keyword(call, "map_location") is None and len(call.args) < 2:
+                unplaced = keyword(call, "map_location") is None and len(call.args) < 2
+                if unplaced and id(call) not in chosen:
                     self.add(call, "DDP108")
             elif (
                 name == "add_argument"
-                and not reads_env
+                and legacy
                 and any(
                     isinstance(a, ast.Constant) and a.value in ("--local_rank", "--local-rank")
                     for a in call.args
@@ -145,6 +142,36 @@ class Linter(ScopeChecks):
         bodies = (owner.body for owner, _ in self.scopes())
         for call, what, line in cpu_tensors_in_collectives(self.tree, bodies):
             self.add(call, "DDP128", what=what, line=line)
+
+    def local_rank_flag_used(self, names: set[str]) -> bool:
+        """Whether a --local_rank argument here is the one the script goes by: not where
+        LOCAL_RANK is read from the environment, nor where its value is never read here and
+        a helper joins the group (DINO's ``init_distributed_mode(args)``, MAE, timm)."""
+        if any(env_key(n) == "LOCAL_RANK" for n in ast.walk(self.tree)):
+            return False
+        read = {n.attr for n in ast.walk(self.tree) if isinstance(n, ast.Attribute)}
+        return "local_rank" in read or not any(n.startswith("init_dist") for n in names)
+
+    def loads_with_a_chosen_device(self) -> set[int]:
+        """torch.load without map_location on one side of an ``if`` whose other side loads
+        with one: the author chose (pytorch/examples' ``if args.gpu is None``)."""
+        out = set()
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.If) or not node.orelse:
+                continue
+            sides = [
+                [
+                    c
+                    for s in side
+                    for c in ast.walk(s)
+                    if isinstance(c, ast.Call) and dotted(c.func) == "torch.load"
+                ]  # fmt: skip
+                for side in (node.body, node.orelse)
+            ]
+            for one, other in (sides, sides[::-1]):
+                if any(keyword(c, "map_location") is not None for c in other):
+                    out.update(id(c) for c in one)
+        return out
 
     def unsampled_loaders(self) -> None:
         """DDP125: a DataLoader with no sampler that a loop with a backward() iterates."""
