@@ -130,8 +130,9 @@ def utilization(out: Path) -> dict[str, Any]:
     vision = importlib.util.find_spec("torchvision") is not None
     model = "resnet18" if launch_gpu_count() and vision else "cnn"
     args = ["--model", model, "--batch-size", "64", "--max-steps", "400", "--no-progress"]
+    # echoed (the bitwise runs too): a step cut off by its limit still leaves its log
     run = torchrun(REPO / "scripts/train.py", *args, nproc=1, monitor=True, timeout=45,
-                   run_dir=out / "utilization-run", echo=False)  # fmt: skip
+                   run_dir=out / "utilization-run")  # fmt: skip
     rows = run.utilization or []
     # the training's own span (the ranks' train_start/end, as lesson 06 reads it): start-up and
     # shutdown are most of a launch this short, and nobody computes in them
@@ -157,7 +158,7 @@ def bitwise(out: Path) -> dict[str, Any]:
         # out_flag=None: no --out, so the template runs the path a copy of it runs
         torchrun(REPO / "scripts/train.py", "--deterministic", "--max-steps", "20",
                  "--no-progress", "--checkpoint-dir", ckpt, nproc=1, timeout=27,
-                 out_flag=None, run_dir=out / f"bitwise-{name}-run", echo=False)  # fmt: skip
+                 out_flag=None, run_dir=out / f"bitwise-{name}-run")  # fmt: skip
         digests.append(hashlib.sha256((ckpt / "final.pt").read_bytes()).hexdigest())
     if digests[0] != digests[1]:
         raise RuntimeError(f"two deterministic runs differ: {digests}")
