@@ -82,6 +82,15 @@ CASES = register(
         Case(ACC, "counted-the-batch-size", "count len(y) per batch",
              edits=(("torch.tensor(len(y))", "torch.tensor(batch_size)"),)),
         # from a learner review: each named for what it is
+        # helper 116: MAX of 6 and 5 is 6, round(11 / 2): it was named as an average
+        Case(ACC, "counts-maxed", "combined with ReduceOp.MAX",
+             edits=(("    dist.all_reduce(sums)  #",
+                     "    dist.all_reduce(sums, op=dist.ReduceOp.MAX)  #"),)),
+        # helper 116: .float() in the call: the verdict sent the learner to move the call
+        Case(ACC, "a-copy-reduced", "worked on that copy in place",
+             edits=(("    dist.all_reduce(sums)  #", "    dist.all_reduce(sums.float())  #"),)),
+        Case(F1, "a-copy-reduced", "worked on that copy in place",
+             edits=((REDUCE_COUNTS, REDUCE_COUNTS.replace("(counts)", "(counts.clone())")),)),
         Case(ACC, "float-sums-averaged", "were averaged (ReduceOp.AVG)",
              edits=(("    dist.all_reduce(sums)  #", "    sums = sums.double()\n"
                      "    dist.all_reduce(sums, op=dist.ReduceOp.AVG)  #"),)),

@@ -162,6 +162,9 @@ def _judge_repeats(records: list[Record], got: list[Any]) -> str | None:
 def _judge_count(records: list[Record], count: int) -> str | None:
     """A total count other than the set's length: why."""
     n = len(records)
+    if other := {"MAX", "MIN", "PRODUCT"} & {str(op) for op in records[0]["ops"]}:
+        return (f"counted {count} samples, not {VAL_LENGTH}: the counts were combined with "
+                f"ReduceOp.{sorted(other)[0]} - counts add up: use the default SUM")  # fmt: skip
     if "AVG" in records[0]["ops"] or count in (VAL_LENGTH // n, round(VAL_LENGTH / n)):
         return (f"counted {count} samples, not {VAL_LENGTH}: the ranks' counts were averaged "
                 "(ReduceOp.AVG) or divided by the world size after the all_reduce - counts add "

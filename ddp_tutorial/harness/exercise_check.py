@@ -200,6 +200,25 @@ def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
     return next((ex.hint(m) for p, m in ex.when_hung if re.search(p, code)), None)
 
 
+# dist.all_reduce(x.float()): the collective works in place on a new tensor nobody reads
+COPY_REDUCED = re.compile(
+    r"(?:dist|distributed)\.(?P<op>all_reduce|broadcast|reduce)\(\s*[^,()\n]+?\."
+    r"(?P<copy>float|double|long|int|half|bfloat16|clone|to|cpu|cuda|detach|contiguous)\("
+)
+
+
+def reduced_a_copy(ex: Exercise, path: Path) -> str | None:
+    """A failed file whose collective was handed a converted tensor: named, where the runs
+    only show that the ranks' results stayed their own."""
+    found = COPY_REDUCED.search(_your_lines(path.read_text())) if path.is_file() else None
+    if found is None:
+        return None
+    op, copy = found["op"], found["copy"]
+    return ex.hint(f"dist.{op}(... .{copy}(...)) was handed a new tensor: .{copy}() returns a "
+                   f"copy, and {op} worked on that copy in place, which nothing reads - convert "
+                   f"first (x = x.{copy}(...)), then dist.{op}(x)")  # fmt: skip
+
+
 def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_dir: Path,
                 result: RunResult, verdicts: dict[int, ExerciseVerdict]) -> int:  # fmt: skip
     """The verdicts of one ended launch's candidates (``indexes`` into ``pairs``, in the order
@@ -213,7 +232,7 @@ def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_
         passed, message = judge(ex, records, result.output)
         if passed and (luck := by_luck(ex, path)):
             passed, message = False, luck
-        elif not passed and (named := hung_by(ex, path, records)):
+        elif not passed and (named := hung_by(ex, path, records) or reduced_a_copy(ex, path)):
             message = named
         verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=result.seconds)
         ran += 1
