@@ -160,6 +160,12 @@ CASES = register(
         Case(BUFFERS, "async-never-waited", "was never waited on",
              edits=(PER_BUFFER,
                     ("dist.all_reduce(buffer)", "dist.all_reduce(buffer, async_op=True)"),)),
+        # helper 116: the copy back under a rank branch: rank 1 kept its own, not the sum
+        Case(BUFFERS, "copied-back-on-rank-0-only", "rank 1's statistics never changed",
+             edits=(("    for b, piece in zip(stats, flat.split([b.numel() for b in stats]), "
+                     "strict=True):\n",
+                     "    for b, piece in zip(stats if dist.get_rank() == 0 else [], "
+                     "flat.split([b.numel() for b in stats]), strict=False):\n"),)),
         # from a learner review
         Case(BUFFERS, "only-rank-0-divides", "every rank divides by the world size",
              edits=(PER_BUFFER,

@@ -65,16 +65,30 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
             "unwaited": asyncs["sent"] - asyncs["waited"], "touched": touched}  # fmt: skip
 
 
-def _only_rank_0_divided(records: list[Record], differ: list[str]) -> bool:
-    """Whether rank 0's buffers are the mean over the ranks and every other rank's the sum."""
+RANK_0_ALONE = {  # what the other ranks hold when rank 0 alone holds the mean
+    "sum": "rank 0 holds the mean over the ranks, the others the sum: every rank divides by "
+    "the world size after the all_reduce, not only rank 0",
+    "own": "rank 0 holds the mean over the ranks, but rank 1's statistics never changed: the "
+    "copy back into the model's buffers (or all of it) ran under a rank branch - every rank "
+    "writes the mean into its own buffers",
+}
+
+
+def _only_rank_0_averaged(records: list[Record], differ: list[str]) -> str | None:
+    """ "sum" when rank 0's buffers are the mean over the ranks and every other rank's the sum,
+    "own" when the others kept their own (a copy back under a rank branch); else None."""
+    found = set()
     for name in differ:
-        total = torch.stack([torch.tensor(r["before"][name]["values"]) for r in records]).sum(0)
+        before = [torch.tensor(r["before"][name]["values"]) for r in records]
+        total = torch.stack(before).sum(0)
         for rank, r in enumerate(records):
             after = torch.tensor(r["after"][name]["values"])
-            mean = torch.allclose(after, total / len(records), rtol=1e-5, atol=1e-6)
-            if mean != (rank == 0):
-                return False
-    return True
+            if torch.allclose(after, total / len(records), rtol=1e-5, atol=1e-6) != (rank == 0):
+                return None
+            if rank:
+                summed = torch.allclose(after, total, rtol=1e-5, atol=1e-6)
+                found.add("sum" if summed else "own" if torch.equal(after, before[rank]) else "?")
+    return found.pop() if len(found) == 1 and "?" not in found else None
 
 
 def _raced(records: list[Record]) -> str | None:
@@ -165,9 +179,8 @@ def judge_buffers(records: list[Record]) -> str | None:
     if race := _raced(records):  # the numbers then depend on who won: a pass would be luck
         return race
     if differ:
-        if _only_rank_0_divided(records, differ):
-            return ("rank 0 holds the mean over the ranks, the others the sum: every rank "
-                    "divides by the world size after the all_reduce, not only rank 0")  # fmt: skip
+        if alone := RANK_0_ALONE.get(_only_rank_0_averaged(records, differ)):
+            return alone
         kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
         layers = sorted({k.rsplit(".", 1)[0] for k in differ})
         return (
