@@ -232,7 +232,10 @@ def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_
         passed, message = judge(ex, records, result.output)
         if passed and (luck := by_luck(ex, path)):
             passed, message = False, luck
-        elif not passed and (named := hung_by(ex, path, records) or reduced_a_copy(ex, path)):
+        elif not passed and (  # a verdict that already names a copy is the check's own
+            named := hung_by(ex, path, records)
+            or (None if "copy" in message else reduced_a_copy(ex, path))
+        ):
             message = named
         verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=result.seconds)
         ran += 1
