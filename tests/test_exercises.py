@@ -213,3 +213,19 @@ def test_a_launch_stopped_by_its_timeout_says_the_code_never_returned(tmp_path):
     died = RunResult(["torchrun"], 1, said, tmp_path, 9.0)  # the same output, not stopped
     exercise_check._read_batch([(ex, path)], [0], tmp_path, died, verdicts)
     assert "before your code ran" in verdicts[0].message
+
+
+def test_a_collective_handed_a_copy_is_told_from_one_handed_a_view():
+    """.detach() and .contiguous() share the tensor's memory: a collective into them reaches it;
+    .clone() and a conversion make a new tensor nobody reads (the review of the change)."""
+    found = exercise_check.COPY_REDUCED.search
+    assert found("dist.all_reduce(sums.float())")["copy"] == "float"
+    assert found("dist.broadcast(p.detach().clone(), src=0)")["copy"] == "clone"
+    assert found("torch.distributed.all_reduce(counts.to(torch.float64))")["copy"] == "to"
+    for view in (
+        "dist.all_reduce(p.detach())",
+        "dist.all_reduce(flat.contiguous())",
+        "dist.all_reduce(p.grad)",
+        "dist.all_reduce(torch.tensor([x.float()]))",
+    ):
+        assert found(view) is None, view

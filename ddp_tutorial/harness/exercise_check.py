@@ -201,9 +201,10 @@ def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
 
 
 # dist.all_reduce(x.float()): the collective works in place on a new tensor nobody reads
+# (not .detach() nor .contiguous(): they share x's memory, and a collective into them is x's)
 COPY_REDUCED = re.compile(
-    r"(?:dist|distributed)\.(?P<op>all_reduce|broadcast|reduce)\(\s*[^,()\n]+?\."
-    r"(?P<copy>float|double|long|int|half|bfloat16|clone|to|cpu|cuda|detach|contiguous)\("
+    r"(?:dist|distributed)\.(?P<op>all_reduce|broadcast|reduce)\(\s*[\w.\[\]]+(?:\.\w+\(\))*?"
+    r"\.(?P<copy>float|double|long|int|half|bfloat16|clone|to|cpu|cuda)\("
 )
 
 
@@ -214,9 +215,10 @@ def reduced_a_copy(ex: Exercise, path: Path) -> str | None:
     if found is None:
         return None
     op, copy = found["op"], found["copy"]
-    return ex.hint(f"dist.{op}(... .{copy}(...)) was handed a new tensor: .{copy}() returns a "
-                   f"copy, and {op} worked on that copy in place, which nothing reads - convert "
-                   f"first (x = x.{copy}(...)), then dist.{op}(x)")  # fmt: skip
+    return ex.hint(f"dist.{op}(... .{copy}(...)) was handed a new tensor: .{copy}() makes one "
+                   f"({'always' if copy == 'clone' else 'whenever it converts'}), and {op} "
+                   "worked on that copy in place, which nothing reads - convert first "
+                   f"(x = x.{copy}(...)), then dist.{op}(x)")  # fmt: skip
 
 
 def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_dir: Path,
