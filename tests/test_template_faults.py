@@ -43,8 +43,15 @@ def kit(template):
 
 
 @pytest.fixture
-def one_rank(monkeypatch):
-    """torchrun's environment for one rank; the signal handlers and cuDNN flag put back."""
+def one_rank(monkeypatch, kit):
+    """torchrun's environment for one rank; the signal handlers and cuDNN flag put back.
+
+    The ranks' agreements come every 10 steps (and batches), as on an idle host: a test
+    that signals at a step then knows the step that is saved. The seconds rule (sooner
+    when steps are slow) counted this host's load: on a busy CI host step 1 took over
+    0.5 s and the agreement came at step 10 where the test expected 11. Its own tests
+    call ``next_agreement`` with the seconds they choose."""
+    monkeypatch.setattr(kit, "next_agreement", lambda at, seconds, every, within_s: at + every)
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # fmt: skip
     for name, value in env.items():
