@@ -15,7 +15,7 @@ RING_LOOP = SOLUTION.read_text().split("    total = tensor.clone()\n")[1].split(
 RING_LOOP = RING_LOOP[RING_LOOP.index("    send_buf, recv_buf") : RING_LOOP.index("    total /=")]
 CASES = register([
     # from an eighth learner review: one output tensor for every rank ([t] * world)
-    Case(GATHER, "one-buffer-for-every-rank", "",
+    Case(GATHER, "one-buffer-for-every-rank", "held one tensor several times",
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
                  "    gathered = [torch.empty_like(padded)] * world"),)),
     Case(RING, "blocking-sends", "waited",  # every rank sends first: nobody receives
@@ -60,6 +60,18 @@ CASES = register([
                  "               dist.P2POp(dist.irecv, recv_buf, (rank - 1) % world)]\n"
                  "        for request in dist.batch_isend_irecv(ops):\n"
                  "            request.wait()\n"),)),
+    # helper 118: a receive read before its wait failed on a busy host only, and the verdict
+    # blamed the sum ("pass on what you received"); on an idle one the race may pass
+    Case(RING, "irecv-read-before-its-wait", "read the tensor of a dist.irecv before its .wait()",
+         edits=(("        dist.recv(recv_buf, src=(rank - 1) % world)\n"
+                 "        request.wait()\n        total += recv_buf\n",
+                 "        received = dist.irecv(recv_buf, src=(rank - 1) % world)\n"
+                 "        total += recv_buf\n        request.wait()\n"
+                 "        received.wait()\n"),)),
+    Case(RING, "irecv-waited-then-read", None,  # right: the wait comes before the read
+         edits=(("        dist.recv(recv_buf, src=(rank - 1) % world)\n",
+                 "        received = dist.irecv(recv_buf, src=(rank - 1) % world)\n"
+                 "        received.wait()\n"),)),
     # from a learner review
     Case(RING, "floor-division", "`//` is floor division",
          edits=(("    total /= world  # the mean\n", "    total //= world\n"),)),

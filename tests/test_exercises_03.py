@@ -58,6 +58,12 @@ CASES = register(
         Case(GPU, "rank-minus-node-offset", "RANK - GROUP_RANK x LOCAL_WORLD_SIZE",
              edits=((LOCAL, 'local_rank = int(env["RANK"]) - int(env.get("GROUP_RANK", 0)) '
                             '* int(env["LOCAL_WORLD_SIZE"])'),)),
+        # helper 118: CUDA_VISIBLE_DEVICES from os.environ (the launch's "") raised an
+        # IndexError in a scenario without the variable, and nothing said why
+        Case(GPU, "cuda-visible-devices-from-os-environ",
+             "read CUDA_VISIBLE_DEVICES from os.environ",
+             edits=(('listed = env.get("CUDA_VISIBLE_DEVICES")',
+                     'listed = __import__("os").environ.get("CUDA_VISIBLE_DEVICES")'),)),
         # noticed by the sixteenth session: a hard-coded cuda:0 was told "not os.environ"
         Case(GPU, "hard-coded-cuda-0", "cuda:0 for every rank in every environment",
              edits=((DEVICE, 'device = torch.device("cuda", 0)'),)),

@@ -145,6 +145,17 @@ CASES = register([
                  "            os.fsync(f.fileno())\n",
                  "            os.sync()\n            torch.save(state, f)\n"
                  "            f.flush()\n"),)),
+    # helper 118: one write of the whole snapshot, fsync, then flush - passed where the
+    # snapshot outgrew Python's 4 KiB buffer (the write went straight to the OS)
+    Case(SNAP, "one-write-fsynced-before-the-flush", "renamed before all its bytes were fsynced",
+         edits=(("            torch.save(state, f)\n            f.flush()\n"
+                 "            os.fsync(f.fileno())\n",
+                 "            data = __import__('io').BytesIO()\n"
+                 "            torch.save(state, data)\n"
+                 "            f.write(data.getvalue())\n"
+                 "            os.fsync(f.fileno())\n            f.flush()\n"),)),
+    Case(SNAP, "loads-onto-the-cpu-always", "map_location=device, so that a GPU rank's",
+         edits=(("map_location=device", 'map_location="cpu"'),)),
 ])  # fmt: skip
 
 

@@ -10,6 +10,7 @@ records, on its rank, what the learner's function returned and which calls it ma
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +56,60 @@ def _object_kind(obj: Any) -> str:
     return type(obj).__name__
 
 
+def _shared(outputs: Any) -> str | None:
+    """An all_gather output list holding one tensor twice ([t] * n) is marked "shared"."""
+    if not isinstance(outputs, list | tuple):
+        return None
+    ptrs = [t.data_ptr() for t in outputs if isinstance(t, torch.Tensor)]
+    return "shared" if len(set(ptrs)) < len(ptrs) else None
+
+
+class _HeldReceive:
+    """An irecv's Work whose data reaches the learner's tensor at its ``wait()``, not before."""
+
+    def __init__(self, work: Any, held: torch.Tensor, into: torch.Tensor) -> None:
+        self._work, self._held, self._into = work, held, into
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        done = self._work.wait(*args, **kwargs)
+        if self._held is not None:
+            self._into.copy_(self._held)
+            self._held = None
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def held_receives(module: ModuleType) -> Iterator[None]:
+    """A ``dist.irecv`` from the learner's code receives into a buffer of its own, and the
+    learner's tensor holds NaN until the receive's ``wait()`` copies the data in: a read
+    before the wait is then always wrong, and named (on an idle host the data often arrives
+    in time, and the race passes by luck). Entered before :func:`watched`, which spies on it."""
+    real = dist.irecv
+
+    def irecv(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # frame 2: who called watched's spy (batch_isend_irecv waits for its own)
+        if (not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point()
+                or sys._getframe(2).f_globals.get("__name__") == c10d.__name__):  # fmt: skip
+            return real(tensor, *args, **kwargs)
+        held = torch.empty_like(tensor)
+        work = real(held, *args, **kwargs)
+        tensor.fill_(math.nan)
+        return work if work is None else _HeldReceive(work, held, tensor)
+
+    bound = [attr for attr, value in vars(module).items() if value is real]
+    places = [(dist, "irecv"), (c10d, "irecv"), *((module, attr) for attr in bound)]
+    for place, attr in places:
+        setattr(place, attr, irecv)
+    try:
+        yield
+    finally:
+        for place, attr in places:
+            setattr(place, attr, real)
+
+
 @contextmanager
 def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str] | None = None,
             asyncs: list[str] | None = None, touched: list[str] | None = None,
@@ -70,7 +125,8 @@ def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str]
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
         info = {"all_reduce": lambda: reduce_op(args, kwargs),  # the op, or what was gathered
                 "all_gather_object": lambda: _object_kind(args[1] if len(args) > 1
-                                                          else kwargs.get("obj"))
+                                                          else kwargs.get("obj")),
+                "all_gather": lambda: _shared(args[0] if args else kwargs.get("tensor_list")),
                 }.get(name, lambda: None)()  # fmt: skip
         calls.append((name, peer if name in POINT_TO_POINT else info))
         if name == "all_reduce" and is_async(args, kwargs):
@@ -123,7 +179,7 @@ def run_ring(module: ModuleType, ctx: Context) -> Record:
     touched: list[str] = []  # ... whose tensor was changed before the wait
     mine = ring_input(ctx.rank)
     try:
-        with watched(calls, module, dropped, touched=touched):
+        with held_receives(module), watched(calls, module, dropped, touched=touched):
             got = module.ring_average(mine.clone())
     except Exception as exc:
         if dropped:  # named: the hang it causes would say only "a peer that never came"
@@ -169,6 +225,13 @@ def judge_ring(records: list[Record]) -> str | None:
                     "the neighbour may get the old values or the new - wait on it before "
                     "reusing its buffer (or send from a buffer of its own)")  # fmt: skip
         got = rec["got"]
+        if isinstance(got, list) and any(isinstance(v, float) and math.isnan(v) for v in got):
+            return (
+                f"rank {rank} read the tensor of a dist.irecv before its .wait(): until the "
+                "wait returns, the data may not have arrived (this check keeps it NaN until "
+                "then; on an idle machine the race often passes by luck) - wait on the "
+                "receive before using its buffer, or receive with the blocking dist.recv"
+            )
         if not isinstance(got, list) or len(got) != len(mean):
             return (
                 f"rank {rank}'s ring_average returned {got!r}, not a tensor of {len(mean)} numbers"
@@ -217,8 +280,9 @@ def run_gather(module: ModuleType, ctx: Context) -> Record:
     dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
               for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip
     objects = [info for name, info in calls if name == "all_gather_object"]
+    shared = any(name == "all_gather" and info == "shared" for name, info in calls)
     return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes,
-            "objects": objects}  # fmt: skip
+            "objects": objects, "shared": shared}  # fmt: skip
 
 
 def judge_gather(records: list[Record]) -> str | None:
@@ -230,6 +294,11 @@ def judge_gather(records: list[Record]) -> str | None:
             return (f"all_gather_object sent a {data[0]}: it pickles on the CPU (and copies "
                     "through the GPU on nccl) - gather the tensors with dist.all_gather "
                     "(all_gather_object: for the lengths only, one number each)")  # fmt: skip
+        if rec.get("shared"):
+            return (f"on rank {rank}, the output list of dist.all_gather held one tensor "
+                    "several times ([t] * world_size is world_size names for one tensor): "
+                    "every rank's data lands in it, the last one written wins - one buffer per "
+                    "rank: [torch.empty_like(padded) for _ in range(world_size)]")  # fmt: skip
         got = rec["got"]
         if not isinstance(got, list) or len(got) != n:
             return f"rank {rank} returned {got!r}: expected a list of {n} tensors, one per rank"

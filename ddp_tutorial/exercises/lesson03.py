@@ -10,8 +10,10 @@ where it sets no ``CUDA_VISIBLE_DEVICES``); ``judge`` names the first wrong pick
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -72,13 +74,42 @@ CUDA_CALLS = ("device_count", "is_available", "current_device", "set_device", "d
               "get_device_name", "get_device_properties", "mem_get_info", "init")  # fmt: skip
 
 
+class _Noted(MutableMapping[str, str]):
+    """``os.environ``, each read of a launch variable noted: the answer must come from the
+    ``env`` it is given (the check's own launch hides its GPUs: CUDA_VISIBLE_DEVICES="")."""
+
+    def __init__(self, real: MutableMapping[str, str], read: set[str]) -> None:
+        self._real, self._read = real, read
+
+    def __getitem__(self, key: str) -> str:
+        if key in (*OWN, "GROUP_RANK", CVD):
+            self._read.add(key)
+        return self._real[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._real[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._real[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._real)
+
+    def __len__(self) -> int:
+        return len(self._real)
+
+
 def _ask(module: ModuleType, where: str, env: dict[str, str], sees: dict[str, str]) -> Record:
     """One scenario's answer; an exception is recorded, so that the judge can name an earlier
     scenario's mistake first (a global-RANK index can overrun a later list)."""
+    read: set[str] = set()
+    asked: Record = {"where": where, "env": env}
     try:
-        return {"where": where, "env": env, **_answer(module.rank_gpu(sees))}
+        with mock.patch.object(os, "environ", _Noted(os.environ, read)):
+            asked.update(_answer(module.rank_gpu(sees)))
     except Exception as exc:  # the learner's code may raise anything
-        return {"where": where, "env": env, "raised": f"{type(exc).__name__}: {exc}"}
+        asked["raised"] = f"{type(exc).__name__}: {exc}"
+    return {**asked, "os_environ": sorted(read)}
 
 
 def run_gpu(module: ModuleType, ctx: Context) -> Record:
@@ -151,8 +182,21 @@ def _judge_cuda_calls(records: list[Record]) -> str | None:
     return None
 
 
+def _judge_os_environ(records: list[Record]) -> str | None:
+    """A launch variable read from os.environ: right only where the check asks about the
+    launch it runs in, and there its CUDA_VISIBLE_DEVICES is "" (the GPUs hidden)."""
+    for rec in records:
+        for a in rec["answers"]:
+            if a["os_environ"]:
+                return (f"{a['where']}: rank_gpu read {a['os_environ'][0]} from os.environ, "
+                        "this process's own (the check's launch hides its GPUs), not the "
+                        "environment it was asked about: read the variables from `env`, the "
+                        "environment passed in, not os.environ")  # fmt: skip
+    return None
+
+
 def judge_gpu(records: list[Record]) -> str | None:
-    if mistake := _judge_cuda_calls(records):
+    if mistake := _judge_cuda_calls(records) or _judge_os_environ(records):
         return mistake
     for rank, rec in enumerate(records):
         for a in rec["answers"]:

@@ -10,6 +10,7 @@ job writes them, on ranks that have no GPU (only ``map_location`` makes that loa
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import io
 import os
@@ -74,6 +75,23 @@ def _spied_save(calls: list[str], hold: Callable[[], None] | None = None,
         yield
 
 
+@contextmanager
+def _large_buffers() -> Iterator[None]:
+    """Files opened for writing keep 1 MiB in Python's buffer (the default: the file system's
+    block, 4 KiB here). The snapshot (about 4 KiB) then reaches the OS only at a flush, so an
+    fsync before the flush is seen on every file system, not only where the snapshot fits
+    in one block (helper 118: on this one, a single 4,109-byte write went past the buffer)."""
+    real = io.open
+
+    def opened(file: Any, mode: str = "r", buffering: int = -1, *args: Any, **kwargs: Any) -> Any:
+        if buffering == -1 and "b" in mode and any(c in mode for c in "wax+"):
+            buffering = 1 << 20
+        return real(file, mode, buffering, *args, **kwargs)
+
+    with mock.patch.object(builtins, "open", opened), mock.patch.object(io, "open", opened):
+        yield
+
+
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     """A tiny DDP model after one SGD step with momentum (so the optimizer has state)."""
     torch.manual_seed(0)
@@ -131,6 +149,7 @@ def _save_phase(
     try:
         with (
             _spied_save(calls, hold if ctx.rank == 0 else None),
+            _large_buffers(),
             spied_os(replaced, fsyncs, hold if ctx.rank == 0 else None, folder),
             mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}),  # as if each rank had a node
             spying(WAITS, lambda name, *_: waits.append(name), module, also=(c10d,)),
@@ -410,6 +429,12 @@ EXERCISES = [
         title="a snapshot written by rank 0 alone, atomically, and read back anywhere",
         teaches='lesson 05, "The lines you write" and "2 · Killed in the middle of a save"',
         collective_timeout_s=6.0,
+        hidden=(
+            (r"""map_location\s*=\s*["']cpu["']|torch\.load\([^,()]+,\s*["']cpu["']""",
+             'load_snapshot loads onto the CPU whatever `device` it is given '
+             '(map_location="cpu"; this check\'s ranks have no GPU): map_location=device, so '
+             "that a GPU rank's tensors land on its own GPU"),
+        ),
         proves=(
             "rank 0 alone wrote, through a temporary file and a rename, and the others waited for"
             " it; the snapshot holds model (no 'module.'), optimizer, epoch and step, loads with "
