@@ -27,6 +27,7 @@ from ddp_tutorial.harness.rank_lines import (
 # A Python exception's line ("ValueError:", "torch.OutOfMemoryError:"), a tool's "error:",
 # a logger's "ERROR"
 ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception):|\berror:|\bERROR\b")
+FAULT = re.compile(r"Fatal Python error: [\w ]+")  # faulthandler's, before the stack it prints
 
 
 @dataclass
@@ -72,13 +73,25 @@ def root_cause(text: str) -> str | None:
     lines = text.splitlines()
     if first.signal == "SIGABRT" and (what := _abort_reason(lines, first.rank)):
         return f"{first.describe()}, {what}"
+    if first.signal and (fatal := next((ln for ln in lines if FAULT.search(ln)), None)):
+        return (f"{first.describe()}: its Python stack is in the log, after faulthandler's "
+                f"'{FAULT.search(fatal)[0]}' (most recent call first)")  # fmt: skip
     if first.signal:
         return f"{first.describe()}: no traceback, a killed rank writes none"
     last = next((ln for ln in reversed(first.traceback.splitlines()) if ln.strip()), "")
     if "To enable traceback" in last:  # no error_file (no @record): the rank's own lines have it
         own = [ln for ln in lines if rank_of(ln) == first.rank and ERROR_LINE.search(ln)]
-        last = RANK_PREFIX.sub("", own[-1]) if own else last
+        last = RANK_PREFIX.sub("", own[-1]) if own else _unprefixed_error(lines) or last
     return f"{first.describe()}: {last.strip()[:160]}" if last else first.describe()
+
+
+def _unprefixed_error(lines: list[str]) -> str | None:
+    """The last error line that no rank prefixed and torchrun did not print: a rank's error
+    before its group was up (torch adds "[rankN]:" only once the rank is known)."""
+    torchrun = re.compile(r"ChildFailedError|torch\.distributed\.elastic|^[EWI]\d{4} ")
+    ours = [ln for ln in lines if rank_of(ln) is None and ERROR_LINE.search(ln)
+            and not torchrun.search(ln)]  # fmt: skip
+    return f"{ours[-1].strip()} (a line without a rank's prefix)" if ours else None
 
 
 def _abort_reason(lines: list[str], rank: int | None) -> str:

@@ -90,3 +90,11 @@ def saved_before_exit(line: str, text: str) -> str | None:
     if m is None:
         return None
     return f"on {m[1]} the ranks saved step {m[2]}, then exited 75: the rerun resumes there"
+
+
+def after_spawn_marker(line: str, text: str) -> str | None:
+    """The error line that follows mp.spawn's "-- Process N terminated" (the fallback would
+    point at ``ProcessRaisedException:``, whose message is empty)."""
+    after = text.split(line, 1)[-1].splitlines()
+    errors = [ln.strip() for ln in after if re.match(r"\s*[\w.]*(?:Error|Exception)\b.*:", ln)]
+    return f"the process's error: {errors[0][:200]}" if errors else None

@@ -39,7 +39,8 @@ KNOWN: tuple[Known, ...] = (
         r"Timed out waiting \d+ms for (send|recv) operation|Application timeout caused pair",
         "a rank waited in a collective longer than the timeout: its partner was elsewhere "
         "(a different collective, rank-0-only work, one batch more)",
-        "compare where each rank waited (below): different lines are a desync; the same "
+        "compare where each rank waited (below, when the ranks' tracebacks are in the log): "
+        "different lines are a desync; the same "
         "collective with one rank late is slow work (move it before init, or a longer "
         "timeout)",
         "09",
@@ -88,7 +89,8 @@ KNOWN: tuple[Known, ...] = (
         "ddp-before-to",
         r"device_ids and output_device arguments only work with",
         "DDP(model, device_ids=[...]) wrapped a model still on the CPU (or on several devices)",
-        "model.to(device) first, then DDP(model, device_ids=[local_rank])",
+        "model.to(device) first, then DDP(model, device_ids=[local_rank]); a model on the "
+        "CPU takes no device_ids: DDP(model)",
         "04",
     ),
     Known(
@@ -123,7 +125,8 @@ KNOWN: tuple[Known, ...] = (
         r"Received data size doesn't match expected size|"  # gloo's, before it aborts
         r"op\.preamble\.length <= op\.nbytes",  # gloo's, a recv shorter than the send
         "ranks called different collectives, or the same one with different shapes or "
-        "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compares them; gloo aborts the rank)",
+        "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compares them - not beside DDP on a machine "
+        "without a GPU, where it crashes DDP's constructor; gloo aborts the rank)",
         "a collective outside rank-dependent branches; shapes that do not depend on the "
         "data (bincount(..., minlength=K))",
         "09",
@@ -392,12 +395,15 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "inplace-modified",
         r"by an inplace operation",  # "modified" can be wrapped onto the line before
-        "a tensor that autograd saved was changed in place before backward. Under DDP with "
-        "BatchNorm and two forwards before one backward: DDP's buffer copy before each "
-        "forward wrote in place, torch 2.6 until pytorch#175851 (2026; 2.14 has the fix)",
-        "BatchNorm under DDP: a torch with the fix, broadcast_buffers=False, or one forward "
-        "over both halves (another model: lesson 04 shows why); otherwise "
-        "torch.autograd.set_detect_anomaly(True) names the op",
+        "a tensor that autograd saved was changed in place before backward: a parameter "
+        "edited between forward and backward (clipping weights, an EMA, mul_ under "
+        "no_grad), an optimizer.step() between two backwards through one graph (a GAN), an "
+        "in-place op on a saved activation; under DDP with BatchNorm and two forwards before "
+        "one backward, also DDP's buffer copy (torch 2.6 until pytorch#175851; 2.14 has the "
+        "fix)",
+        "torch.autograd.set_detect_anomaly(True) names the op; edit in place after backward, "
+        "or on a clone; BatchNorm under DDP: a torch with the fix, broadcast_buffers=False, "
+        "or one forward over both halves (another model: lesson 04 shows why)",
         "04",
     ),
     Known(

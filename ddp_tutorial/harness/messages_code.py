@@ -6,17 +6,27 @@ new user of the course (helper 103) and got "no message this course knows"."""
 from __future__ import annotations
 
 from ddp_tutorial.harness.known import Known
+from ddp_tutorial.harness.log_details import after_spawn_marker, said_if
 
 CODE: tuple[Known, ...] = (
     Known(
         "unpicklable-function",
         r"Can't pickle <function <lambda>|Can't pickle local object|Can't get local object",
-        "a process started with spawn or forkserver (DataLoader workers there - the template's "
-        "forkserver, macOS's and Windows' default - or mp.spawn) receives what it runs by "
-        "pickle, and a lambda or a function defined inside another cannot be pickled",
+        "something sent by pickle held a lambda or a function defined inside another, which "
+        "cannot be pickled: what a process started with spawn or forkserver runs (DataLoader "
+        "workers there - the template's forkserver, macOS's and Windows' default - or "
+        "mp.spawn), or the object of a *_object collective (all_gather_object, "
+        "broadcast_object_list)",
         "define the function (a transform, a collate_fn, a worker_init_fn) at module level; "
-        "functools.partial of one is fine",
+        "functools.partial of one is fine; through a *_object collective send plain data "
+        "(numbers, strings, tensors, dicts of them)",
         "01",
+        detail=said_if(
+            r"in (?:all_gather_object|broadcast_object_list|gather_object|scatter_object_list"
+            r"|send_object_list|recv_object_list)\b",
+            "the traceback goes through a *_object collective: it pickles its argument, so "
+            "that object (or one it holds) is the lambda - no process was started",
+        ),
     ),
     Known(
         "devices-differ",
@@ -92,6 +102,87 @@ CODE: tuple[Known, ...] = (
         "a larger /dev/shm (docker --shm-size=8g or --ipc=host; Kubernetes: an emptyDir with "
         "medium Memory at /dev/shm), fewer workers or smaller batches",
         "12",
+    ),
+    Known(
+        "collective-sizes",
+        r"invalid tensor size at index \d+ \(expected|invalid output tensor list at index|"
+        r"outputShape\[0\] \* worldSize == inputShape\[0\]",
+        "a collective's buffers do not have the sizes the call needs: all_gather_into_tensor's "
+        "output holds world_size x the input's elements, reduce_scatter_tensor's input "
+        "world_size x the output's, all_gather's list one tensor per rank, each of the input's "
+        "shape (gloo refuses; a failed check aborts the rank)",
+        "size them from the input and the world size: torch.empty(world_size * x.numel(), "
+        "dtype=x.dtype, device=x.device), [torch.empty_like(x) for _ in range(world_size)]; "
+        "data whose length differs by rank: gather the lengths, pad to the longest, trim",
+        "01",
+    ),
+    Known(
+        "send-to-self",
+        r"Invalid (?:destination|source) rank: (?:destination|source) rank should not be",
+        "a send or a receive named this rank itself as its peer",
+        "dst=(rank + 1) % world_size, src=(rank - 1) % world_size (a ring); in a world of "
+        "one there is no peer: skip the exchange",
+        "01",
+    ),
+    Known(
+        "sampler-rank",
+        r"Invalid rank \d+, rank should be in the interval \[0, \d+\]",
+        "DistributedSampler was given num_replicas (or rank) by hand, and it does not fit "
+        "this job: a rank at or past num_replicas (where it does not raise, such a number "
+        "splits the data wrong without a word)",
+        "DistributedSampler(dataset) alone: it reads the world size and the rank from the "
+        "process group",
+        "02",
+    ),
+    Known(
+        "syncbn-cpu",
+        r"SyncBatchNorm layers only work with GPU modules|"
+        r"SyncBatchNorm expected input tensor to be on GPU",
+        "SyncBatchNorm has GPU kernels only: on a CPU (gloo) run it refuses",
+        "convert_sync_batchnorm only where the device is a GPU (device.type == 'cuda'); on "
+        "the CPU keep BatchNorm, and average its buffers over the ranks before evaluating "
+        "and saving",
+        "04",
+    ),
+    Known(
+        "ddp-attribute",
+        r"'DistributedDataParallel' object has no attribute",
+        "DDP wraps the model: the model's own methods and attributes are on model.module",
+        "model.module.<name>; a method other than forward (generate, encode) through "
+        "model.module skips DDP's gradient sync: for evaluation or inference, not for a "
+        "training step",
+        "04",
+    ),
+    Known(
+        "worker-raised",
+        r"Caught \w+ in DataLoader worker process \d+",
+        "a DataLoader worker raised while loading a sample, and the rank raised it again: the "
+        "error is the dataset's, a transform's or collate_fn's, not DDP's",
+        "read the 'Original Traceback' below this line, in the worker; num_workers=0 loads in "
+        "the rank itself (pdb then stops there)",
+        "06",
+    ),
+    Known(
+        "too-many-open-files",
+        r"Too many open files|received 0 items of ancdata",
+        "DataLoader workers hand their tensors over through shared memory, one open file "
+        "descriptor each (the file_descriptor strategy, Linux's default), beyond the "
+        "process's limit (ulimit -n); a worker or the rank then fails, or the rank waits "
+        "for a batch that never comes",
+        "torch.multiprocessing.set_sharing_strategy('file_system') at the top of the "
+        "script, or a higher limit (ulimit -n, the job's nofile); fewer, larger tensors per "
+        "sample (stack them in collate_fn); fewer workers or a lower prefetch_factor",
+        "06",
+    ),
+    Known(
+        "spawn-raised",
+        r"-- Process \d+ terminated with the following error:",
+        "a process started by torch.multiprocessing.spawn raised: spawn raises it again in "
+        "the parent, with the process's traceback after this line",
+        "read the traceback after that line (its last line is the error); torchrun instead "
+        "of mp.spawn gives each rank's lines its prefix",
+        "01",
+        detail=after_spawn_marker,
     ),
     Known(
         "killed-sigabrt",

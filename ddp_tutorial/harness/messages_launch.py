@@ -4,9 +4,24 @@ ends - a rank killed, torchrun signalled, the host out of memory, the rendezvous
 from __future__ import annotations
 
 from ddp_tutorial.harness.known import Known
-from ddp_tutorial.harness.log_details import saved_before_exit
+from ddp_tutorial.harness.log_details import said_if, saved_before_exit
 
 LAUNCH: tuple[Known, ...] = (
+    Known(
+        "killed-sigsegv",
+        r"exitcode\s*:\s*-11\b|Signal 11 \(SIGSEGV\)|Fatal Python error: Segmentation fault",
+        "a rank crashed in C or C++ code (a segmentation fault): torch, a CUDA library or an "
+        "extension, not a Python error - with TORCH_DISTRIBUTED_DEBUG=DETAIL on a machine "
+        "without a GPU, DDP's constructor itself crashes so (torch 2.10 and 2.14.1 CUDA "
+        "builds, lesson 09)",
+        "PYTHONFAULTHANDLER=1 (python -X faulthandler) prints the Python stack of the crash; "
+        "TORCH_DISTRIBUTED_DEBUG=INFO instead of DETAIL where DDP crashes at construction",
+        "09",
+        detail=said_if(
+            r"TORCH_DISTRIBUTED_DEBUG=DETAIL|_ddp_init_helper",
+            "DETAIL, or DDP's constructor, is in this log: the known crash - use INFO there",
+        ),
+    ),
     Known(
         "killed-sigkill",
         r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)",
@@ -48,6 +63,16 @@ LAUNCH: tuple[Known, ...] = (
         "--standalone on several nodes",
         "the same --rdzv-endpoint HOST:PORT, --rdzv-id and --nnodes on every node; check "
         "the port from another node (nc -zv HOST PORT); start the nodes together",
+        "10",
+    ),
+    Known(
+        "world-never-complete",
+        r"wait timeout after \d+ms, keys: /default_pg/",
+        "init_process_group waited for ranks that never came: a world_size (or rank) passed "
+        "by hand that is not what torchrun started (--nnodes x --nproc-per-node), or a node "
+        "that never started",
+        "pass neither world_size nor rank: init_process_group reads torchrun's environment; "
+        "or make the launch start that many ranks",
         "10",
     ),
     Known(
