@@ -133,6 +133,21 @@ CASES = register([
                  "        norm = torch.nn.utils.clip_grad_norm_(p, max_norm)\n"),)),
     Case(EX, "synced-on-the-first-micro-batch", "not the last's",
          edits=(("nullcontext() if i == k - 1 else", "nullcontext() if i == 0 else"),)),
+    # helper 117: a count written in as a product passed; a manual all_reduce and a
+    # zero_grad before the step were told another mistake
+    Case(EX, "loss-times-a-quarter", "right in this check's run only",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) * 0.25"),)),
+    Case(EX, "own-all-reduce-under-no-sync", "collective(s) of your own",
+         edits=(("        with nullcontext() if i == k - 1 else model.no_sync():",
+                 "        with model.no_sync():"),
+                ("    scaler.unscale_(optimizer)\n",
+                 "    for p in model.parameters():\n"
+                 "        torch.distributed.all_reduce(p.grad)\n"
+                 "        p.grad /= torch.distributed.get_world_size()\n"
+                 "    scaler.unscale_(optimizer)\n"))),
+    Case(EX, "zero-grad-before-the-step", "zeroed after the last backward",
+         edits=(("    scaler.step(optimizer)\n",
+                 "    optimizer.zero_grad()\n    scaler.step(optimizer)\n"),)),
 ])  # fmt: skip
 
 

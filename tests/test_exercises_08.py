@@ -85,6 +85,28 @@ CASES = register([
     Case(EX, "handler-sets-no-flag", "left stop['signal'] at 0",
          edits=(("lambda signum, frame: stop.update(signal=signum))",
                  "lambda signum, frame: print('SIGTERM: will stop soon'))"),)),
+    # helper 117: the check signalled rank 1 alone, so a handler that saved on rank 0 passed
+    Case(EX, "handler-saves-on-rank-0", "rank 0 saved inside the signal handler",
+         edits=((HANDLER,
+                 "def on_term(signum, frame):\n"
+                 "        stop['signal'] = signum\n"
+                 "        if rank == 0:\n"
+                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
+                 "    signal.signal(signal.SIGTERM, on_term)"),)),
+    Case(EX, "handler-alone-saves-on-rank-0", "rank 0 saved inside the signal handler",
+         edits=((HANDLER,
+                 "def on_term(signum, frame):\n"
+                 "        stop['signal'] = signum\n"
+                 "        if rank == 0:\n"
+                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
+                 "    signal.signal(signal.SIGTERM, on_term)"),
+                (SAVE, "                if False:\n                    save_snapshot("))),
+    Case(EX, "local-rank-through-a-variable", "where LOCAL_RANK is 0",
+         edits=((SAVE, '                is_writer = int(os.environ["LOCAL_RANK"]) == 0\n'
+                       "                if is_writer:\n                    save_snapshot("),)),
+    Case(EX, "async-flag-never-waited", "async_op=True and was never waited on",
+         edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
+                 "dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)"),)),
 ])  # fmt: skip
 
 

@@ -43,7 +43,7 @@ CASES = register(
              edits=(("                dist.broadcast(p, src=0)\n", "                pass\n"),)),
         Case(BUCKETS, "sum-not-mean", "SUMMED over the ranks, not averaged",
              edits=(("            flat /= self.world_size\n", ""),)),
-        Case(BUCKETS, "divided-twice", "away from DistributedDataParallel's",
+        Case(BUCKETS, "divided-twice", "the gradient was divided twice",
              edits=(("        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])\n",
                      "        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]]) / self.world_size\n"),)),  # noqa: E501
         Case(BUCKETS, "one-bucket-per-parameter", "one all_reduce per parameter",
@@ -155,6 +155,17 @@ CASES = register(
         Case(BUCKETS, "tensor-hook-before-grad-is-set", "p.register_hook runs before",
              edits=(("            p.register_post_accumulate_grad_hook(self._grad_ready)",
                      "            p.register_hook(lambda grad, p=p: self._grad_ready(p))"),)),
+        # helper 117: a count written in as a product passed; a lambda hook that returns a
+        # tuple, a reversed list of the right buckets were told otherwise
+        Case(HOOKS, "times-one-half", "right in this check's run only",
+             edits=(("        p.grad /= world\n", "        p.grad *= 0.5\n"),)),
+        Case(HOOKS, "lambda-hook-returns-a-tuple", "must return None",
+             edits=(("    for p in model.parameters():\n        " + REGISTER + "(average)",
+                     "    for p in model.parameters():\n        " + REGISTER
+                     + "(lambda q: (dist.all_reduce(q.grad), q.grad.div_(world)))"),)),
+        Case(BUCKETS, "buckets-listed-front-to-back", None,
+             edits=(("        self.bucket_of = {p: i",
+                     "        self.buckets.reverse()\n        self.bucket_of = {p: i"),)),
     ]
 )  # fmt: skip
 

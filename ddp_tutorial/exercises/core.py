@@ -25,9 +25,17 @@ OWN_SECTION = re.compile(r'\(lesson \d\d, "[^"]+"\)$')
 
 def divided_by(n: int) -> str:
     """A regex of a division by ``n`` (``/ n``, ``/= n``, ``/ n.0``, ``.div_(n)``,
-    ``torch.div(t, n)``), not ``// n`` (integer arithmetic): the check's own count written in."""
+    ``torch.div(t, n)``), not ``// n`` (integer arithmetic), or of a multiplication by its
+    reciprocal (``* 0.5``, ``*= 0.25``, ``.mul_(0.5)``; helper 117: those passed): the
+    check's own count written in."""
     number = rf"{n}(?:\.0*)?(?![\w.])"
-    return rf"(?<!/)/(?!/)=?\s*{number}|\.div_?\(\s*{number}\s*\)|torch\.div\([^,()]+,\s*{number}"
+    whole, _, digits = format(1 / n, ".6g").partition(".")
+    part = rf"{whole if whole != '0' else '0?'}\.{digits}0*(?![\w.])"
+    divided = (
+        rf"(?<!/)/(?!/)=?\s*{number}|\.div_?\(\s*{number}\s*\)|torch\.div\([^,()]+,\s*{number}"
+    )
+    times = rf"(?<!\*)\*(?!\*)=?\s*{part}|\.mul_?\(\s*{part}\s*\)|torch\.mul\([^,()]+,\s*{part}"
+    return f"{divided}|{times}"
 
 
 # a division by 2, the checks' number of ranks, where the world size belongs

@@ -180,9 +180,7 @@ def judge_clip(records: list[Record]) -> str | None:
     for step in range(STEPS):
         rows = [r["steps"][step] for r in records]
         if not rows[0]["moved"]:
-            return ("the weights did not change: backward through the scaler, then "
-                    "scaler.step(optimizer) and scaler.update() "
-                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+            return _unmoved(rows[0]["calls"])
         if mistake := _accumulated(rows, step) or _rates(records, rows, step):
             return mistake
         if mistake := _call_order(rows[0]["calls"], step):
@@ -237,6 +235,21 @@ def judge_clip(records: list[Record]) -> str | None:
     return None
 
 
+def _unmoved(calls: list[str]) -> str:
+    """The weights did not change: the gradients zeroed between the last backward and the
+    step (helper 117: the verdict listed the calls the learner had made), or a call missing."""
+    last = max((i for i, c in enumerate(calls) if c == "scaler.scale"), default=-1)
+    stepped = calls.index("scaler.step") if "scaler.step" in calls else -1
+    if stepped > last >= 0 and "zero_grad" in calls[last:stepped]:
+        return ("the weights did not change: the gradients were zeroed after the last "
+                "backward and before scaler.step, so the step had nothing to apply - zero "
+                "them once, at the start of the step (or after it) "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    return ("the weights did not change: backward through the scaler, then "
+            "scaler.step(optimizer) and scaler.update() "
+            '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+
+
 def _accumulated(rows: list[Record], step: int) -> str | None:
     """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
     syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
@@ -246,6 +259,13 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 "memory --grad-accum exists to avoid - a forward and a backward per micro-batch, "
                 'the gradients adding up (lesson 04, "`no_sync()`: gradient accumulation '
                 'without wasted all_reduces")')  # fmt: skip
+    if syncs == 0 and (own := rows[0].get("own", [])):
+        return (f"step {step + 1}: every micro-batch ran under no_sync(), and {len(own)} "
+                f"collective(s) of your own ({own[0]}, ...) averaged the gradients instead: "
+                "one call per tensor where DDP sends a few buckets, overlapped with the last "
+                "backward - run the last micro-batch outside no_sync(), and DDP does it "
+                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
     if syncs == 0:
         return (f"step {step + 1} made no all_reduce: every micro-batch ran under no_sync(), "
                 "the last one too, so the ranks never averaged their gradients - run the last "

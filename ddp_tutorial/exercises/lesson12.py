@@ -94,17 +94,21 @@ def train(
 
 def references(rank: int, world: int) -> dict[str, Any]:
     """The weights after STEPS steps: DDP's; DDP's with the gradients summed (SGD without
-    momentum: the sum is the mean times world, so lr times world); rank 0's start trained on
+    momentum: the sum is the mean times world, so lr times world), or divided twice (lr over
+    world); rank 0's start trained on
     this rank's data alone. And DDP's step times."""
     ddp = DDP(make_model(rank))  # DDP broadcasts rank 0's weights, as yours must
     seconds = train(ddp, rank, LR)
     summed = DDP(make_model(rank))
     train(summed, rank, LR * world)
+    halved = DDP(make_model(rank))  # divided by the world size twice
+    train(halved, rank, LR / world)
     alone = make_model(0)
     train(alone, rank, LR)
     return {
         "ddp": _flat(ddp.module),
         "summed": _flat(summed.module),
+        "halved": _flat(halved.module),
         "alone": _flat(alone),
         "ddp_seconds": seconds,
         "ddp_model": ddp,  # for the timing rounds
@@ -185,6 +189,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "same_front": trace.same_front,
         "from_ddp": far(ref["ddp"]),
         "from_summed": far(ref["summed"]),
+        "from_halved": far(ref["halved"]),
         "from_alone": far(ref["alone"]),
     }
     # the weights are compared: now more steps of both, for the times alone (without the
@@ -245,6 +250,13 @@ def judge_weights(records: list[Record], hint: str = "") -> str | None:
             return (
                 f"rank {rank}'s weights are those of gradients SUMMED over the ranks, not "
                 "averaged: divide the all_reduced gradient by the world size "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
+            )
+        if rec.get("from_halved", TOL + 1) <= TOL:
+            return (
+                f"rank {rank}'s weights are those of the mean divided by the world size once "
+                "more: the gradient was divided twice - once after the all_reduce (sum, then "
+                "/ world_size) is the mean "
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if rec["from_alone"] <= TOL:
@@ -322,6 +334,11 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the gradient is divided by 2, this check's number of ranks: "
                  "on 4 or 8 GPUs it would be 2x or 4x DDP's - divide by dist.get_world_size() "
                  "(`world`)"),),
+        errors=(("hook returned", "a gradient hook returned a value (torch: 'expected "
+                 "Variable, but hook returned ...'): a post-accumulate-grad hook must return "
+                 "None, it works on param.grad in place - a lambda returns what its expression "
+                 "makes, so write the hook with def, and use the parameter it is given, not "
+                 "the loop's p"),),
         title="your own DDP, 1: broadcast rank 0's weights, average each gradient from a hook",
         teaches='lesson 12, "Your turn": the broadcast at construction, a hook per parameter; '
         'lesson 04, "What DDP does with them: construction, forward, backward"',
