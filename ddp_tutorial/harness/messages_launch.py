@@ -12,8 +12,8 @@ LAUNCH: tuple[Known, ...] = (
         r"exitcode\s*:\s*-11\b|Signal 11 \(SIGSEGV\)|Fatal Python error: Segmentation fault",
         "a rank crashed in C or C++ code (a segmentation fault): torch, a CUDA library or an "
         "extension, not a Python error - with TORCH_DISTRIBUTED_DEBUG=DETAIL on a machine "
-        "without a GPU, DDP's constructor itself crashes so (torch 2.10 and 2.14.1 CUDA "
-        "builds, lesson 09)",
+        "without a GPU, DDP's constructor itself crashes so, in most runs (torch 2.10 and "
+        "2.14.1 CUDA builds, lesson 09)",
         "PYTHONFAULTHANDLER=1 (python -X faulthandler) prints the Python stack of the crash; "
         "TORCH_DISTRIBUTED_DEBUG=INFO instead of DETAIL where DDP crashes at construction",
         "09",

@@ -196,8 +196,16 @@ def case_breakpoint(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict
     return {"answer": answer}
 
 
+def case_wrap(info: DistInfo, fix: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """DDP(...) and nothing else: under TORCH_DISTRIBUTED_DEBUG=DETAIL on a machine without a
+    GPU, torch 2.14.1's CUDA build crashes in the constructor itself (lesson 09, section 5)."""
+    wrap(WithBatchNorm(), info.device)
+    return {"wrapped": True}
+
+
 CASES = {
     "unused": case_unused,
+    "wrap": case_wrap,
     "skip": case_skip,
     "shape": case_shape,
     "rank0-eval": case_rank0_eval,
@@ -207,7 +215,7 @@ CASES = {
     "breakpoint": case_breakpoint,
 }
 FIXABLE = ["unused", "skip", "shape", "rank0-eval", "uneven", "keys"]
-DDP_CASES = {"unused", "rank0-eval", "uneven", "keys"}  # the cases that wrap a model in DDP
+DDP_CASES = {"unused", "wrap", "rank0-eval", "uneven", "keys"}  # those that wrap a model in DDP
 
 
 def parse_args() -> argparse.Namespace:
