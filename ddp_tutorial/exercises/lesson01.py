@@ -72,10 +72,19 @@ class _HeldReceive:
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         done = self._work.wait(*args, **kwargs)
+        self._deliver()
+        return done
+
+    def is_completed(self) -> bool:  # polled until True, then read: right too
+        done = bool(self._work.is_completed())
+        if done:
+            self._deliver()
+        return done
+
+    def _deliver(self) -> None:
         if self._held is not None:
             self._into.copy_(self._held)
             self._held = None
-        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

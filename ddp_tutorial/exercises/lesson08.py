@@ -169,7 +169,7 @@ def judge_preempt(records: list[Record]) -> str | None:
                 f"at step {PREEMPT_AT}, losing everything since the last snapshot - install one "
                 "with signal.signal(signal.SIGTERM, ...) that sets stop['signal']")  # fmt: skip
     bare = [rep["rank"] for rep in reports if not rep["handler"]]
-    if bare:  # the check signals rank 1 only; a scheduler signals every process of the job
+    if bare:  # the check signals rank 1 first (rank 0 at its barrier); a scheduler: every one
         return (f"rank {bare[0]} installed no SIGTERM handler: a scheduler sends SIGTERM to "
                 f"every process of the job, and without one rank {bare[0]} dies at once, with "
                 "the save or the barrier it owes - install it on every rank, before the "

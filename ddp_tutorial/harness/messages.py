@@ -42,7 +42,7 @@ KNOWN: tuple[Known, ...] = (
         "compare where each rank waited (below, when the ranks' tracebacks are in the log): "
         "different lines are a desync; the same "
         "collective with one rank late is slow work (move it before init, or a longer "
-        "timeout)",
+        "timeout); a rank with more batches: DistributedSampler (equal counts) or Join",
         "09",
     ),
     Known(
