@@ -62,7 +62,10 @@ def on_the_store(args: argparse.Namespace, local_rank: int) -> None:
         is_master=False,
         timeout=timedelta(seconds=args.join_timeout),
     )
-    key = f"prepared/{os.environ.get('GROUP_RANK', '0')}"  # one key per node
+    # one key per node and attempt: torchrun's store outlives a restart (--max-restarts), and
+    # a key of the attempt before would let the others go on while local rank 0 prepares again
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"prepared/{os.environ.get('GROUP_RANK', '0')}/{attempt}"
     if local_rank == 0:
         prepare(args.out, args.work, "store")
         store.set(key, "1")
