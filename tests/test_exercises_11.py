@@ -137,6 +137,24 @@ CASES = register([
                  'torch.autocast("cpu", dtype=dtype)'),)),
     Case(EX, "divided-by-two-ranks", "this check's number of ranks",
          edits=((".div_(world_size)", ".div_(2)"),)),
+    # helper 122: float16 handed back passed; a returned tensor and a step before any
+    # backward were torch's own words
+    Case(EX, "sum-cast-back-to-float16", "as float16",
+         edits=(("    future = work.get_future().then(decompress)",
+                 "    future = work.get_future().then(\n"
+                 "        lambda done: done.value()[0].to(torch.float16))"),)),
+    Case(EX, "returns-a-tensor", "the hook returned a tensor",
+         edits=(("    future = work.get_future().then(decompress)",
+                 "    future = work.get_future().then(lambda done: done.value()[0])\n"
+                 "    future = future.wait().float()"),)),
+    Case(AMP, "step-before-backward", "ran before any backward",
+         edits=(("            to_backward = scaler.scale(loss)  # fp16: small gradients stay "
+                 "above 0",
+                 "            to_backward = scaler.scale(loss)\n"
+                 "            scaler.step(optimizer)\n            scaler.update()"),
+                ("    scaler.step(optimizer)  # unscales; skips the step on every rank if a "
+                 "gradient is inf/nan\n    scaler.update()  # after a skip: the scale halves\n",
+                 "    pass\n"))),
 ])  # fmt: skip
 
 

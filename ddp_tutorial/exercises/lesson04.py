@@ -290,9 +290,10 @@ def judge_accumulate(records: list[Record]) -> str | None:
         if 0 in rec["calls_per_step"]:
             return (
                 f"rank {rank}'s step {rec['calls_per_step'].index(0)} made no all_reduce: every "
-                "micro-batch ran under no_sync(), the last one too, so the ranks never averaged "
-                "their gradients and now hold different weights - run the last micro-batch "
-                "outside no_sync()"
+                "micro-batch ran under no_sync(), the last one too (its forward: DDP decides "
+                "in the forward whether the backward after it sends), so the ranks never "
+                "averaged their gradients and now hold different weights - run the last "
+                "micro-batch, forward and backward, outside no_sync()"
             )
     for rank, rec in enumerate(records[1:], start=1):
         if not torch.equal(T(rec["params"][-1]), T(first["params"][-1])):

@@ -240,7 +240,7 @@ EXERCISES = [
                  "buffers - loop over model.buffers()")),
         proves=(
             "every BatchNorm running_mean and running_var is the mean over the ranks on every "
-            "rank, in one collective; num_batches_tracked untouched, the parameters neither "
+            "rank, in one collective; num_batches_tracked unchanged, the parameters neither "
             "sent nor changed; the ranks' models agree in eval mode"
         ),
     ),

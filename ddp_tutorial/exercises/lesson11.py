@@ -274,6 +274,9 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
      "scaler.step(optimizer) before it in this step: first scaler.step(optimizer) - not "
      "optimizer.step(): it unscales the gradients and skips a step with inf or nan - then "
      "scaler.update()"),
+    ("No inf checks were recorded for this optimizer", "scaler.step(optimizer) ran before "
+     "any backward had put a gradient in: the scaler had no gradient to check for inf - step "
+     "once, after the last micro-batch's scaler.scale(loss).backward()"),
     ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
      "without scaler.update() between: call scaler.update() after every scaler.step"),
     ("unscale_() is being called after step()", "this rank's scaler was not updated after "

@@ -33,18 +33,10 @@ def grads(model: nn.Module) -> list[float]:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
 
 
-def run_hook(module: ModuleType, ctx: Context) -> Record:
-    """Plain DDP and DDP with the learner's hook, the same model and data; what each computed."""
-    ready_for_ddp(ctx)
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
-    alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
-    buckets: list[int] = []  # the hook's calls, one per bucket, in this step
-    handed: set[str] = set()  # the dtypes of DDP's buckets as the hook got and left them
-
-    # per call: (whether the Future the hook returned had its sum, when the hook was entered)
-    done_at_return: list[tuple[bool, float]] = []
+def _watched(module: ModuleType, buckets: list[int], handed: set[str], valued: set[str],
+             done_at_return: list[tuple[bool, float]]) -> Any:  # fmt: skip
+    """The learner's hook, and what it did: one call per bucket, the bucket's dtype as it got
+    and left it, the dtype of what its Future held, and whether that was done at return."""
 
     @functools.wraps(module.bf16_compress_hook)  # DDP checks the learner's signature
     def hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -54,8 +46,37 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         future = module.bf16_compress_hook(state, bucket)
         handed.add(str(bucket.buffer().dtype).removeprefix("torch."))  # and left: float32
         done_at_return.append((bool(getattr(future, "done", lambda: False)()), entered))
+        if isinstance(future, torch._C.Future):  # then() makes a torch._C.Future
+
+            def look(done: torch.futures.Future) -> None:  # the dtype DDP gets, once done
+                try:
+                    value = done.value()
+                except Exception:  # the learner's error: DDP reports it
+                    return
+                if isinstance(value, torch.Tensor):
+                    valued.add(str(value.dtype).removeprefix("torch."))
+
+            future.add_done_callback(look)  # the Future itself goes to DDP, unchanged
         return future
 
+    return hook
+
+
+def run_hook(module: ModuleType, ctx: Context) -> Record:
+    """Plain DDP and DDP with the learner's hook, the same model and data; what each computed."""
+    ready_for_ddp(ctx)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
+    buckets: list[int] = []  # the hook's calls, one per bucket, in this step
+    handed: set[str] = set()  # the dtypes of DDP's buckets as the hook got and left them
+    valued: set[str] = set()  # the dtypes of what the hooks' Futures held when done
+
+    # per call: (whether the Future the hook returned had its sum, when the hook was entered)
+    done_at_return: list[tuple[bool, float]] = []
+
+    hook = _watched(module, buckets, handed, valued, done_at_return)
     hooked.register_comm_hook(None, hook)
     sent: list[tuple[str, int, bool]] = []
 
@@ -66,7 +87,7 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
     record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
-                      "buckets": [], "started": [], "handed": []}  # fmt: skip
+                      "buckets": [], "started": [], "handed": [], "valued": []}  # fmt: skip
     for _ in range(STEPS):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         for name, model in (("plain", plain), ("hooked", hooked), ("alone", alone)):
@@ -84,7 +105,9 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         record["sent"].append(list(sent))
         record["buckets"].append(len(buckets))
         record["handed"].append(sorted(handed))
+        record["valued"].append(sorted(valued))
         handed.clear()
+        valued.clear()
         record["returned"].append(list(done_at_return))
         sent.clear()
         buckets.clear()
@@ -107,6 +130,22 @@ def _waited_inside(records: list[Record], step: int) -> str | None:
             "it after backward")  # fmt: skip
 
 
+def _dtypes_kept(rec: Record, rank: int, step: int) -> str | None:
+    """DDP's bucket left float32, and the sum handed back in float32 or bfloat16."""
+    if rec.get("handed", [["float32"]] * STEPS)[step] != ["float32"]:
+        return (f"rank {rank}'s hook left DDP's bucket {rec['handed'][step][0]} in step "
+                f"{step}: it changed the bucket's own tensor (buffer.data = ...), which "
+                "DDP keeps: its gradients stay in bfloat16 from then on - compress a "
+                "copy (buffer.to(torch.bfloat16)) and copy the sum back into the float32 "
+                "buffer")  # fmt: skip
+    if odd := set(rec.get("valued", [[]] * STEPS)[step]) - {"float32", "bfloat16"}:
+        return (f"rank {rank}'s hook handed DDP the sum as {odd.pop()}: cast it back to "
+                "the bucket's own dtype (float32), or leave it bfloat16 - float16 keeps "
+                "bfloat16's precision but not its range: gradients below about 6e-5 "
+                "lose digits, below 6e-8 become 0")  # fmt: skip
+    return None
+
+
 def judge_hook(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         for step in range(STEPS):
@@ -115,12 +154,8 @@ def judge_hook(records: list[Record]) -> str | None:
                 return (f"rank {rank}'s hook sent nothing in step {step}: it must "
                         "dist.all_reduce the bucket (without it each rank keeps its own "
                         "gradients and the replicas drift apart)")  # fmt: skip
-            if rec.get("handed", [["float32"]] * STEPS)[step] != ["float32"]:
-                return (f"rank {rank}'s hook left DDP's bucket {rec['handed'][step][0]} in step "
-                        f"{step}: it changed the bucket's own tensor (buffer.data = ...), which "
-                        "DDP keeps: its gradients stay in bfloat16 from then on - compress a "
-                        "copy (buffer.to(torch.bfloat16)) and copy the sum back into the float32 "
-                        "buffer")  # fmt: skip
+            if mistake := _dtypes_kept(rec, rank, step):
+                return mistake
             dtypes = sorted({d for d, _, _ in sent})
             if dtypes != ["bfloat16"]:
                 return (f"rank {rank}'s hook sent {', '.join(dtypes)}: cast the bucket to "
@@ -174,6 +209,8 @@ ERRORS = (
      "gradients)"),
     ("isPyObject()", "the hook returned all_reduce's own Future, whose value is a list [tensor], "
      "not the bucket's tensor: chain .then(fn) and return the bucket from fn"),
+    ("must return a torch.futures.Future", "the hook returned a tensor: DDP wants a Future "
+     "of the bucket's tensor - return work.get_future().then(fn), fn returning the bucket"),
     ("Communication hook", "DDP refused the hook's signature (it reads the annotations at run "
      "time: no `from __future__ import annotations` in this file): keep "
      "`(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]`"),
