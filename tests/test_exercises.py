@@ -229,3 +229,25 @@ def test_a_collective_handed_a_copy_is_told_from_one_handed_a_view():
         "dist.all_reduce(torch.tensor([x.float()]))",
     ):
         assert found(view) is None, view
+
+
+def test_a_candidate_stopped_past_its_own_limit_is_judged_hung_not_launched_again(tmp_path):
+    """Helper 122: a hook that deadlocked in the middle of a batch was launched again, first,
+    and cost the batch's limit twice (14 min for one CLI call). A candidate in which the
+    launch was stopped after its own limit is judged there; one stopped sooner (the batch's
+    limit over many slow candidates) runs again."""
+    import os
+    import time
+
+    from ddp_tutorial.exercises.core import STARTED, find
+    from ddp_tutorial.harness.exercise_check import _hung_in
+
+    (ex,) = find("11_bf16_hook")
+    folder = tmp_path / "c1"
+    assert not _hung_in(ex, folder), "never started"
+    folder.mkdir()
+    (folder / STARTED).touch()
+    assert not _hung_in(ex, folder), "started a moment ago: the batch's limit"
+    past = time.time() - ex.launch_timeout_s - 1
+    os.utime(folder / STARTED, (past, past))
+    assert _hung_in(ex, folder)

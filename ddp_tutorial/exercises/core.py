@@ -19,6 +19,7 @@ from typing import Any
 EXERCISE_DIR = Path(__file__).resolve().parents[2] / "scripts" / "exercises"
 SOLUTION_DIR = EXERCISE_DIR / "solutions"
 BEGIN, END = "# YOUR CODE", "# END YOUR CODE"
+STARTED = "started"  # a candidate's marker in its folder, written by rank 0 as it begins
 # a verdict that ends with this names the one section behind its mistake (not every one)
 OWN_SECTION = re.compile(r'\(lesson \d\d, "[^"]+"\)$')
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddp_tutorial.distributed import set_collective_timeout
-from ddp_tutorial.exercises.core import Context, Exercise, find
+from ddp_tutorial.exercises.core import STARTED, Context, Exercise, find
 from ddp_tutorial.records import write_json
 
 
@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         (ex,) = find(name)
         ctx = Context(rank=rank, world_size=world, out=args.out / f"c{i}")
         meet(ctx, "start")  # every rank is here: the group below connects at once
+        if rank == 0:  # when this candidate began: one stopped in it long after, hung there
+            ctx.out.mkdir(parents=True, exist_ok=True)
+            (ctx.out / STARTED).touch()
         record = one(ex, Path(file), ctx, tag=f"{i}")
         write_json(ctx.out / f"status-rank{rank}.json", {"rank": rank, **record})
         agree(ctx, record["status"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from ddp_tutorial import settings
 from ddp_tutorial.exercises.core import (
     BEGIN,
     END,
+    STARTED,
     Exercise,
     Record,
     find,
@@ -221,6 +223,13 @@ def reduced_a_copy(ex: Exercise, path: Path) -> str | None:
                    f"(x = x.{copy}(...)), then dist.{op}(x)")  # fmt: skip
 
 
+def _hung_in(ex: Exercise, folder: Path) -> bool:
+    """Whether a stopped launch was stopped in this candidate after it had run longer than its
+    own limit (the batch's limit alone can end a launch of many slow, right candidates)."""
+    started = folder / STARTED
+    return started.is_file() and time.time() - started.stat().st_mtime >= ex.launch_timeout_s
+
+
 def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_dir: Path,
                 result: RunResult, verdicts: dict[int, ExerciseVerdict]) -> int:  # fmt: skip
     """The verdicts of one ended launch's candidates (``indexes`` into ``pairs``, in the order
@@ -241,17 +250,22 @@ def _read_batch(pairs: Sequence[tuple[Exercise, Path]], indexes: list[int], run_
             message = named
         verdicts[i] = ExerciseVerdict(ex, path, passed, message, seconds=result.seconds)
         ran += 1
-    if ran == 0:  # the launch died before the first candidate's records
-        ex, path = pairs[indexes[0]]
+    # the launch died, or was stopped in a candidate that had run past its own limit: that
+    # one's verdict now (helper 122: relaunched first, a hang cost the batch's limit twice)
+    if ran < len(indexes) and (ran == 0 or _hung_in(pairs[indexes[ran]][0], run_dir / f"c{ran}")):
+        ex, path = pairs[indexes[ran]]
         message = died(ex, path, result.output)
         if result.timed_out:  # killed by the launch's own timeout: nothing died, it never ended
+            where = (f"run it in a shell to see where: torchrun --standalone --nproc-per-node "
+                     f"{ex.nproc} {path}") if ex.kind == "script" else (
+                     f"check it alone (ddp-tutorial check {ex.name} {path}) and, while it "
+                     "hangs, py-spy dump --pid <a rank's pid> shows where each rank waits (a "
+                     ".wait() inside a Future's .then() callback never returns)")  # fmt: skip
             message = ex.hint(f"your code never returned: the launch was stopped after "
-                              f"{result.seconds:.0f} s with no rank's record (an endless "
-                              "loop, or a wait for something that never comes) - run it in a "
-                              f"shell to see where: torchrun --standalone --nproc-per-node "
-                              f"{ex.nproc} {path}")  # fmt: skip
-        verdicts[indexes[0]] = ExerciseVerdict(ex, path, False, message, seconds=result.seconds)
-        ran = 1
+                              f"{result.seconds:.0f} s with no rank's record (an endless loop, "
+                              f"or a wait for something that never comes) - {where}")  # fmt: skip
+        verdicts[indexes[ran]] = ExerciseVerdict(ex, path, False, message, seconds=result.seconds)
+        ran += 1
     return ran
 
 
