@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from ddp_tutorial.harness.rank_lines import RAISED
+
 # Each list up to the other one: a log that joins lines puts both on one
 _KEY_LIST = re.compile(
     r"(?m)(?P<side>Missing|Unexpected) key\(s\) in state_dict:"
@@ -96,5 +98,5 @@ def after_spawn_marker(line: str, text: str) -> str | None:
     """The error line that follows mp.spawn's "-- Process N terminated" (the fallback would
     point at ``ProcessRaisedException:``, whose message is empty)."""
     after = text.split(line, 1)[-1].splitlines()
-    errors = [ln.strip() for ln in after if re.match(r"\s*[\w.]*(?:Error|Exception)\b.*:", ln)]
+    errors = [ln.strip() for ln in after if RAISED.match(ln)]  # a raised exception's line
     return f"the process's error: {errors[0][:200]}" if errors else None

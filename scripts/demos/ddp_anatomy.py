@@ -445,7 +445,33 @@ def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
         future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
         out[name] = {"after_init": after_init, "after_forward": buffer[0].item(),
                      "future_warning": future[0] if future else None}  # fmt: skip
+    out["broadcast_before"] = broadcast_before(bn_model(args.seed), x, info.device)
     return out
+
+
+def broadcast_before(model: nn.Module, x: torch.Tensor, device: torch.device) -> dict[str, bool]:
+    """Before which forwards DDP will copy rank 0's buffers (its own answer, asked just before
+    each): a training loop, 3 micro-batches accumulated under no_sync, then an evaluation."""
+    ddp = wrap(model.to(device), device)
+    seen: dict[str, bool] = {}
+
+    def forward(name: str, grad: bool = True, sync: bool = True) -> None:
+        seen[name] = ddp.will_sync_module_buffers()
+        with torch.set_grad_enabled(grad), contextlib.nullcontext() if sync else ddp.no_sync():
+            out = ddp(x)
+            if grad:
+                out.sum().backward()
+
+    forward("step 1")
+    forward("step 2")
+    forward("micro-batch 1, no_sync", sync=False)
+    forward("micro-batch 2, no_sync", sync=False)
+    forward("micro-batch 3, synced")
+    forward("the step after")
+    forward("evaluation 1, no_grad", grad=False)
+    forward("evaluation 2, no_grad", grad=False)
+    forward("training after the evaluation")
+    return seen
 
 
 def syncbn_collectives(info: DistInfo, channels: int = 4) -> dict:
