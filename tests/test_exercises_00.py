@@ -26,7 +26,7 @@ CASES = register([
     Case(EX, "not-wrapped", "wrap the model in DDP",
          edits=(("    model = DDP(model)\n", ""),
                 ("model.module.state_dict()", "model.state_dict()"))),
-    Case(EX, "global-batch-halved", "keep --batch-size per process",
+    Case(EX, "global-batch-halved", "a global batch of 16, not 32",
          edits=(("batch_size=args.batch_size,", "batch_size=args.batch_size // world_size,"),)),
     Case(EX, "group-left-open", "dist.destroy_process_group()",
          edits=(("    dist.destroy_process_group()\n", ""),)),

@@ -132,6 +132,18 @@ CASES = register([
                  "    lengths = [None] * world\n"
                  "    dist.all_gather_object(lengths, tensor.shape[0])\n"
                  "    lengths = [torch.tensor(n) for n in lengths]\n"),)),
+    # from a twenty-fifth-session review: a fixed padding passed while every tensor fitted
+    Case(GATHER, "padded-to-a-fixed-64", "pad to the longest length gathered",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+                 "padded = torch.zeros(64, dtype=tensor.dtype)"),)),
+    Case(GATHER, "flat-buffer-padded-to-a-fixed-64", "not to a fixed size",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+                 "longest = 64\n    padded = torch.zeros(longest, dtype=tensor.dtype)"),
+                ("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+                 "    dist.all_gather(gathered, padded)\n",
+                 "    flat = torch.empty(world * longest, dtype=tensor.dtype)\n"
+                 "    dist.all_gather_into_tensor(flat, padded)\n"
+                 "    gathered = list(flat.split(longest))\n"),)),
     Case(GATHER, "all-gather-into-tensor", None,  # right: one collective, one flat buffer
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
                  "    dist.all_gather(gathered, padded)\n",

@@ -55,6 +55,16 @@ CASES = register(
              edits=(("    for i in range(warmup + steps):\n",
                      "    start = time.perf_counter()\n    for i in range(warmup + steps):\n"),
                     ("        start = time.perf_counter()\n", ""))),
+        # from a twenty-fifth-session review: started after the warm-up, the sum of readings
+        # from one start stays below 2.5 x all the work, and was told "the warm-up was timed"
+        Case(TIMING, "clock-started-once-after-the-warm-up", "added up from one start",
+             edits=(("        start = time.perf_counter()\n",
+                     "        if i == warmup:\n            start = time.perf_counter()\n"),)),
+        Case(TIMING, "clock-read-once-around-the-timed-steps", None,  # right: one difference
+             edits=(("        start = time.perf_counter()\n",
+                     "        if i == warmup:\n            start = time.perf_counter()\n"),
+                    ("            times.append(time.perf_counter() - start)",
+                     "            times = [time.perf_counter() - start]"))),
         # from a learner review
         Case(TIMING, "max-of-a-copy", "it reduced a copy",
              edits=((REDUCE, "    worst = slowest.clone()\n"

@@ -26,6 +26,9 @@ CASES = register([
          edits=(("rest = order[consumed:]", "rest = order[consumed * world_size :]"),)),
     Case(EX, "off-by-one", "an off-by-one",
          edits=(("rest = order[consumed:]", "rest = order[consumed + 1 :]"),)),
+    # from a twenty-fifth-session review: 27 positions skipped too many were "an off-by-one?"
+    Case(EX, "skips-a-step-too-many", "skip exactly `consumed` positions",
+         edits=(("rest = order[consumed:]", "rest = order[consumed + 2 * world_size :]"),)),
     Case(EX, "drops-the-tail", "instead of dropping its end",
          edits=(("    padding = -len(rest) % world_size\n    rest += (rest * padding)[:padding]\n",
                  "    rest = rest[: len(rest) // world_size * world_size]  # like drop_last\n"),)),

@@ -78,7 +78,10 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
         # --batch-size taken as global, times world_size per process: world_size^2 x 16; and
         # the learning rate scaled by the world size, a rule lesson 00 does not apply
         n = ctx.world_size
+        # or --batch-size divided by world_size (a global batch kept at 16: a global batch
+        # that does not grow with the processes, so training slows down and changes)
         others = {"batch_x_world": reference_weights(n * n),
+                  "batch_over_world": reference_weights(1),
                   "lr_x_world": reference_weights(n, LR * n),
                   "lr_over_world": reference_weights(n, LR / n)}  # fmt: skip
         for name, other in others.items():
@@ -154,6 +157,12 @@ def _judge_saved(first: Record, n: int) -> str | None:
         return (f"the weights are those of a global batch of {n * n * BATCH}, not {n * BATCH}: "
                 "--batch-size is per process - keep batch_size=args.batch_size (2 processes "
                 "x 16 train what 1 x 32 trains)")  # fmt: skip
+    if n > 1 and first.get("gap_batch_over_world", 1.0) <= 1e-5:
+        return (f"the weights are those of a global batch of {BATCH}, not {n * BATCH}: "
+                "--batch-size is per process - keep batch_size=args.batch_size, not divided by "
+                f"the world size ({n} processes x {BATCH} train what 1 x {n * BATCH} trains; "
+                "a global batch kept fixed trains something else, with fewer samples per "
+                "process and step)")  # fmt: skip
     if first.get("gap_lr_over_world", 1.0) <= 1e-5:
         return (f"the weights are those of a learning rate of --lr / {n}: the loss (or the "
                 "rate) was divided by the world size, but DDP's backward averages the gradients "

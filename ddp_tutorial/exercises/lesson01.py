@@ -56,12 +56,15 @@ def _object_kind(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _shared(outputs: Any) -> str | None:
-    """An all_gather output list holding one tensor twice ([t] * n) is marked "shared"."""
+def _shared(outputs: Any, sent: Any = None) -> str | int | None:
+    """An all_gather output list holding one tensor twice ([t] * n) is marked "shared"; else
+    the number of values this rank sent (a padding to a fixed size shows against the longest)."""
     if not isinstance(outputs, list | tuple):
         return None
     ptrs = [t.data_ptr() for t in outputs if isinstance(t, torch.Tensor)]
-    return "shared" if len(set(ptrs)) < len(ptrs) else None
+    if len(set(ptrs)) < len(ptrs):
+        return "shared"
+    return sent.numel() if isinstance(sent, torch.Tensor) else None
 
 
 class _HeldReceive:
@@ -135,7 +138,10 @@ def watched(calls: list[tuple[str, Any]], module: ModuleType, dropped: list[str]
         info = {"all_reduce": lambda: reduce_op(args, kwargs),  # the op, or what was gathered
                 "all_gather_object": lambda: _object_kind(args[1] if len(args) > 1
                                                           else kwargs.get("obj")),
-                "all_gather": lambda: _shared(args[0] if args else kwargs.get("tensor_list")),
+                "all_gather": lambda: _shared(args[0] if args else kwargs.get("tensor_list"),
+                                              args[1] if len(args) > 1 else kwargs.get("tensor")),
+                "all_gather_into_tensor": lambda: _shared([], args[1] if len(args) > 1
+                                                          else kwargs.get("input_tensor")),
                 }.get(name, lambda: None)()  # fmt: skip
         calls.append((name, peer if name in POINT_TO_POINT else info))
         if name == "all_reduce" and is_async(args, kwargs):
@@ -290,8 +296,13 @@ def run_gather(module: ModuleType, ctx: Context) -> Record:
               for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip
     objects = [info for name, info in calls if name == "all_gather_object"]
     shared = any(name == "all_gather" and info == "shared" for name, info in calls)
+    sent = [
+        info
+        for name, info in calls
+        if name in ("all_gather", "all_gather_into_tensor") and isinstance(info, int)
+    ]
     return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes,
-            "objects": objects, "shared": shared}  # fmt: skip
+            "objects": objects, "shared": shared, "sent": sent}  # fmt: skip
 
 
 def judge_gather(records: list[Record]) -> str | None:
@@ -334,6 +345,12 @@ def judge_gather(records: list[Record]) -> str | None:
                 return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
                         "gather every rank's length first, then trim each to its own")  # fmt: skip
             return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
+        longest = max(len(w) for w in want)
+        if over := [k for k in rec.get("sent", []) if k > longest]:
+            return (f"rank {rank} sent {over[0]} values through dist.all_gather, the longest "
+                    f"tensor has {longest}: pad to the longest length gathered, not to a "
+                    "fixed size - it sends padding for nothing, and a longer tensor one day "
+                    "no longer fits")  # fmt: skip
         gathered = {"all_gather", "all_gather_into_tensor"} & set(rec["calls"])
         if not gathered or "broadcast" in rec["calls"]:
             return (f"rank {rank} gathered with {', '.join(sorted(set(rec['calls'])))}: one "

@@ -13,6 +13,7 @@ clock, the slowest rank (all_reduce MAX).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +31,8 @@ WORK_S = (0.005, 0.08)  # one step's device work on rank 0, on rank 1 (and beyon
 # timed, from either end of the warm-up, stands out)
 WARMUP_S = (0.3, 0.2)
 CPU_CLOCKS = ("process_time", "thread_time")  # the time this process computed, not waited
+WALL_CLOCKS = ("perf_counter", "monotonic", "time")  # their readings by the learner are noted
+_now = time.perf_counter  # the device's own clock: never one of the learner's readings
 
 
 def work_s(rank: int) -> float:
@@ -46,17 +49,17 @@ class QueuedDevice:
     def __init__(self, rank: int) -> None:
         self.work, self.calls, self.syncs = work_s(rank), 0, 0
         self.synced_after_warmup = False  # a synchronize() between warm-up and timed calls
-        self.busy_until = time.perf_counter()
+        self.busy_until = _now()
 
     def step(self) -> None:
         self.calls += 1
         extra = WARMUP_S[self.calls - 1] if self.calls <= len(WARMUP_S) else 0.0
-        self.busy_until = max(time.perf_counter(), self.busy_until) + self.work + extra
+        self.busy_until = max(_now(), self.busy_until) + self.work + extra
 
     def synchronize(self) -> None:
         self.syncs += 1
         self.synced_after_warmup |= self.calls == WARMUP
-        left = self.busy_until - time.perf_counter()
+        left = self.busy_until - _now()
         if left > 0:
             time.sleep(left)
 
@@ -64,9 +67,11 @@ class QueuedDevice:
 @contextmanager
 def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
     """Note the op of every ``dist.all_reduce`` the learner's ``module`` makes, its async calls
-    and their waits, and every read of a CPU-time clock (which does not count waiting)."""
-    clocks = {n: getattr(time, n) for n in CPU_CLOCKS}
+    and their waits, every read of a CPU-time clock (which does not count waiting), and the
+    readings of a wall clock that the module's own code takes (``readings``)."""
+    clocks = {n: getattr(time, n) for n in CPU_CLOCKS + WALL_CLOCKS}
     bound = [(a, n) for a, v in vars(module).items() for n, c in clocks.items() if v is c]
+    own = vars(module)
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> Callable[[], None] | None:  # fmt: skip
@@ -83,12 +88,16 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 
     def clock(name: str) -> Any:
         def read() -> float:
-            notes["cpu_clock"] = name
-            return clocks[name]()
+            value = clocks[name]()
+            if name in CPU_CLOCKS:
+                notes["cpu_clock"] = name
+            elif sys._getframe(1).f_globals is own:
+                notes["readings"].append(value)
+            return value
 
         return read
 
-    places = [(time, n, n) for n in CPU_CLOCKS] + [(module, a, n) for a, n in bound]
+    places = [(time, n, n) for n in clocks] + [(module, a, n) for a, n in bound]
     for place, attr, name in places:
         setattr(place, attr, clock(name))
     try:
@@ -102,7 +111,7 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 def run_timing(module: ModuleType, ctx: Context) -> Record:
     device = QueuedDevice(ctx.rank)
     notes: dict[str, Any] = {"ops": [], "async": 0, "waits": 0, "cpu_clock": None, "sent": [],
-                             "reduce": 0, "broadcast": 0}  # fmt: skip
+                             "reduce": 0, "broadcast": 0, "readings": []}  # fmt: skip
     with noted_calls(notes, module):
         got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
     try:
@@ -189,6 +198,24 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
     return None
 
 
+def _from_one_start(rec: Record) -> bool:
+    """Did this rank add up clock readings all taken from one start? Its own total (what it
+    handed to the all_reduce) equals sum(r[i] - r[j] for i in a run of two or more readings
+    after r[j]): each step's time counted again in every later one (a right answer reads the
+    clock twice per step, or once around all the timed steps: one difference)."""
+    r, own = rec.get("readings", []), rec["sent"][-1] if rec.get("sent") else None
+    if own is None or len(r) < 3:
+        return False
+    for j in range(len(r)):
+        for a in range(j + 1, len(r)):
+            total = 0.0
+            for b in range(a, len(r)):
+                total += r[b] - r[j]
+                if b > a and abs(total - own) <= 1e-5 * max(total, 1e-3):
+                    return True
+    return False
+
+
 def judge_timing(records: list[Record]) -> str | None:
     n = len(records)
     for rank, rec in enumerate(records):
@@ -232,6 +259,11 @@ def judge_timing(records: list[Record]) -> str | None:
                 f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
                 f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
                 "op=ReduceOp.MAX")  # fmt: skip
+    if any(_from_one_start(rec) for rec in records):
+        return (f"{values[0] * 1e3:.0f} ms: the clock's readings were added up from one start "
+                "- each step's time counted again in every later one. Read the clock at the "
+                "start of each timed step (after synchronize()), or once around all the timed "
+                "steps")  # fmt: skip
     drained = all(rec["synced_after_warmup"] for rec in records)
     return _judge_value(values[0], mine, maxed, drained)
 

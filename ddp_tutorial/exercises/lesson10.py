@@ -79,9 +79,14 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
 def _never_dealt(where: str, rest: list[int], never: list[int]) -> str:
     """Positions of the rest that no rank got: its start (off by one), its end (dropped)."""
     k = len(never)
-    if never == rest[:k]:
-        return (f"{where}: the first {k} position(s) after `consumed` went to no rank (sample "
+    if never == rest[:1]:
+        return (f"{where}: the first position after `consumed` went to no rank (sample "
                 f"{never[0]}): the rest starts at order[consumed] - an off-by-one?")  # fmt: skip
+    if never == rest[:k]:
+        return (f"{where}: the first {k} positions after `consumed` went to no rank (sample "
+                f"{never[0]} on): the rest starts at order[consumed] - skip exactly "
+                "`consumed` positions (it counts the positions of the whole order that every "
+                "rank trained, already multiplied out: nothing to add or scale)")  # fmt: skip
     if never == rest[-k:]:
         return (f"{where}: the last {k} sample(s) of the rest went to no rank (as drop_last "
                 "would): every position after `consumed` goes to some rank - pad the rest to a "
