@@ -17,6 +17,10 @@ PADDED = (
 ALL_REDUCE = "    dist.all_reduce(sums)  # every rank: the totals, each sample counted once\n"
 REDUCE_COUNTS = "dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not"
 SCORE = "score = per_class.mean().item()"
+F1_FROM_ADDED = (
+    REDUCE_COUNTS + "\n    tp, fp, fn = counts\n    per_class = 2 * tp / (2 * tp "
+    "+ fp + fn).clamp(min=1)  # 0 for a class nobody has\n    " + SCORE
+)
 MICRO = "score = (2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum())).item()"
 
 # lesson 02's general route, right here too: a padded sampler, every rank's (index, correct)
@@ -150,6 +154,48 @@ CASES = register(
         Case(F1, "fn-counted-as-fp", "the macro precision",
              edits=(("counts[2, c] = ((pred != c) & (target == c)).sum()  # FN",
                      "counts[2, c] = ((pred == c) & (target != c)).sum()  # FN"),)),
+        # from a twenty-fifth-session learner review: other collectives that add the counts
+        # (right), and wrong ones that were told "without a collective" or another mistake
+        Case(ACC, "all-gather-object-of-the-pairs", None,
+             edits=((ALL_REDUCE,
+                     "    pairs = [None] * world\n"
+                     "    dist.all_gather_object(pairs, (int(sums[0]), int(sums[1])))\n"
+                     "    sums = torch.tensor([sum(p[0] for p in pairs), "
+                     "sum(p[1] for p in pairs)])\n"),)),
+        Case(ACC, "reduce-then-broadcast", None,
+             edits=((ALL_REDUCE,
+                     "    dist.reduce(sums, dst=0)\n    dist.broadcast(sums, src=0)\n"),)),
+        Case(ACC, "all-gather-into-tensor", None,
+             edits=((ALL_REDUCE,
+                     "    out = torch.empty(world * 2, dtype=sums.dtype)\n"
+                     "    dist.all_gather_into_tensor(out, sums)\n"
+                     "    sums = out.view(world, 2).sum(0)\n"),)),
+        Case(ACC, "broadcast-only", "it adds nothing",
+             edits=((ALL_REDUCE, "    dist.broadcast(sums, src=0)\n"),)),
+        Case(ACC, "reduce-without-broadcast", "dist.reduce leaves the added counts on its dst",
+             edits=((ALL_REDUCE, "    dist.reduce(sums, dst=0)\n"),)),
+        Case(ACC, "gathered-plus-its-own", "rank 0's never, rank 1's twice",
+             edits=((ALL_REDUCE,
+                     "    parts = [torch.zeros_like(sums) for _ in range(world)]\n"
+                     "    dist.all_gather(parts, sums)\n"
+                     "    sums = sums + sum(p for i, p in enumerate(parts) if i != 0)\n"),)),
+        Case(F1, "f1s-weighted-by-shard-size", "weighted by their shard sizes",
+             edits=((F1_FROM_ADDED,
+                     "tp, fp, fn = counts\n"
+                     "    mine = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean()\n"
+                     "    both = torch.stack([mine * len(pred), torch.tensor(float(len(pred)), "
+                     "dtype=torch.float64)])\n"
+                     "    dist.all_reduce(both)\n"
+                     "    score = (both[0] / both[1]).item()"),)),
+        Case(F1, "precision-and-recall-averaged", "precisions and recalls averaged",
+             edits=((F1_FROM_ADDED,
+                     "tp, fp, fn = counts\n"
+                     "    pr = torch.stack([tp / (tp + fp).clamp(min=1), "
+                     "tp / (tp + fn).clamp(min=1)])\n"
+                     "    dist.all_reduce(pr)\n"
+                     "    pr /= dist.get_world_size()\n"
+                     "    p, r = pr\n"
+                     "    score = (2 * p * r / (p + r).clamp(min=1e-12)).mean().item()"),)),
         Case(F1, "last-class-left-out", "the loop must go over range(num_classes)",
              edits=(("    for c in range(num_classes):", "    for c in range(num_classes - 1):"),)),
         Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw",

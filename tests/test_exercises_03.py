@@ -48,6 +48,10 @@ CASES = register(
         Case(GPU, "digits-read-one-by-one", "expected 13",  # right while every id was one digit
              edits=(('int(listed.split(",")[local_rank])',
                      "[int(c) for c in listed if c.isdigit()][local_rank]"),)),
+        # from a twenty-fifth-session learner review: the IndexError was blamed on the rank
+        Case(GPU, "split-on-comma-and-space", "one entry per comma",
+             edits=(('int(listed.split(",")[local_rank])',
+                     'int(listed.split(", ")[local_rank])'),)),
         Case(GPU, "list-indexed-by-rank", "the list is per node",
              edits=(('int(listed.split(",")[local_rank])',
                      'int(listed.split(",")[int(env["RANK"])])'),)),

@@ -55,6 +55,16 @@ CASES = register(
         Case(ACCUM, "the-lessons-accumulate", "a mean of means",
              edits=both('loss_fn(model(x), y, reduction="sum") * world / count',
                         "loss_fn(model(x), y) / len(micro_batches)")),
+        # from a twenty-fifth-session learner review
+        Case(ACCUM, "count-reduced-to-rank-0", "dist.reduce leaves the summed count on its dst",
+             edits=(("    dist.all_reduce(count)  # the step's",
+                     "    dist.reduce(count, dst=0)  #"),)),
+        Case(BUFFERS, "chunked-in-equal-pieces", "the pieces must be the buffers' own sizes",
+             edits=(("flat.split([b.numel() for b in stats])", "flat.chunk(len(stats))"),)),
+        Case(BUFFERS, "zipped-with-the-flat-tensor", "pairs each buffer with a single element",
+             edits=(("zip(stats, flat.split([b.numel() for b in stats]), strict=True)",
+                     "zip(stats, flat)"),
+                    ("b.copy_(piece.view_as(b))", "b.copy_(piece)"))),
         Case(ACCUM, "each-rank-its-own-count", "each rank divided by its own sample count",
              edits=(("    dist.all_reduce(count)  # the step's samples over every rank, before "
                      "the forwards\n", ""),)),

@@ -43,6 +43,14 @@ CASES = register(
              edits=(("                dist.broadcast(p, src=0)\n", "                pass\n"),)),
         Case(BUCKETS, "sum-not-mean", "SUMMED over the ranks, not averaged",
              edits=(("            flat /= self.world_size\n", ""),)),
+        # from a twenty-fifth-session learner review
+        Case(BUCKETS, "copied-back-then-divided", "before copying it back into p.grad",
+             edits=(("            flat /= self.world_size\n", ""),
+                    ("        self.pending.clear()\n",
+                     "            flat /= self.world_size\n        self.pending.clear()\n"))),
+        Case(HOOKS, "broadcast-from-itself", "with itself as src",
+             edits=(("            dist.broadcast(p, src=0)",
+                     "            dist.broadcast(p, src=dist.get_rank())"),)),
         Case(BUCKETS, "divided-twice", "the gradient was divided twice",
              edits=(("        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])\n",
                      "        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]]) / self.world_size\n"),)),  # noqa: E501

@@ -1,10 +1,9 @@
 """Lesson 02's exercises: evaluation over ranks that reports the number one process would.
 
 ``02_exact_accuracy``: (correct, count) over a validation set that does not divide by the
-ranks, every sample counted exactly once. ``02_macro_f1``: a metric that is not a sum (macro
-F1) from every rank's shard, computed from the ranks' added per-class counts. Each ``run``
-records what the learner's function returned on its rank (and, for the first, which samples
-it evaluated); each ``judge`` names the first mistake.
+ranks, every sample counted exactly once (the second exercise, macro F1: ``lesson02_f1``).
+``run_accuracy`` records what the learner's function returned on its rank and which samples
+it evaluated; ``judge_accuracy`` names the first mistake.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from ddp_tutorial.exercises.lesson01 import watched
 VAL_LENGTH = 11  # odd: 2 ranks cannot split it evenly, so a padded sampler repeats one sample
 FEATURES = 3
 LATE_S = 0.3  # the other ranks start this late (both exercises)
+# the collectives that can add the ranks' counts (a reduce: on its dst only, unless broadcast)
+ADDING = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce"}
 EVAL_BATCH = 5  # the ranks' 6 and 5 samples make 2 and 1 batches: a collective per batch hangs
 
 
@@ -188,16 +189,23 @@ def judge_accuracy(records: list[Record]) -> str | None:
             return f"rank {rank}'s exact_accuracy returned {g}, not a pair (correct, count)"
     if mistake := _judge_reads(records):
         return mistake
-    called = {"all_reduce", "all_gather"} & set(records[0]["calls"])
+    calls = set(records[0]["calls"])
+    called = ADDING & calls
+    if "broadcast" in calls and not called:
+        return (f"every rank returned {got[0]}: dist.broadcast hands one rank's counts to "
+                "every rank, it adds nothing - add the ranks' [correct, count] with "
+                "dist.all_reduce (the default SUM)")  # fmt: skip
+    if "reduce" in calls and not called - {"reduce"} and "broadcast" not in calls:
+        return (f"the ranks returned {got}: dist.reduce leaves the added counts on its dst "
+                "rank only; every rank must return them - dist.all_reduce the counts (or "
+                "broadcast them from dst after the reduce)")  # fmt: skip
     if len({tuple(g) for g in got}) > 1:
         if called and any(rec.get("unwaited") for rec in records):
             return (f"the ranks returned different results {got}: the all_reduce(..., "
                     "async_op=True) was not waited on before the counts were read - call "
                     ".wait() on what it returns first (or call it without async_op)")  # fmt: skip
         if called:
-            return (f"the ranks returned different results {got}, though they called "
-                    f"dist.{sorted(called)[0]}: add the totals once every batch is counted, "
-                    "after the loop (a sum made before it adds zeros)")  # fmt: skip
+            return _added_unequally(records, got, sorted(called)[0])
         return (
             f"the ranks returned different results {got}: each rank counted only its own shard - "
             "add the ranks' [correct, count] with dist.all_reduce, so every rank holds the total"
@@ -224,6 +232,31 @@ def judge_accuracy(records: list[Record]) -> str | None:
     return _judge_modes(records)
 
 
+def _added_unequally(records: list[Record], got: list[Any], name: str) -> str:
+    """Ranks that called a collective and still disagree: each kept its own counts (added
+    before the loop), or one added its own twice (a gathered list plus its own sums)."""
+    x, y = val_data()
+    right = predictor()(x).argmax(dim=1) == y
+    own = [[int(right[sorted(set(rec["read"]))].sum()), len(set(rec["read"]))] for rec in records]
+    total = [sum(c) for c in zip(*own, strict=True)]
+    if got == own:
+        return (f"the ranks returned different results {got}, their own counts, though they "
+                f"called dist.{name}: add the totals once every batch is counted, after the "
+                "loop (a sum made before it adds zeros)")  # fmt: skip
+    for r, g in enumerate(got):  # a sum of the ranks' counts, some taken twice or never?
+        for times in itertools.product(range(3), repeat=len(own)):
+            made = [sum(k * o[i] for k, o in zip(times, own, strict=True)) for i in (0, 1)]
+            if g != total and g == made:
+                said = ", ".join(f"rank {i}'s {('never', 'once', 'twice')[k]}"
+                                 for i, k in enumerate(times))  # fmt: skip
+                return (f"rank {r} returned {g}, not the total {total}: it added {said} - "
+                        "every rank's counts are added exactly once, its own included once "
+                        "(a gathered list already holds them)")  # fmt: skip
+    return (f"the ranks returned different results {got}, though they called dist.{name}: "
+            f"every rank must end with the same total, {total} - each rank's counts added "
+            "once")  # fmt: skip
+
+
 def _judge_modes(records: list[Record]) -> str | None:
     """The right counts from a model left in training mode, or with autograd on: right here
     only (this model has no dropout, no BatchNorm), wrong or wasteful on the learner's."""
@@ -240,152 +273,11 @@ def _judge_modes(records: list[Record]) -> str | None:
     return None
 
 
-# 02_macro_f1: each rank's shard of predictions and labels (4 classes). The shards differ in
-# size and class mix: class 3 is never predicted or labelled on rank 1, so its F1 there is 0/0;
-# class 2 is on no rank at all: it scores 0 and still counts in the mean. A class that is not
-# the last is the absent one, and class 3's FP and FN differ (0 and 1), so that a loop that
-# misses the last class, or precision or recall in F1's place, is seen.
-SHARDS = (
-    ([0, 0, 0, 3, 3, 1, 0, 1], [0, 1, 1, 3, 3, 3, 0, 0]),
-    ([1, 0, 1, 1, 0], [1, 0, 0, 1, 1]),
-)
-CLASSES = 4
-ABSENT = 2  # the class on no rank
-F1_TOL = 1e-6  # float32 arithmetic (int64 counts divided) is right too
-
-
-def f1_counts(pred: list[int], target: list[int]) -> torch.Tensor:
-    """[3, CLASSES]: TP, FP, FN per class."""
-    p, t = torch.tensor(pred), torch.tensor(target)
-    return torch.stack(
-        [
-            torch.stack(
-                [
-                    ((p == c) & (t == c)).sum(),
-                    ((p == c) & (t != c)).sum(),
-                    ((p != c) & (t == c)).sum(),
-                ]
-            )
-            for c in range(CLASSES)
-        ]  # fmt: skip
-    ).T.double()
-
-
-def f1_of(counts: torch.Tensor, macro: bool = True, present_only: bool = False) -> float:
-    tp, fp, fn = counts if macro else counts.sum(dim=1, keepdim=True)
-    denominator = 2 * tp + fp + fn
-    f1 = 2 * tp / denominator.clamp(min=1)
-    return (f1[denominator > 0] if present_only else f1).mean().item()
-
-
-def _shard(rank: int) -> tuple[list[int], list[int]]:
-    return SHARDS[rank % len(SHARDS)]
-
-
-def run_f1(module: ModuleType, ctx: Context) -> Record:
-    calls: list[tuple[str, Any]] = []
-    asyncs: list[str] = []
-    pred, target = (torch.tensor(v) for v in _shard(ctx.rank))
-    start_late(ctx)
-    with watched(calls, module, asyncs=asyncs):
-        got = module.macro_f1(pred.clone(), target.clone(), CLASSES)
-    return {"got": _number(got), "calls": [name for name, _ in calls], "async": len(asyncs)}
-
-
-def judge_f1(records: list[Record]) -> str | None:
-    n = len(records)
-    shards = [_shard(r) for r in range(n)]
-    every = f1_counts([p for s in shards for p in s[0]], [t for s in shards for t in s[1]])
-    truth = f1_of(every)
-    own = [f1_of(f1_counts(*s)) for s in shards]
-    wrong = _wrong_f1s(every, sum(own) / n)
-    if "reduce" in records[0]["calls"] and "all_reduce" not in records[0]["calls"]:
-        return ("dist.reduce leaves the added counts on its dst rank only; every rank must "
-                "return the F1 - dist.all_reduce the counts")  # fmt: skip
-    numbers = [rec["got"] if isinstance(rec["got"], int | float) else None for rec in records]
-    right = [r for r, got in enumerate(numbers) if got is not None and abs(got - truth) < F1_TOL]
-    for rank, rec in enumerate(records):
-        got = rec["got"]
-        if not isinstance(got, int | float):
-            return f"rank {rank}'s macro_f1 returned {got}, not a number"
-        if abs(got - truth) < F1_TOL:
-            continue
-        if got != got:  # nan
-            return (f"rank {rank} returned nan: class {ABSENT} is on no rank, and 0 / 0 is "
-                    "nan - a class with 2·TP + FP + FN = 0 scores 0 (divide by the denominator "
-                    "clamped to at least 1)")  # fmt: skip
-        if right and abs(own[rank] - got) >= F1_TOL:
-            return (f"rank {rank} returned {got:.4f}, rank {right[0]} the F1 of the whole set: "
-                    "every rank must compute it from the added counts (is the score under an "
-                    "`if rank == 0`?)")  # fmt: skip
-        if abs(got - own[rank]) < F1_TOL and rec.get("async"):
-            return (f"rank {rank} returned {got:.4f}, the F1 of its own shard, though it called "
-                    "all_reduce(..., async_op=True): the counts were read before the .wait() "
-                    "on what it returned - the sum is in the tensor only once wait() returns "
-                    "(or call it without async_op)")  # fmt: skip
-        if abs(got - own[rank]) < F1_TOL:
-            return (
-                f"rank {rank} returned {got:.4f}, the F1 of its own shard only: add the ranks' "
-                "per-class TP, FP, FN counts (dist.all_reduce) before computing F1"
-            )
-        if partly := _partly_added(got, every, f1_counts(*shards[rank])):
-            return f"rank {rank} returned {got:.4f}, {partly}; the macro F1 is {truth:.4f}"
-        for value, what in wrong:
-            if abs(got - value) < F1_TOL:
-                return f"rank {rank} returned {got:.4f}, {what}; the macro F1 is {truth:.4f}"
-        return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth!r}"
-    return None
-
-
-def _partly_added(got: float, every: torch.Tensor, mine: torch.Tensor) -> str | None:
-    """If ``got`` is the F1 of counts some of which were added over the ranks and the others
-    this rank's own (one row all_reduced, or TP and FP in separate tensors, one forgotten)."""
-    names = ("TP", "FP", "FN")
-    for added in itertools.product((True, False), repeat=3):
-        mix = torch.stack([every[i] if a else mine[i] for i, a in enumerate(added)])
-        if any(added) and not all(added) and abs(f1_of(mix) - got) < F1_TOL:
-            summed = ", ".join(n for n, a in zip(names, added, strict=True) if a)
-            own = ", ".join(n for n, a in zip(names, added, strict=True) if not a)
-            return (f"the F1 of counts only partly added over the ranks ({summed} added; {own} "
-                    "this rank's own): all_reduce every count - TP, FP and FN in one tensor "
-                    "(torch.stack), one call")  # fmt: skip
-    return None
-
-
-def _wrong_f1s(every: torch.Tensor, mean_of_own: float) -> list[tuple[float, str]]:
-    """The numbers plausible mistakes return, each with its name (checked in this order)."""
-    tp, fp, fn = every
-    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)
-    return [
-        (mean_of_own, "the mean of the ranks' own F1s: F1 is not a sum - all_reduce the "
-         "per-class TP, FP, FN counts, then compute F1 once from the totals"),
-        (f1_of(every, present_only=True), "the mean over the classes that occur; a class nobody "
-         "predicted or labelled (2·TP + FP + FN = 0) scores 0 and still counts: the mean is over "
-         "all num_classes"),
-        (f1_of(every, macro=False), "the micro F1 (counts summed over classes first); macro F1 "
-         "is the mean of the per-class F1s"),
-        ((tp / (tp + fp).clamp(min=1)).mean().item(), "the macro precision, TP / (TP + FP) (is "
-         "FN counted as FP: (pred != c) & (target == c)?); F1 = 2·TP / (2·TP + FP + FN)"),
-        ((tp / (tp + fn).clamp(min=1)).mean().item(), "the macro recall, TP / (TP + FN) (is FP "
-         "counted as FN: (pred == c) & (target != c)?); F1 = 2·TP / (2·TP + FP + FN)"),
-        (per_class[:-1].sum().item() / CLASSES, f"as if the last class ({CLASSES - 1}) were "
-         "never counted: the loop must go over range(num_classes), every class"),
-    ]  # fmt: skip
-
-
 _COUNTS_ERRORS = (
     ("can't be cast to the desired output type Long", "the counts are integers, and their "
      "mean is not one: ReduceOp.AVG (gloo computes it as a sum, then a division in place) "
      "cannot write it back - all_reduce them with the default SUM, and compute from the totals"),
 )  # fmt: skip
-_UNEVEN = (
-    "the ranks passed tensors of different sizes (or dtypes) to one collective (gloo refuses): "
-    "each rank's own predictions (8 and 5), or counts for only the classes a rank saw "
-    "- add a [3, num_classes] count (TP, FP, FN of every class) with dist.all_reduce, "
-    "the same shape on every rank"
-)
-_F1_ERRORS = (*_COUNTS_ERRORS, ("Received data size", _UNEVEN), ("EnforceNotMet", _UNEVEN))
-
 EXERCISES = [
     Exercise(
         name="02_exact_accuracy", lesson="02", run=run_accuracy, judge=judge_accuracy,
@@ -400,17 +292,6 @@ EXERCISES = [
         proves=(
             "a set that does not divide by the ranks: every sample counted once (none twice, "
             "none dropped); every rank returned the whole set's (correct, count)"
-        ),
-    ),
-    Exercise(
-        name="02_macro_f1", lesson="02", run=run_f1, judge=judge_f1,
-        title="macro F1 over ranks: add the counts, then compute",
-        teaches='lesson 02, "A metric that is not a sum: gather, drop the padding, compute once"',
-        shapes_hint="a count per class for only the classes a rank saw, or each rank's own "
-        "predictions, whose numbers differ", errors=_F1_ERRORS,
-        proves=(
-            "every rank returned the macro F1 of the whole set (not the mean of the ranks' F1s, "
-            "not its own shard's, not the micro F1)"
         ),
     ),
 ]  # fmt: skip

@@ -195,6 +195,17 @@ def _judge_os_environ(records: list[Record]) -> str | None:
     return None
 
 
+def _why_raised(raised: str, env: dict[str, str]) -> str:
+    """An IndexError into CUDA_VISIBLE_DEVICES: indexed by RANK past the node's list, or the
+    list split on something other than its commas."""
+    if not raised.startswith("IndexError") or CVD not in env:
+        return ""
+    if int(env["RANK"]) >= len(env[CVD].split(",")):
+        return " - the list is per node: index it with LOCAL_RANK"
+    return (f" - the list {env[CVD]!r} holds one entry per comma: split(\",\") (then int() of "
+            "each, which ignores spaces), and index it with LOCAL_RANK")  # fmt: skip
+
+
 def judge_gpu(records: list[Record]) -> str | None:
     if mistake := _judge_cuda_calls(records) or _judge_os_environ(records):
         return mistake
@@ -203,10 +214,8 @@ def judge_gpu(records: list[Record]) -> str | None:
             where, env = a["where"], a["env"]
             index, physical = _expected(env)
             if "raised" in a:
-                per_node = " - the list is per node: index it with LOCAL_RANK" if (
-                    a["raised"].startswith("IndexError") and CVD in env) else ""  # fmt: skip
                 return (f"{where}: rank_gpu raised {a['raised']} (expected cuda:{index} and "
-                        f"physical GPU {physical}){per_node}")  # fmt: skip
+                        f"physical GPU {physical}){_why_raised(a['raised'], env)}")  # fmt: skip
             if "bad" in a:
                 return (f"{where}: rank_gpu returned {a['bad']}, expected (cuda:{index}, "
                         f"{physical}): a (torch.device, int) pair")  # fmt: skip

@@ -148,6 +148,7 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     model.module.register_full_backward_pre_hook(lambda *_: started.append(1))
     model.module[0].weight.register_post_accumulate_grad_hook(lambda _: backwards.append(1))
+    names: set[str] = set()  # the collectives called in accumulation_step (DDP's too)
     for step in range(STEPS):
         x, y = _global_batch(step, ctx.world_size)
         micro = _micro_batches(x, y, step, ctx.rank)
@@ -160,6 +161,7 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
                        "reduced_at": [f for f, _ in synced],
                        "in_backward": [b for _, b in synced]})  # fmt: skip
         own.append(len(calls) - len(synced))  # DDP's hook calls dist.all_reduce too
+        names.update(calls)
         for seen in (forwards, backwards, started, synced):
             seen.clear()
         steps_per_call.append(len(stepped))
@@ -172,7 +174,8 @@ def run_accumulate(module: ModuleType, ctx: Context) -> Record:
     rules = {rule: _first_step_under(rule, ctx.world_size) for rule in RULES}
     return {"params": params, "reference": ref_params, "passes": passes, "own_calls": own,
             "calls_per_step": [len(p["reduced_at"]) for p in passes],
-            "steps_per_call": steps_per_call, "rules": rules, "unwaited": unwaited}  # fmt: skip
+            "steps_per_call": steps_per_call, "rules": rules, "unwaited": unwaited,
+            "names": sorted(names)}  # fmt: skip
 
 
 def _judge_passes(records: list[Record]) -> str | None:
@@ -261,6 +264,11 @@ def _own_collectives(records: list[Record]) -> str | None:
                 "before the sum has arrived, so the losses were divided by whatever the count "
                 "held then - call .wait() on what it returns before the forwards (or call it "
                 f"without async_op) ({TOKENS_TEACHES})")  # fmt: skip
+    names = {n for r in records for n in r.get("names", ())}
+    if "reduce" in names and "broadcast" not in names:
+        return ("dist.reduce leaves the summed count on its dst rank only: the other ranks "
+                "divided their losses by their own count - dist.all_reduce the count, so that "
+                f"every rank divides by the same total ({TOKENS_TEACHES})")  # fmt: skip
     own = max(c for r in records for c in r["own_calls"])
     if own > 1:
         return (f"{own} collectives of your own per step: the step's sample count needs one "

@@ -112,6 +112,11 @@ def _misplaced(after: torch.Tensor, records: list[Record], stats: list[str]) -> 
     T = torch.tensor
     means = [torch.stack([T(r["before"][k]["values"]) for r in records]).mean(0) for k in stats]
     flat, n = torch.cat(means), after.numel()
+    if n > 1 and torch.all(after == after[0]):  # one element copied into every one of its
+        hit = torch.isclose(flat, after[0], rtol=1e-5, atol=1e-6).nonzero()
+        if len(hit):  # zip(stats, flat): each buffer paired with one element
+            return (f"one element of the reduced tensor ({int(hit[0])}) in every place - "
+                    "zip(stats, flat) pairs each buffer with a single element")  # fmt: skip
     for start in range(flat.numel() - n + 1):
         if torch.allclose(flat[start : start + n], after, rtol=1e-5, atol=1e-6):
             return f"the reduced tensor's elements {start} to {start + n - 1}"
@@ -235,6 +240,9 @@ EXERCISES = [
         title="BatchNorm buffers made the same on every rank before evaluating, in one collective",
         teaches=BUFFERS_TEACHES, collective_timeout_s=5.0,
         errors=(("can't be cast to the desired output type Long", _INT_DIVIDE),
+                ("is invalid for input of size", "a piece of the reduced tensor does not fit "
+                 "its buffer: the pieces must be the buffers' own sizes - flat.split([b.numel() "
+                 "for b in stats]) (chunk cuts equal pieces)"),
                 ("a leaf Variable that requires grad", "an in-place change of a parameter: "
                  "those are model.parameters(), which DDP keeps equal; the statistics are "
                  "buffers - loop over model.buffers()")),

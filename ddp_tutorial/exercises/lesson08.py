@@ -178,8 +178,9 @@ def judge_preempt(records: list[Record]) -> str | None:
         if any(s["in_handler"] for s in rep["saves"]):
             return (
                 f"rank {rep['rank']} saved inside the signal handler: a handler runs between "
-                "any two bytecodes, even in the middle of a collective - it must only set a "
-                "flag; save at the step boundary, after every rank has agreed to stop"
+                "any two Python bytecodes - in the middle of a save, between two collectives "
+                "of a step - so it must only set a flag; save at the step boundary, after "
+                "every rank has agreed to stop"
             )
     stops = [rep["stopped_at"] for rep in reports]
     total = reports[0]["total"]

@@ -249,7 +249,8 @@ def judge_weights(records: list[Record], hint: str = "") -> str | None:
         if rec["from_summed"] <= TOL:
             return (
                 f"rank {rank}'s weights are those of gradients SUMMED over the ranks, not "
-                "averaged: divide the all_reduced gradient by the world size "
+                "averaged: divide the all_reduced gradient by the world size (a flat copy: "
+                "before copying it back into p.grad - the copy divided after changes nothing) "
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")'
             )
         if rec.get("from_halved", TOL + 1) <= TOL:
@@ -339,6 +340,10 @@ EXERCISES = [
                  "None, it works on param.grad in place - a lambda returns what its expression "
                  "makes, so write the hook with def, and use the parameter it is given, not "
                  "the loop's p"),),
+        when_hung=((r"broadcast\([^)\n]*\bsrc\s*=\s*(?:dist\.get_rank\(\)|rank\b)",
+                    "every rank called dist.broadcast with itself as src: each one waits to "
+                    "send and none receives - src is the same rank on every rank, the one whose "
+                    "weights all start from: dist.broadcast(p, src=0)"),),
         title="your own DDP, 1: broadcast rank 0's weights, average each gradient from a hook",
         teaches='lesson 12, "Your turn": the broadcast at construction, a hook per parameter; '
         'lesson 04, "What DDP does with them: construction, forward, backward"',

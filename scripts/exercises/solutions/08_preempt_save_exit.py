@@ -68,7 +68,7 @@ def main() -> int:
 
     stop = {"signal": 0}  # set by the handler; read by the loop, at a step boundary
     # YOUR CODE: install a handler for SIGTERM that only sets stop["signal"] (a handler runs
-    # between any two bytecodes, even in the middle of a collective: nothing else belongs in it)
+    # between any two bytecodes - mid-save, between two collectives: nothing else belongs in it)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     # END YOUR CODE
     handled = callable(signal.getsignal(signal.SIGTERM))
