@@ -1304,6 +1304,80 @@ PUBLIC_CASES: dict[str, tuple[str, list[str], str, str, list[str]]] = {
         "",
         ["DDP105"],
     ),
+    # from a twenty-fifth-session review of 35 public files (helper 126)
+    "a save guarded by the GPU index that is the rank (the official series' multigpu.py)": (
+        """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Trainer:
+            def __init__(self, model, gpu_id):
+                self.gpu_id = gpu_id
+                self.model = DDP(model.to(gpu_id), device_ids=[gpu_id])
+            def _save_checkpoint(self, epoch):
+                torch.save(self.model.module.state_dict(), "checkpoint.pt")
+            def train(self, max_epochs):
+                for epoch in range(max_epochs):
+                    if self.gpu_id == 0 and epoch % 10 == 0:
+                        self._save_checkpoint(epoch)
+        """,
+        ["DDP123"],  # (true: the last epochs are never saved)
+        "                    if self.gpu_id == 0 and epoch % 10 == 0:",
+        "                    if epoch % 10 == 0:",
+        ["DDP105", "DDP123"],
+    ),
+    "a save in a function nested in a helper its callers guard (MLPerf GNMT)": (
+        """
+        class Trainer:
+            def save(self, name):
+                def write_checkpoint(state, filename):
+                    torch.save(state, filename)
+                write_checkpoint({"step": 1}, name)
+            def run(self):
+                dist.init_process_group("gloo")
+                if dist.get_rank() == 0:
+                    self.save("last.pt")
+        """,
+        [],
+        "                if dist.get_rank() == 0:\n                    self.save",
+        "                if True:\n                    self.save",
+        ["DDP105"],
+    ),
+    "a load of this rank's own file, saved from its own GPU (swav's queue)": (
+        """
+        dist.init_process_group("nccl")
+        queue_path = os.path.join("dump", "queue" + str(dist.get_rank()) + ".pth")
+        queue = torch.load(queue_path)["queue"]
+        """,
+        [],
+        '"queue" + str(dist.get_rank()) + ".pth"',
+        '"queue.pth"',
+        ["DDP108"],
+    ),
+    "the global rank as the index of another accelerator (mmengine's MUSA branch)": (
+        """
+        dist.init_process_group("nccl")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.musa.set_device(local_rank)
+        """,
+        [],
+        "torch.musa.set_device(local_rank)",
+        "torch.musa.set_device(dist.get_rank())",
+        ["DDP102"],
+    ),
+    "a download in a context manager that lets rank 0 go first (YOLOv7)": (
+        """
+        from utils.torch_utils import torch_distributed_zero_first
+        dist.init_process_group("nccl")
+        attempt_download("yolov7.pt")
+        with torch_distributed_zero_first(int(os.environ["LOCAL_RANK"])):
+            model = load("yolov7.pt")
+        """,
+        [],
+        """attempt_download("yolov7.pt")
+        with torch_distributed_zero_first(int(os.environ["LOCAL_RANK"])):""",
+        """with torch_distributed_zero_first(int(os.environ["LOCAL_RANK"])):
+            attempt_download("yolov7.pt")""",
+        ["DDP122"],
+    ),
     "a checkpoint loaded into the plain model, then wrapped and saved (MLPerf SSD)": (
         """
         model = Net()

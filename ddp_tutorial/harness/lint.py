@@ -103,7 +103,8 @@ class Linter(ScopeChecks):
                     self.add(call, "DDP104")
             elif dotted(call.func) == "torch.load":
                 unplaced = keyword(call, "map_location") is None and len(call.args) < 2
-                if unplaced and id(call) not in chosen:
+                own = bool(call.args) and self.rank_named(call.args[0])  # a file per rank
+                if unplaced and id(call) not in chosen and not own:
                     self.add(call, "DDP108")
             elif (
                 name == "add_argument"

@@ -186,6 +186,12 @@ SLOW_WORK = re.compile(  # tokenising is; a tokenizer written or loaded is not, 
     r"download|prepare|preprocess|tokeni[sz]e(?!r)|(train|build|fit)_?tokeni[sz]er|build_cache|"
     r"extract|sleep"
 )
+# a context manager that lets the (local) rank 0 go first, the others waiting in a barrier:
+# YOLO's torch_distributed_zero_first, transformers' main_process_first, accelerate's own
+RANK_ZERO_FIRST = re.compile(r"zero_first|main_process_first|rank_?0_first|main_first")
+# a test of a GPU index against 0 where the index is the rank (the official tutorial's
+# `self.gpu_id == 0`): a guard to the first process, as `rank == 0` is
+GPU_INDEX = re.compile(r"^(gpu|gpu_id|local_gpu|device_id)$")
 # torch.nn modules that hold no parameters (an activation, dropout, a loss, pooling): unused
 # in forward, they leave DDP no gradient to wait for
 PARAMETER_FREE = re.compile(

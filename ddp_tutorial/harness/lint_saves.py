@@ -152,11 +152,39 @@ class SaveChecks:
                 if dotted(call.func) == "torch.save" and self.distributed:
                     self.writer(call, owner, scope)
 
+    def rank_named(self, path: ast.expr) -> bool:
+        """A path that names the rank (f"rng_rank{rank}.pt"), or a name assigned one anywhere in
+        the file (swav: ``queue_path = ... + str(args.rank) + ".pth"``): a file per rank."""
+
+        def named(node: ast.AST) -> bool:
+            return any("rank" in n.rsplit(".", 1)[-1].lower() for n in names_in(node))
+
+        return named(path) or isinstance(path, ast.Name) and any(
+            named(node.value)
+            for node in ast.walk(self.tree)  # type: ignore[attr-defined]
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == path.id for t in node.targets)
+        )  # fmt: skip
+
+    def caller_guard(self, function: ast.AST) -> ast.expr | None:
+        """The rank test around every call of ``function`` (a helper whose save sits in a
+        function nested in it: MLPerf's ``save`` calls ``write_checkpoint``), or None."""
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            return None
+        guards = [
+            self.guard(c, site_owner, site_scope)  # type: ignore[attr-defined]
+            for site_owner, site_scope in self.scopes()  # type: ignore[attr-defined]
+            for stmt in self.statements(site_owner)  # type: ignore[attr-defined]
+            for c in self.own_calls(stmt)  # type: ignore[attr-defined]
+            if last_name(c) == function.name and not dotted(c.func).startswith("torch.")
+        ]
+        return guards[0] if guards and all(g is not None for g in guards) else None
+
     def writer(self, call: ast.Call, owner: ast.AST, scope: Scope) -> None:
         """A save in a helper is judged where the helper is called (every call guarded?)."""
         target = call.args[1] if len(call.args) > 1 else keyword(call, "f")
         if target is not None and (
-            any("rank" in n.rsplit(".", 1)[-1].lower() for n in names_in(target))
+            self.rank_named(target)
             or "BytesIO" in ast.unparse(target)
             or dotted(target) in self.buffers
         ):
@@ -176,7 +204,11 @@ class SaveChecks:
             if not sites and owner.name not in self.spawned:
                 return  # a helper this file never calls: its callers guard it, or not
             # mp.spawn(worker): the worker runs on every rank, the save in it too
-        checks = [(call, test)] if not sites else [(c, self.guard(c, o, s)) for c, o, s in sites]
+        checks = (
+            [(call, test)]
+            if not sites
+            else [(c, self.guard(c, o, s) or self.caller_guard(o)) for c, o, s in sites]
+        )
         if all(guard is None for _, guard in checks):
             checks = [(call, None)]  # no caller guards it (main()): the save's own line
         for where, guard in checks:

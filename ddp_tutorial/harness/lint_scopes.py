@@ -27,13 +27,33 @@ from ddp_tutorial.harness.lint_ast import (
 from ddp_tutorial.harness.lint_rules import (
     ALIASED,
     CUDA_STRING,
+    GPU_INDEX,
     IGNORE,
+    RANK_ZERO_FIRST,
     RULES,
     SLOW_WORK,
     LintFinding,
 )
 from ddp_tutorial.harness.lint_saves import Helpers, SaveChecks, loaded_into, rank_predicates
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+
+# set_device of every accelerator torch has a module for (torch.xpu, torch_npu's torch.npu, ...)
+ACCELERATOR_SET_DEVICE = tuple(
+    f"{a}.set_device" for a in ("cuda", "xpu", "npu", "musa", "mlu", "hpu", "mps")
+) + ("set_device_index",)
+
+
+def first_gpu(test: ast.expr) -> bool:
+    """``self.gpu_id == 0`` (a GPU index that is the rank, in the official tutorial)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(first_gpu(part) for part in test.values)
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.ops[0], ast.Eq)
+        and bool(GPU_INDEX.match(dotted(test.left).rsplit(".", 1)[-1]))
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == 0
+    )
 
 
 class ScopeChecks(SaveChecks):
@@ -207,6 +227,15 @@ class ScopeChecks(SaveChecks):
 
     def rank_branches(self, owner: ast.AST, scope: Scope) -> None:
         """DDP101 (a collective some ranks skip), DDP122 (rank 0 busy, the others waiting)."""
+        for stmt in self.statements(owner):  # `with torch_distributed_zero_first(rank):`
+            if isinstance(stmt, ast.With) and any(
+                RANK_ZERO_FIRST.search(last_name(i.context_expr).lower())
+                for i in stmt.items
+                if isinstance(i.context_expr, ast.Call)
+            ):
+                slow = [c for c in calls_in(stmt) if SLOW_WORK.search(last_name(c).lower())]
+                if slow:
+                    self.add(stmt, "DDP122", what=f"{last_name(slow[0])}()")
         ifs = [s for s in self.statements(owner) if isinstance(s, ast.If)]
         for stmt in ifs:
             if not is_rank_test(stmt.test, scope):
@@ -254,7 +283,7 @@ class ScopeChecks(SaveChecks):
         for call in (c for s in self.statements(owner) for c in self.own_calls(s)):
             name = dotted(call.func)
             slots: list[ast.expr] = []
-            if name.endswith(("cuda.set_device", "set_device_index")) or last_name(call) in (
+            if name.endswith(ACCELERATOR_SET_DEVICE) or last_name(call) in (
                 "cuda",
                 "to",
             ):
@@ -283,7 +312,9 @@ class ScopeChecks(SaveChecks):
         for stmt in self.statements(owner):
             if stmt.lineno > line:
                 break
-            if not isinstance(stmt, ast.If) or not is_rank_test(stmt.test, scope):
+            if not isinstance(stmt, ast.If) or not (
+                is_rank_test(stmt.test, scope) or first_gpu(stmt.test)
+            ):
                 continue
             inside = any(sub is target for s in stmt.body for sub in ast.walk(s))
             exits = any(isinstance(s, ast.Return | ast.Continue | ast.Raise) for s in stmt.body)
@@ -366,6 +397,8 @@ class ScopeChecks(SaveChecks):
             for call in self.own_calls(stmt):
                 if id(call) in joined:
                     continue
+                if not any(isinstance(a, ast.Name) and a.id in counted for a in call.args):
+                    continue  # (training_params walks the file: asked only when it matters)
                 trains = self.training_params(last_name(call))
                 for i, arg in enumerate(call.args):
                     if isinstance(arg, ast.Name) and arg.id in counted and i in trains:
