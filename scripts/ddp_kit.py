@@ -1317,9 +1317,34 @@ def check_scoring(
     epoch of training that nothing saved."""
     from torch.utils.data import default_collate
 
+    if scoring.get("loss_fn") is not None:
+        given = scoring["loss_fn"]
+        scoring["loss_fn"] = lambda output, target: _backward_checked(given, output, target)
     if len(dataset):
         batch = (collate_fn or default_collate)([dataset[i] for i in range(min(2, len(dataset)))])
         local_sums(model, [batch], device, **scoring)
+
+
+def _backward_checked(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], output: Any,
+                      target: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The loss, and its backward into a detached copy of the outputs (the model untouched): a
+    target dtype the backward refuses ("Found dtype Long but expected Float": a regression's
+    integer or float64 targets) stops the run before training, named, not in its first step."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        return loss_fn(output, target)
+    with torch.enable_grad():
+        leaf = output.detach().requires_grad_()
+        loss = loss_fn(leaf, target)
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            raise DataError(
+                f"the loss's backward refuses these targets ({_first_line(str(exc))}): the "
+                f"outputs are {output.dtype}, the targets {target.dtype} - return targets the "
+                "loss takes from your Dataset (a regression's: float32, .float(); class "
+                "indices: int64)"
+            ) from None
+    return loss.detach()
 
 
 def _class_dim(scores: torch.Tensor, target: torch.Tensor, dim: int) -> int:

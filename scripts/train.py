@@ -48,7 +48,7 @@ import torch.distributed.nn  # noqa: F401  imported before init: see lesson 09 (
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_kit.py, beside this file
@@ -257,6 +257,9 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
         return (
             f"{failed} says the last run stopped for good: {why}. Fix that, delete the file, rerun"
         )
+    if args.keep < 2:
+        return ("--keep 1 leaves no snapshot to fall back to when the newest is damaged (a "
+                "crash mid-write, a full disk): keep 2 or more")  # fmt: skip
     if train_size is None:
         return None
     per_rank = math.ceil(train_size / world_size)  # the sampler pads shards to equal size
@@ -267,9 +270,11 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
             f"{per_rank} samples each of {world_size} ranks gets: no step could run. Lower "
             f"--batch-size or use more data than {train_size} samples"
         )
-    if args.save_every > (last := min(steps, args.max_steps or steps)):
-        run = f"the run's {last} steps" + (" (--max-steps)" if last < steps else "")
-        return f"--save-every {args.save_every} is beyond {run}: lower it, or 0"
+    last = min(steps, args.max_steps or steps)
+    run = f"the run's {last} steps" + (" (--max-steps)" if last < steps else "")
+    for flag, every in (("--save-every", args.save_every), ("--eval-every", args.eval_every)):
+        if every > last:
+            return f"{flag} {every} is beyond {run}: lower it, or 0"
     return None
 
 
@@ -337,7 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     if not len(data[1]):  # found after an epoch otherwise, with nothing saved
         fail("the validation set is empty: the evaluations and best.pt need one (DIR/val/<class>/"
              " with --data-dir, --num-val with synthetic data)")  # fmt: skip
-    target = torch.as_tensor(data[1][0][1])  # one validation sample's
+    try:  # one validation sample's target, collated as the evaluation will
+        target = torch.as_tensor((COLLATE or default_collate)([data[1][0]])[1])
+    except (KeyError, IndexError, TypeError) as exc:
+        fail(f"a validation sample, collated, is not (inputs, target) ({exc!r}): return "
+             "that pair from your Dataset, or from COLLATE (a dict: (s['x'], s['y']))")  # fmt: skip
     if args.best_by == "val_accuracy" and target.is_floating_point():
         fail(
             "--best-by val_accuracy counts classes, and these targets are floats (a "
@@ -414,10 +423,10 @@ def train(
     k = global_batch / REFERENCE_BATCH
     peak_lr = args.lr * (k if args.optimizer == "sgd" else math.sqrt(k))
     say(
-        f"{world_size} ranks ({why}); global batch {global_batch} = {args.batch_size} per rank x "
-        f"{world_size} ranks x {args.grad_accum} accumulation; peak lr {args.lr} scaled for "
-        f"{global_batch}/{REFERENCE_BATCH} ({args.optimizer}) = {peak_lr:.4g}, "
-        f"{args.warmup:.0%} warm-up then cosine"
+        f"{world_size} rank{'s' * (world_size > 1)} ({why}); global batch {global_batch} = "
+        f"{args.batch_size} per rank x {world_size} ranks x {args.grad_accum} accumulation; "
+        f"peak lr {args.lr} scaled for {global_batch}/{REFERENCE_BATCH} ({args.optimizer}) = "
+        f"{peak_lr:.4g}, {args.warmup:.0%} warm-up then cosine"
     )
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt is None:
@@ -489,10 +498,12 @@ def train(
             f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
             f"(written by {state['world_size']} ranks, now {world_size})"
         )
-        changed = kit.schedule_changes(extra["config"], vars(args))
-        if not same_world:  # the global batch follows the ranks, and the peak LR follows it
-            saved = extra["config"]
-            was = state["world_size"] * saved["batch_size"] * saved["grad_accum"]
+        saved = extra["config"]
+        changed = kit.schedule_changes(saved, vars(args))
+        was = state["world_size"] * saved["batch_size"] * saved["grad_accum"]
+        if was == global_batch:  # per-rank batch and accumulation count through it alone
+            changed = [c for c in changed if not c.startswith(("--batch-size", "--grad-accum"))]
+        elif not same_world:  # the global batch follows the ranks, and the peak LR follows it
             changed.append(f"{state['world_size']} -> {world_size} ranks (global batch {was} -> "
                            f"{global_batch})")  # fmt: skip
         if changed:
@@ -580,7 +591,10 @@ def train(
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
             done = f"saved step {step}" if ckpt else "nothing saved (no --checkpoint-dir)"
-            say(f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT}: rerun to resume")
+            say(
+                f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT} on every rank (torchrun, "
+                "signalled too, exits 1): rerun to resume"
+            )
             sys.exit(kit.PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once

@@ -1212,8 +1212,8 @@ def test_a_loss_that_diverges_with_finite_weights_stops_the_template(
     class InfFromStep3(torch.nn.CrossEntropyLoss):
         def forward(self, logits, target):
             loss = super().forward(logits, target)
-            if torch.is_grad_enabled():  # training, not evaluation
-                calls.append(1)
+            if logits.grad_fn is not None:  # training: not evaluation, nor the scoring
+                calls.append(1)  # check's backward into a detached copy (a leaf)
                 if len(calls) >= 3:
                     return loss + torch.tensor(float("inf"))
             return loss
@@ -1556,3 +1556,86 @@ def test_a_failed_save_in_the_owed_evaluation_stops_every_restart(template, kit,
     (tmp_path / "final.pt").mkdir()
     stops_with(template, [*argv, "--max-steps", "2"], capsys, "CheckpointError", "final.pt")
     assert "final.pt" in json.loads((tmp_path / "failed.json").read_text())["error"]
+
+
+# -- a practitioner's copy (helper 125, twenty-fifth session) ------------------------------
+
+
+def test_dict_samples_reach_the_template_through_collate(template, kit, one_rank, monkeypatch,
+                                                         capsys):  # fmt: skip
+    """A Dataset of dict samples with a COLLATE that makes (x, y) pairs stopped with a bare
+    ``KeyError: 1`` in the float-target check, which indexed a raw sample: it collates first
+    now; without a COLLATE the run stops naming the pair it wants."""
+    real = kit.build_datasets
+
+    class Dicts(torch.utils.data.Dataset):
+        def __init__(self, base):
+            self.base = base
+
+        def __len__(self):
+            return len(self.base)
+
+        def __getitem__(self, i):
+            x, y = self.base[i]
+            return {"x": x, "y": y}
+
+    def dicts(args, rank=0, world_size=1):
+        train, val, classes = real(args, rank, world_size)
+        return Dicts(train), Dicts(val), classes
+
+    monkeypatch.setattr(kit, "build_datasets", dicts)
+    argv = [*TINY, "--num-samples", "32", "--batch-size", "8", "--max-steps", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        template.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "is not (inputs, target)" in err and "COLLATE" in err, err
+    pairs = lambda batch: (torch.stack([s["x"] for s in batch]),  # noqa: E731
+                           torch.tensor([s["y"] for s in batch]))  # fmt: skip
+    monkeypatch.setattr(template, "COLLATE", pairs)
+    template.main(argv)
+    assert "val accuracy" in capsys.readouterr().out
+
+
+def test_a_target_dtype_the_losss_backward_refuses_is_named_before_training(kit):
+    """float64 or int64 targets of a regression passed the forward-only scoring check and
+    failed in the first step's backward ("Found dtype Double but expected Float", 15 lines of
+    autograd frames on every rank): check_scoring runs the loss's backward too, on a detached
+    copy of the outputs, and names the dtypes. The model's gradients stay untouched."""
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    for dtype in (torch.float64, torch.int64):
+        data = list(zip(x, torch.ones(4, 1, dtype=dtype), strict=True))
+        with pytest.raises(kit.DataError, match=re.escape(f"the targets {dtype} - return")):
+            kit.check_scoring(model, data, torch.device("cpu"), loss_fn=torch.nn.HuberLoss())
+    data = list(zip(x, torch.ones(4, 1), strict=True))
+    kit.check_scoring(model, data, torch.device("cpu"), loss_fn=torch.nn.HuberLoss())
+    assert model.weight.grad is None, "the check never reaches the model's parameters"
+
+
+def test_a_resume_with_the_same_global_batch_warns_of_no_schedule_jump(
+    template, tmp_path, one_rank, capsys
+):
+    """--batch-size 16 resumed as 8 x --grad-accum 2 (a global batch of 16 both times) was
+    warned "the LR schedule jumps": the peak LR and the steps follow the global batch alone. A
+    global batch that changes is still warned."""
+    argv = [*TINY, "--num-samples", "128", "--epochs", "1", "--save-every", "2",
+            "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    template.main([*argv, "--batch-size", "16", "--max-steps", "2"])
+    capsys.readouterr()
+    template.main([*argv, "--batch-size", "8", "--grad-accum", "2", "--max-steps", "4"])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "schedule jumps" not in out, out
+    template.main([*argv, "--batch-size", "4", "--grad-accum", "2", "--max-steps", "6"])
+    out = capsys.readouterr().out
+    assert "WARNING: resumed with --batch-size 8 -> 4: the LR schedule jumps" in out, out
+
+
+def test_keep_1_and_an_evaluation_past_the_run_are_refused_before_training(template):
+    """--keep 1 was taken though its help says 2 or more (a damaged newest snapshot then has
+    none to fall back to); --eval-every past the run's end was taken, --save-every refused."""
+    problem = template.check_run(template.parse_args(["--keep", "1"]), 1, None) or ""
+    assert "--keep 1 leaves no snapshot to fall back to" in problem, problem
+    short = ["--batch-size", "8", "--epochs", "1", "--max-steps", "3"]
+    problem = template.check_run(template.parse_args([*short, "--eval-every", "1000"]), 1, 64)
+    assert problem == "--eval-every 1000 is beyond the run's 3 steps (--max-steps): lower it, or 0"
+    assert template.check_run(template.parse_args([*short, "--eval-every", "3"]), 1, 64) is None

@@ -677,7 +677,7 @@ def test_plain_python_is_a_world_of_one(template, tmp_path, monkeypatch, one_ran
         monkeypatch.delenv(name)
     template.main([*TINY, "--num-samples", "32", "--batch-size", "16", "--epochs", "1",
                    "--checkpoint-dir", str(tmp_path)])  # fmt: skip
-    assert "1 ranks (" in capsys.readouterr().out and (tmp_path / "final.pt").is_file()
+    assert "1 rank (" in capsys.readouterr().out and (tmp_path / "final.pt").is_file()
 
 
 class FakeCIFAR10(torch.utils.data.Dataset):
