@@ -273,6 +273,22 @@ EXAMPLES = {
     "killed-sigsegv": "  exitcode  : -11 (pid: 15661)  (SIGSEGV)",
     "world-never-complete": "torch.distributed.DistStoreError: wait timeout after 20000ms, "
     "keys: /default_pg/0//cpu//0/2",
+    # helper 128: real logs from public issues (explain_logs/, README.md names each one)
+    "too-many-processes": "Waiting in store based barrier to initialize process group for "
+    "rank: 0, key: store_based_barrier_key:1 (world_size=4, worker_count=8, timeout=0:30:00)",
+    "processes-missing-at-init": "Waiting in store based barrier to initialize process group "
+    "for rank: 0, key: store_based_barrier_key:1 (world_size=8, worker_count=1, timeout=0:30:00)",
+    "nccl-out-of-memory": "include/alloc.h:185 NCCL WARN Failed to CUDA calloc 6291456 bytes",
+    "nccl-mismatched-collective": "init.cc:1247 NCCL WARN Mismatched collective detected, "
+    "please check your collective calls at and around rank 39.",
+    "nccl-socket": "proxy.cc:1143 NCCL WARN Socket recv failed while polling for opId=0x55a5",
+    "gloo-loopback": "  what():  [gloo/transport/tcp/pair.cc:724] connect [127.0.1.1]:3210: "
+    "Connection refused",
+    "device-side-assert": "RuntimeError: CUDA error: device-side assert triggered",
+    "module-device": "RuntimeError: module must have its parameters and buffers on device "
+    "cuda:0 (device_ids[0]) but found one of them on device: cuda:3",
+    "launcher-signalled": "W0920 09:10:41.194000 84933 torch/distributed/elastic/agent/server/"
+    "api.py:719] Received 1 death signal, shutting down workers",
 }
 
 
@@ -481,6 +497,25 @@ REAL_LOGS = {
     "sampler_num_replicas_course": (["sampler-rank", "child-failed"], [], []),
     "ddp_attribute_course": (["ddp-attribute", "child-failed"], ["model.module.<name>"], []),
     "send_to_self_course": (["send-to-self", "child-failed"], [], []),
+    # helper 128: real logs from public issues, unknown or misread until then
+    "illegal_access_in_nccl_pytorch152780": (["illegal-memory-access"], ["NCCL_P2P_DISABLE=1"], []),
+    "module_device_ffb6d4": (["module-device"], [], []),
+    "store_barrier_too_many_yolov5_4574": (["too-many-processes"], [], []),
+    "store_barrier_srun_spawn_pytorch_distributed18": (
+        ["spawn-raised", "too-many-processes"],
+        [],
+        [],
+    ),
+    "store_barrier_too_few_accelerate1401": (["processes-missing-at-init"], [], []),
+    "nccl_calloc_oom_nccl1235": (["nccl-socket", "nccl-out-of-memory"], [], []),
+    "gloo_peer_closed_isend_pytorch78514": (["peer-closed"], ["an isend never waited on"], []),
+    "nccl_mismatched_collective_nccl296": (["nccl-mismatched-collective"], [], []),
+    "nccl_socket_recv_nccl1546": (["nccl-socket"], [], []),
+    "nccl_connect_refused_nccl948": (["nccl-socket"], ["NCCL_SOCKET_IFNAME"], []),
+    "device_side_assert_bagel131": (["device-side-assert"], [], []),
+    "gloo_loopback_pytorch15592": (["gloo-loopback"], ["GLOO_SOCKET_IFNAME"], []),
+    "address_in_use_standalone_pytorch85604": (["address-in-use"], ["both act as rank 0"], []),
+    "launcher_sighup_ms_swift5884": (["launcher-signalled"], ["tmux"], []),
     "worker_raised_course": (
         ["worker-raised", "child-failed"],
         ["Original Traceback", "ValueError: bad sample 7"],
@@ -677,3 +712,16 @@ def test_the_first_failure_is_read_from_that_ranks_own_lines_whatever_their_pref
     assert "Received data size" in root_cause(abort)  # rank 0's, the log's only one
     assert root_cause(other + abort).endswith("none names this rank)")  # rank 1's is no cause
     assert "[Rank 0]" in root_cause(other.replace("Rank 1", "Rank 0") + abort)
+
+
+def test_an_unreadable_file_among_several_is_said_and_the_others_still_explained(tmp_path, capsys):
+    """Helper 128: the first unreadable file ended the run (exit 2), the files after it never
+    explained; it is said, the rest explained, and the exit status is still 2."""
+    from ddp_tutorial.harness.explain import main
+
+    good = tmp_path / "job.log"
+    good.write_text("RuntimeError: CUDA error: device-side assert triggered\n")
+    assert main([str(tmp_path / "missing.log"), str(good)]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot read" in err and "missing.log" in err
+    assert "device-side-assert" in out, out

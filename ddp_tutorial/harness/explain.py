@@ -26,7 +26,9 @@ from ddp_tutorial.harness.rank_lines import (
 
 # A Python exception's line ("ValueError:", "torch.OutOfMemoryError:"), a tool's "error:",
 # a logger's "ERROR"
-ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception):|\berror:|\bERROR\b")
+ERROR_LINE = re.compile(  # NCCL's warnings, a C++ what(), a launcher's death signal too
+    r"\b\w*(?:Error|Exception):|\berror:|\bERROR\b|NCCL WARN|\bwhat\(\):|death signal"
+)
 FAULT = re.compile(r"Fatal Python error: [\w ]+")  # faulthandler's, before the stack it prints
 
 
@@ -156,13 +158,14 @@ def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = N
     """Explain each log ('-' or none: stdin). 0: something explained; 1: nothing known."""
     out, err = out or sys.stdout, err or sys.stderr
     paths = list(paths) or ["-"]
-    known = False
+    known = unreadable = False
     for path in paths:
         try:
             text = sys.stdin.read() if path == "-" else Path(path).read_text(errors="replace")
-        except OSError as exc:
+        except OSError as exc:  # said, and the other files still explained
             print(f"ddp-tutorial explain: cannot read {path}: {exc.strerror}", file=err)
-            return 2
+            unreadable = True
+            continue
         report = explain_log(text)
         known = known or bool(report)
         if len(paths) > 1:
@@ -175,4 +178,4 @@ def main(paths: Iterable[str], out: TextIO | None = None, err: TextIO | None = N
             report = ("no message this course knows, and no line it reads as an error "
                       "('...Error:', 'error:', 'ERROR'): look for how the run ended")  # fmt: skip
         print(report, file=out)
-    return 0 if known else 1
+    return 2 if unreadable else 0 if known else 1

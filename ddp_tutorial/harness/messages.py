@@ -19,6 +19,7 @@ from ddp_tutorial.harness.log_details import (
 )
 from ddp_tutorial.harness.messages_code import CODE
 from ddp_tutorial.harness.messages_launch import LAUNCH
+from ddp_tutorial.harness.messages_net import NET
 
 # a line from an HTTP client (a download, a logger's upload) is no rendezvous or collective
 NOT_HTTP = r"^(?!.*(?:urlopen|HTTPS?Connection|Max retries exceeded|requests\.|urllib3))"
@@ -174,7 +175,9 @@ KNOWN: tuple[Known, ...] = (
         r"^(?:\[rank\d+\]:)?\s*RuntimeError: Address already in use",
         "the rendezvous port is taken (a --master-port given: a one-node torchrun without one "
         "picks a free port; MASTER_PORT is read by launches without torchrun): another job on "
-        "this machine, or a leftover of an earlier one",
+        "this machine, or a leftover of an earlier one; under --standalone, whose port is "
+        "free, two processes that both act as rank 0 (a hard-coded --local_rank 0 or rank) "
+        "or a second init_process_group in the script",
         "on one machine leave the port out (torchrun --standalone); across machines a port "
         "you know is free; find leftovers with ps",
         "09",
@@ -296,7 +299,9 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "peer-closed",
         NOT_HTTP + r".*Connection (?:closed|reset) by peer(?!')",  # not an HTTP client's repr
-        "a peer process is gone: it crashed or was killed, and this rank noticed in a collective",
+        "a peer process is gone: it crashed or was killed, and this rank noticed in a "
+        "collective - or it exited before a transfer of its own ended (an isend never "
+        "waited on, no barrier before it returned)",
         "find the first rank that failed (torchrun's Root Cause), not this one",
         "09",
         detail=reset_at_init,
@@ -364,6 +369,7 @@ KNOWN: tuple[Known, ...] = (
         "03",
         detail=other_processes,
     ),
+    *NET,  # NCCL, gloo and the group's start-up on the machines: messages_net.py
     *LAUNCH,  # how jobs start and end: harness/messages_launch.py
     *CODE,  # what the code handed to torch, and what C++ or the GPU said: messages_code.py
     Known(

@@ -60,9 +60,12 @@ CODE: tuple[Known, ...] = (
         r"an illegal memory access was encountered",
         "a CUDA kernel read or wrote outside its memory - most often an index out of range (a "
         "label >= num_classes in cross_entropy, an id >= an embedding's size); CUDA reports it "
-        "later, at whatever call comes next (often a collective), so the line shown misleads",
+        "later, at whatever call comes next (often a collective), so the line shown misleads; "
+        "in NCCL itself (its watchdog's or 'NCCL WARN Cuda failure 700' line, no kernel of "
+        "yours) a P2P, driver or NCCL version fault",
         "rerun with CUDA_LAUNCH_BLOCKING=1 to stop at the kernel itself; check the data's "
-        "ranges on the CPU (y.max() < num_classes)",
+        "ranges on the CPU (y.max() < num_classes); inside NCCL: nccl-tests, "
+        "NCCL_P2P_DISABLE=1, a newer NCCL and driver",
         "09",
     ),
     Known(

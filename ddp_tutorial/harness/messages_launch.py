@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ddp_tutorial.harness.known import Known
 from ddp_tutorial.harness.log_details import said_if, saved_before_exit
+from ddp_tutorial.harness.messages_net import counts_differ
 
 LAUNCH: tuple[Known, ...] = (
     Known(
@@ -64,6 +65,7 @@ LAUNCH: tuple[Known, ...] = (
         "the same --rdzv-endpoint HOST:PORT, --rdzv-id and --nnodes on every node; check "
         "the port from another node (nc -zv HOST PORT); start the nodes together",
         "10",
+        when=lambda text: not counts_differ(text),  # too many or too few processes: said
     ),
     Known(
         "world-never-complete",
