@@ -11,6 +11,19 @@ SNAP, RESUME = "05_atomic_snapshot", "05_exact_resume"
 CASES = register([
     # from an eighth learner review: a tempfile name (absolute) is right; the arguments of
     # os.replace swapped are named
+    # from a twenty-fifth-session learner review (helper 127)
+    Case(SNAP, "named-temporary-file-deleted-on-close", "delete=False",
+         edits=(("""        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)""", """        import tempfile
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f.name, path)"""),)),
     Case(SNAP, "tempfile-beside-the-snapshot", None,
          edits=(("        tmp = path.with_name(path.name + \".tmp\")\n"
                  "        with open(tmp, \"wb\") as f:\n",

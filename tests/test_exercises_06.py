@@ -15,6 +15,15 @@ AFTER = ("    scaler.unscale_(optimizer)\n"
          "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
          "    scaler.step(optimizer)\n    scaler.update()\n    scheduler.step()\n")  # fmt: skip
 CASES = register([
+    # from a twenty-fifth-session learner review (helper 127)
+    Case(EX, "loss-divided-by-k-twice", "divided by k twice",
+         edits=(("scaler.scale(loss).backward()", "scaler.scale(loss / k).backward()"),)),
+    Case(EX, "clips-some-parameters", "of every parameter",
+         edits=((CLIP, "clip_grad_norm_(list(model.parameters())[:2], max_norm)"),)),
+    Case(EX, "clip-grad-value", "clip_grad_value_ clips each element alone",
+         edits=(("    norm = torch.nn.utils." + CLIP,
+                 "    norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))\n"
+                 "    torch.nn.utils.clip_grad_value_(model.parameters(), max_norm)"),)),
     Case(EX, "no-unscale", "scaler.unscale_(optimizer) before clipping",
          edits=(("    scaler.unscale_(optimizer)\n", ""),)),
     Case(EX, "unscale-after-clip", "scaler.unscale_(optimizer) before clipping",

@@ -10,6 +10,14 @@ HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signa
 SAVE = """                if rank == 0:
                     save_snapshot("""
 CASES = register([
+    # from a twenty-fifth-session learner review (helper 127)
+    Case(EX, "broadcast-from-the-signalled-rank", "broadcast from the rank this check signals",
+         edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
+                 "dist.broadcast(flag, src=args.preempt_rank)"),)),
+    Case(EX, "flag-compared-to-one", "not `== 1`",
+         edits=(("            if flag.item():", "            if flag.item() == 1:"),)),
+    Case(EX, "local-flag-after-the-reduce", "not on the rank's own stop['signal']",
+         edits=(("            if flag.item():", "            if stop[\"signal\"]:"),)),
     Case(EX, "no-agreement", "all_reduce the flag (MAX)",
          edits=(("            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n", ""),)),
     Case(EX, "saves-in-the-handler", "saved inside the signal handler",

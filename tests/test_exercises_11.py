@@ -11,6 +11,22 @@ AMP = "11_amp_step"
 CASES = register([
     # helper 72: a scaled loss returned (and logged) passed, backward under autocast passed,
     # and a hook that cast DDP's own bucket (buffer.data = ...) passed
+    # from a twenty-fifth-session learner review (helper 127)
+    Case(AMP, "bf16-backward-unscaled-but-scaler-step", "in every dtype",
+         edits=(("to_backward = scaler.scale(loss)",
+                 "to_backward = loss if dtype == torch.bfloat16 else scaler.scale(loss)"),)),
+    Case(AMP, "bf16-without-the-scaler", "in bfloat16 too",
+         edits=(("to_backward = scaler.scale(loss)",
+                 "to_backward = loss if dtype == torch.bfloat16 else scaler.scale(loss)"),
+                ("    scaler.step(optimizer)  #", "    if dtype == torch.bfloat16:\n"
+                 "        optimizer.step()\n    else:\n        scaler.step(optimizer)  #"),
+                ("    scaler.update()  #", "        scaler.update()  #"))),
+    Case(AMP, "update-only-in-float16", "call scaler.update() after every scaler.step",
+         edits=(("    scaler.update()  #",
+                 "    if dtype == torch.float16:\n        scaler.update()  #"),)),
+    Case(EX, "hook-on-the-default-group", "the hook uses the default group",
+         edits=(("dist.all_reduce(compressed, group=group, async_op=True)",
+                 "dist.all_reduce(compressed, async_op=True)"),)),
     Case(AMP, "scaled-loss-returned", "the loss times the scale",
          edits=(("            to_backward = scaler.scale(loss)  # fp16: small gradients stay "
                  "above 0\n", "            loss = scaler.scale(loss)\n"

@@ -304,6 +304,10 @@ def _judge_writes(records: list[Record]) -> str | None:
             return ("the temporary file was on another file system than the snapshot, and "
                     "os.replace cannot move a file across: write it beside the snapshot "
                     '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
+        if error.startswith("FileNotFoundError") and ".tmp" in error:  # closed, then renamed
+            return (f"rank {r['rank']}: save_snapshot raised {error} - a "
+                    "NamedTemporaryFile deletes itself when it is closed: delete=False, then "
+                    "os.replace it")  # fmt: skip
         if error:
             return f"rank {r['rank']}: save_snapshot raised {error}"
     if not writers or first["saved"] is None:

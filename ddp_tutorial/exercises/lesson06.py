@@ -176,6 +176,29 @@ def _without(calls: list[str], theirs: list[str]) -> list[str]:
     return left
 
 
+def _returned_norm(norm: float, true: float, world: int) -> str | None:
+    """train_step's norm against the true one: / world, x world, / k twice, some parameters."""
+    said = f"train_step returned {norm:.4g}"
+    if abs(norm * world - true) < 1e-4 * true:
+        return (f"{said}, 1/{world} of the true gradient norm {true:.4g}: the loss was divided "
+                "by the world size - DDP averages the gradients over the ranks already; divide "
+                "each micro-batch's loss by k only "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
+    if world > 1 and abs(norm - world * true) < 1e-4 * true:
+        return (f"{said}, {world} times the true gradient norm {true:.4g}: the norm was summed "
+                "over the ranks - it is already the same on every rank (measured on the "
+                "averaged gradients): return what clip_grad_norm_ returns, with no collective "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if abs(norm - true) > 1e-4 * true:  # 1/K: divided twice; less: some parameters
+        why = ("the loss was divided by k twice - each micro-batch's loss / k, once"
+               if abs(norm * K - true) < 1e-4 * true else "clip_grad_norm_ of every "
+               "parameter, model.parameters(), after scaler.unscale_ - and return it"
+               if norm < true else "return what clip_grad_norm_ returns")  # fmt: skip
+        return (f"{said}; the gradient norm before clipping was {true:.4g}: {why} "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    return None
+
+
 def judge_clip(records: list[Record]) -> str | None:
     for step in range(STEPS):
         rows = [r["steps"][step] for r in records]
@@ -202,29 +225,18 @@ def judge_clip(records: list[Record]) -> str | None:
             return (f"the ranks' weights differ after step {step + 1}: every rank must take the "
                     "same step (clip, step and schedule on every rank) "
                     '(lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
-        if abs(norm * len(records) - true) < 1e-4 * true:
-            return (f"train_step returned {norm:.4g}, 1/{len(records)} of the true gradient norm "
-                    f"{true:.4g}: the loss was divided by the world size - DDP averages the "
-                    "gradients over the ranks already; divide each micro-batch's loss by k only "
-                    '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
-        if len(records) > 1 and abs(norm - len(records) * true) < 1e-4 * true:
-            return (f"train_step returned {norm:.4g}, {len(records)} times the true gradient "
-                    f"norm {true:.4g}: the norm was summed over the ranks - it is already the "
-                    "same on every rank (measured on the averaged gradients): return what "
-                    "clip_grad_norm_ returns, with no collective "
-                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
-        if abs(norm - true) > 1e-4 * true:
-            return (f"train_step returned {norm:.4g}; the gradient norm before clipping was "
-                    f"{true:.4g}: return what clip_grad_norm_ returns "
-                    '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+        if mistake := _returned_norm(norm, true, len(records)):
+            return mistake
         if rows[0]["gap"] > 1e-5:
             if rows[0]["gap_unclipped"] < 1e-5:
                 return (f"the gradients (norm {true:.3g}) were not clipped to {MAX_NORM}: "
                         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
                         "the step "
                         '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+            by_norm = "" if rows[0]["clips"] else (": clip_grad_norm_, the norm of all the "
+                "gradients together (clip_grad_value_ clips each element alone)")  # fmt: skip
             return (f"after step {step + 1} the weights differ from one clipped SGD step on the "
-                    f"global batch (by {rows[0]['gap']:.2g})")  # fmt: skip
+                    f"global batch (by {rows[0]['gap']:.2g}){by_norm}")  # fmt: skip
         if own := max((row.get("own", []) for row in rows), key=len):
             return (f"the numbers are right, but step {step + 1} made {len(own)} collective(s) "
                     f"of your own ({', '.join(own)}): clipping needs none - after DDP's "

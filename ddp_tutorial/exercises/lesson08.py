@@ -182,8 +182,7 @@ def judge_preempt(records: list[Record]) -> str | None:
                 "of a step - so it must only set a flag; save at the step boundary, after "
                 "every rank has agreed to stop"
             )
-    stops = [rep["stopped_at"] for rep in reports]
-    total = reports[0]["total"]
+    stops, total = [rep["stopped_at"] for rep in reports], reports[0]["total"]
     if len(set(stops)) > 1:
         return (
             f"the ranks stopped at steps {stops}: a SIGTERM reaches one process; all_reduce "
@@ -200,7 +199,8 @@ def judge_preempt(records: list[Record]) -> str | None:
                 f"{PREEMPT_AT}, which reached rank {PREEMPT_RANK} only: at each step boundary "
                 "every rank must learn whether ANY rank was signalled - all_reduce the flag "
                 f"with op=MAX (a broadcast from rank 0, or MIN, misses rank {PREEMPT_RANK}'s) - "
-                "then stop the loop")  # fmt: skip
+                "then stop the loop when it is non-zero (it holds the signal's number, 15 for "
+                "SIGTERM: `if flag.item():`, not `== 1`)")  # fmt: skip
     if mistake := _judge_saves(records, stop):
         return mistake
     if stop - PREEMPT_AT >= EVERY:
@@ -234,7 +234,8 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
      "returns it (on a cluster, end the script with sys.exit(main()))"),
     ("loss.backward()", "a rank went on into the next step and waited in backward's gradient "
      "all_reduce for a rank that had stopped: the SIGTERM reached one process only - all_reduce "
-     "the flag (MAX) at the step boundary, so that every rank stops at the same step; if it "
+     "the flag (MAX) at the step boundary, so that every rank stops at the same step, and "
+     "decide on the reduced flag (flag.item()), not on the rank's own stop['signal']; if it "
      "is, did every rank leave the epoch loop too (status = PREEMPTED set on every rank, not "
      "only on rank 0)?"),
 )  # fmt: skip
@@ -246,7 +247,11 @@ EXERCISES = [
         hidden=((r"(?s)(?:LOCAL_RANK|local_rank).*save_snapshot\(", "the snapshot is saved "
                  "where LOCAL_RANK is 0: on several nodes each node's local rank 0 writes the same "
                  "file - global rank 0 saves (`rank == 0`, dist.get_rank()) (lesson 10, \"Who "
-                 "writes checkpoints: global rank 0, not local rank 0\")"),),
+                 "writes checkpoints: global rank 0, not local rank 0\")"),
+                (r"broadcast\([^)\n]*src\s*=\s*(?:args\.preempt_rank|1\b)", "the flag is "
+                 "broadcast from the rank this check signals: on a cluster any rank can get the "
+                 "SIGTERM first, or only some of them - all_reduce the flag with op=MAX, so "
+                 "that a signal on any rank stops every rank")),
         when_hung=((r"(?s)\A(?!.*\.wait\().*async_op\s*=\s*True",
                     "the flag's all_reduce ran with async_op=True and was never waited on: "
                     "flag.item() read it before the sum arrived, so the ranks disagreed on "

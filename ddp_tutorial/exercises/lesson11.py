@@ -8,7 +8,7 @@ under autocast are read too. The comm-hook exercise is in ``lesson11_hook``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -24,8 +24,10 @@ from ddp_tutorial.exercises.spies import spying
 
 AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale; float16 vs 32
 # step 0: 4 micro-batches in float16; step 1 (an inf, skipped): 2 in bfloat16 - an answer that
-# fits one call (no_sync on micro-batch 0 alone, float16 whatever the dtype) shows in the other
-AMP_MICRO, AMP_DTYPES = (4, 2), (torch.float16, torch.bfloat16)
+# fits one call (no_sync on micro-batch 0 alone, float16 whatever the dtype) shows in the other;
+# step 2: 3 in bfloat16, no inf, its size against float32's (a bf16 backward left unscaled
+# while scaler.step unscales shows only there: step 1's step is skipped)
+AMP_MICRO, AMP_DTYPES = (4, 2, 3), (torch.float16, torch.bfloat16, torch.bfloat16)
 # samples per rank and step: micro-batches of 3 and 6, so that a loss divided by len(x) (3) is
 # not taken for one divided by the world size (2)
 AMP_PER_RANK = 12
@@ -157,8 +159,7 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
         grads.append(1)
         return grad.clone().fill_(float("inf")) if len(grads) == 1 else grad
 
-    weight = model.module[0].weight
-    hook = weight.register_hook(first_call_inf) if ctx.rank == 1 else None
+    hook = model.module[0].weight.register_hook(first_call_inf) if ctx.rank == 1 else None
     before, scale = _flat(model), scaler.get_scale()
     step(1)
     record["scale_kept"] = scaler.get_scale() >= scale  # update() halves it after a skip
@@ -166,6 +167,7 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
         hook.remove()
     after = _flat(model)
     record.update(
+        bf16_ratio=_next_step_ratio(model, step, ctx.world_size),  # after `after`: step 2
         cast_backward=any(cast_backward),
         inf_moved=not torch.equal(before, after),
         finite=bool(torch.isfinite(after).all()),
@@ -174,11 +176,25 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     return record
 
 
+def _next_step_ratio(model: DDP, step: Callable[[int], None], world: int) -> float:
+    """Step 2 (bfloat16, no inf) against float32's SGD step on its global batch: size ratio."""
+    reference = amp_model()
+    reference.load_state_dict(model.module.state_dict())
+    before = _flat(model)
+    step(2)
+    x, y = amp_batch(2, world)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    want = torch.cat([-AMP_LR * p.grad.reshape(-1) for p in reference.parameters()])
+    return ((_flat(model) - before).norm() / want.norm()).item()
+
+
 def judge_amp(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         if not rec["finite"]:
             return (f"rank {rank}'s weights became inf after a step with an inf gradient: "
-                    "step through the scaler, scaler.step(optimizer), which skips it")  # fmt: skip
+                    "step through the scaler, scaler.step(optimizer), which skips it - in "
+                    "bfloat16 too: bf16 needs no scaling, but its step must still skip an "
+                    "inf, and the scaler given here does both")  # fmt: skip
         if rec["ratio"] == 0:
             return ("the weights never moved: after the micro-batches, scaler.step(optimizer), "
                     "then scaler.update()")  # fmt: skip
@@ -243,8 +259,14 @@ def _judge_step(rec: Record) -> str | None:
         return (f"the step differs from float32's on the global batch by {rec['gap']:.2g} of "
                 f"its largest element (float16 rounding stays below {AMP_TOL:g})")  # fmt: skip
     if rec["scale_kept"]:
-        return ("after the step with an inf the scale did not halve: scaler.update() with no "
-                "argument lowers it after a skipped step (update(new_scale) sets it)")  # fmt: skip
+        return ("after the step with an inf the scale did not halve: scaler.update() after "
+                "every scaler.step, whatever the dtype, with no argument - it lowers the scale "
+                "after a skipped step (update(new_scale) sets it)")  # fmt: skip
+    if abs(rec.get("bf16_ratio", 1.0) - 1) > 0.1:  # step 2: bf16, no inf
+        return (f"the bfloat16 step was {rec['bf16_ratio']:.2g} times float32's on the global "
+                "batch: scaler.step divides the gradients by the scale, so backward must run "
+                "on scaler.scale(loss) in every dtype (bf16 needs no scaling, but a scaler "
+                "that steps unscales what it assumes it scaled)")  # fmt: skip
     return _judge_returned(rec)
 
 

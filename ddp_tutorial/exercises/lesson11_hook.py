@@ -221,7 +221,12 @@ EXERCISES = [
         name="11_bf16_hook", lesson="11", run=run_hook, judge=judge_hook,
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by world_size "
-                 "(the process group's size)"),),
+                 "(the process group's size)"),
+                (r"all_reduce\((?![^)\n]*\bgroup\b)[^)\n]*\)|get_world_size\(\)|WORLD_SIZE",
+                 "the hook uses the default group (an all_reduce without group=, or the whole "
+                 "job's world size): DDP hands the hook the group the model was wrapped with, a "
+                 "subgroup in a larger job - all_reduce(..., group=group) and the size of that "
+                 "group (world_size, above your lines)")),
         title="a comm hook that sends the gradients as bfloat16",
         teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
         proves=(
