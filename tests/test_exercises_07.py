@@ -92,3 +92,21 @@ CASES = register(
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_wrong_answers_are_named(case, exercise_verdicts):
     assert_verdict(case, exercise_verdicts)
+
+
+def test_readings_from_one_start_are_told_from_a_step_short_by_their_shape():
+    """A loaded CI host: one timed step short (4 steps of about 0.1 s) matched "readings
+    added up from one start" through two cumulative readings of 2 steps each (~ twice 2).
+    Only every reading after one start, STEPS or more of them, adds up to that verdict."""
+    from ddp_tutorial.exercises.lesson07 import STEPS, _from_one_start
+
+    # the case the sum of two readings matched (r[6] - r[3]) + (r[7] - r[3]) ~ own: not it
+    short = [0.00014, 0.44762, 0.80562, 0.91249, 0.99893, 0.99937, 1.11687, 1.1171, 1.20888,
+             1.20928, 1.32255]  # fmt: skip
+    own = sum(short[k + 1] - short[k] for k in (3, 5, 7, 9))
+    assert not _from_one_start({"readings": short, "sent": [own]})
+    start = 0.5  # the clock read once, then after each of the STEPS timed steps
+    ends = [start + 0.08 * (k + 1) for k in range(STEPS)]
+    own = sum(e - start for e in ends)
+    assert _from_one_start({"readings": [0.1, start, *ends], "sent": [own]})
+    assert not _from_one_start({"readings": [start, *ends[:-1]], "sent": [own]})

@@ -200,20 +200,16 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
 
 def _from_one_start(rec: Record) -> bool:
     """Did this rank add up clock readings all taken from one start? Its own total (what it
-    handed to the all_reduce) equals sum(r[i] - r[j] for i in a run of two or more readings
-    after r[j]): each step's time counted again in every later one (a right answer reads the
-    clock twice per step, or once around all the timed steps: one difference)."""
+    handed to the all_reduce) equals sum(r[i] - r[j]) over every reading after one r[j],
+    STEPS or more of them: each step's time counted again in every later one. Only that
+    shape: sums of shorter runs match other answers by chance (one timed step short, its
+    4 steps ~ twice 2; seen on a loaded host), and a right answer reads the clock twice per
+    step, or once around all the timed steps (one difference)."""
     r, own = rec.get("readings", []), rec["sent"][-1] if rec.get("sent") else None
-    if own is None or len(r) < 3:
-        return False
-    for j in range(len(r)):
-        for a in range(j + 1, len(r)):
-            total = 0.0
-            for b in range(a, len(r)):
-                total += r[b] - r[j]
-                if b > a and abs(total - own) <= 1e-5 * max(total, 1e-3):
-                    return True
-    return False
+    return own is not None and any(
+        abs((total := sum(x - r[j] for x in r[j + 1 :])) - own) <= 1e-6 * max(total, 1e-3)
+        for j in range(len(r) - STEPS)
+    )
 
 
 def judge_timing(records: list[Record]) -> str | None:
