@@ -240,6 +240,15 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
      "only on rank 0)?"),
 )  # fmt: skip
 
+# an async all_reduce of the flag never waited on: a hang when the read comes first, a pass by
+# luck when the sum arrived in time (a fresh CI clone passed it once; a busy host hangs it)
+UNWAITED = (
+    r"(?s)\A(?!.*\.wait\().*async_op\s*=\s*True",
+    "the flag's all_reduce ran with async_op=True and was never waited on: flag.item() "
+    "may read it before the sum arrives, and the ranks then disagree on stopping - "
+    "call .wait() on the Work it returns (or drop async_op: the flag is one number)",
+)
+
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
@@ -251,12 +260,9 @@ EXERCISES = [
                 (r"broadcast\([^)\n]*src\s*=\s*(?:args\.preempt_rank|1\b)", "the flag is "
                  "broadcast from the rank this check signals: on a cluster any rank can get the "
                  "SIGTERM first, or only some of them - all_reduce the flag with op=MAX, so "
-                 "that a signal on any rank stops every rank")),
-        when_hung=((r"(?s)\A(?!.*\.wait\().*async_op\s*=\s*True",
-                    "the flag's all_reduce ran with async_op=True and was never waited on: "
-                    "flag.item() read it before the sum arrived, so the ranks disagreed on "
-                    "stopping - call .wait() on the Work it returns (or drop async_op: the "
-                    "flag is one number)"),),
+                 "that a signal on any rank stops every rank"),
+                UNWAITED),  # a run that won the race passes: named all the same
+        when_hung=(UNWAITED,),
         judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
