@@ -1775,8 +1775,9 @@ def comm_hook(name: str, start_powersgd_iter: int = 1000) -> tuple[Any, Any]:
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = True
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD (momentum 0.9), no decay on biases and norm weights; fused: one kernel,
-    and GradScaler.step skips an inf/nan step on the device (no host sync)."""
+    """AdamW or SGD (momentum 0.9), no decay on biases and norm weights; fused: a few
+    multi-tensor kernels instead of several per parameter, and GradScaler.step skips an
+    inf/nan step on the device (no host sync)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},

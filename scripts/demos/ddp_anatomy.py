@@ -451,15 +451,16 @@ def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
 
 def broadcast_before(model: nn.Module, x: torch.Tensor, device: torch.device) -> dict[str, bool]:
     """Before which forwards DDP will copy rank 0's buffers (its own answer, asked just before
-    each): a training loop, 3 micro-batches accumulated under no_sync, then an evaluation."""
+    each): a training loop, 3 micro-batches accumulated under no_sync, an evaluation under
+    no_grad, then one with gradients on (no backward), which counts as a training forward."""
     ddp = wrap(model.to(device), device)
     seen: dict[str, bool] = {}
 
-    def forward(name: str, grad: bool = True, sync: bool = True) -> None:
+    def forward(name: str, grad: bool = True, sync: bool = True, backward: bool = True) -> None:
         seen[name] = ddp.will_sync_module_buffers()
         with torch.set_grad_enabled(grad), contextlib.nullcontext() if sync else ddp.no_sync():
             out = ddp(x)
-            if grad:
+            if grad and backward:
                 out.sum().backward()
 
     forward("step 1")
@@ -471,6 +472,8 @@ def broadcast_before(model: nn.Module, x: torch.Tensor, device: torch.device) ->
     forward("evaluation 1, no_grad", grad=False)
     forward("evaluation 2, no_grad", grad=False)
     forward("training after the evaluation")
+    forward("evaluation 3, gradients on", backward=False)
+    forward("evaluation 4, no_grad", grad=False)
     return seen
 
 
