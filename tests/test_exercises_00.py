@@ -78,6 +78,34 @@ CASES = register([
     Case(EX, "sampler-rank-from-local-rank", "told the same rank on both",
          edits=(("(train_set, seed=args.seed)",
                  '(train_set, rank=int(os.environ["LOCAL_RANK"]), seed=args.seed)'),)),
+    # helper 129: init given one machine's rank or world size passed (the check replaced them);
+    # the rest were named as other mistakes, or not at all
+    Case(EX, "init-given-local-rank", "init_process_group(rank=0)",
+         edits=(('dist.init_process_group("gloo")',
+                 'dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]),\n'
+                 '                            world_size=int(os.environ["WORLD_SIZE"]))'),)),
+    Case(EX, "init-given-local-world-size", "init_process_group(world_size=1)",
+         edits=(('dist.init_process_group("gloo")',
+                 'dist.init_process_group("gloo", rank=int(os.environ["RANK"]),\n'
+                 '                            world_size=int(os.environ["LOCAL_WORLD_SIZE"]))'),
+                (IDS, "dist.get_rank(), dist.get_world_size()"))),
+    Case(EX, "init-given-the-global-ids", None,
+         edits=(('dist.init_process_group("gloo")',
+                 'dist.init_process_group("gloo", rank=int(os.environ["RANK"]),\n'
+                 '                            world_size=int(os.environ["WORLD_SIZE"]))'),)),
+    Case(EX, "gradients-reduced-again", "gradients summed over the ranks again",
+         edits=(("            loss.backward()\n",
+                 "            loss.backward()\n            for p in model.parameters():\n"
+                 "                dist.all_reduce(p.grad)\n"),)),
+    Case(EX, "sampler-replicas-from-local-world-size", "not LOCAL_WORLD_SIZE",
+         edits=(("(train_set, seed=args.seed)",
+                 '(train_set, num_replicas=int(os.environ["LOCAL_WORLD_SIZE"]), rank=rank,\n'
+                 "                                 seed=args.seed)"),)),
+    Case(EX, "writer-by-local-rank", "LOCAL_RANK is 0 on every machine",
+         edits=(("rank == 0, model.module.state_dict()",
+                 'int(os.environ["LOCAL_RANK"]) == 0, model.module.state_dict()'),)),
+    Case(EX, "set-epoch-plus-rank", "set_epoch(epoch + rank)",
+         edits=(("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + rank)"),)),
 ])  # fmt: skip
 
 

@@ -150,6 +150,26 @@ CASES = register([
                  "    flat = torch.empty(world * longest, dtype=tensor.dtype)\n"
                  "    dist.all_gather_into_tensor(flat, padded)\n"
                  "    gathered = list(flat.split(longest))\n"),)),
+    # helper 129: a right answer failed ("a fixed size"), three wrong rings got the generic
+    # message
+    Case(GATHER, "length-in-slot-0", None, text=(
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        "def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:\n"
+        "    world = dist.get_world_size()\n"
+        "    longest = torch.tensor(tensor.numel())\n"
+        "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"
+        "    padded = torch.zeros(int(longest) + 1, dtype=tensor.dtype)\n"
+        "    padded[0] = tensor.numel()  # the length travels with the data\n"
+        "    padded[1 : tensor.numel() + 1] = tensor\n"
+        "    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
+        "    dist.all_gather(gathered, padded)\n"
+        "    return [g[1 : 1 + int(g[0])] for g in gathered]\n")),
+    Case(RING, "divided-by-world-minus-1", "divided by world_size - 1",
+         edits=(("    total /= world", "    total /= world - 1"),)),
+    Case(RING, "one-step-too-many", "added its own tensor twice",
+         edits=(("for _ in range(world - 1):", "for _ in range(world):"),)),
+    Case(RING, "passes-on-the-running-total", "passed on its running total",
+         edits=(("send_buf = recv_buf.clone()", "send_buf = total.clone()"),)),
 ])  # fmt: skip
 
 

@@ -71,6 +71,9 @@ CASES = register(
         # noticed by the sixteenth session: a hard-coded cuda:0 was told "not os.environ"
         Case(GPU, "hard-coded-cuda-0", "cuda:0 for every rank in every environment",
              edits=((DEVICE, 'device = torch.device("cuda", 0)'),)),
+        # helper 129: a string indexed, not split: the ValueError of int(",") explained
+        Case(GPU, "string-indexed-not-split", "is a string: indexing it gives one character",
+             edits=(("int(listed.split(\",\")[local_rank])", "int(listed[local_rank])"),)),
     ]
 )  # fmt: skip
 

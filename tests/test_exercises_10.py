@@ -57,6 +57,13 @@ CASES = register([
     Case(EX, "own-share-shuffled", "each rank got the right samples, but in another order",
          edits=(("    mine = rest[rank::world_size]\n",
                  "    mine = sorted(rest[rank::world_size])\n"),)),
+    # helper 129: a sampler's indices into the rest taken for samples, named "dealt out again"
+    Case(EX, "sampler-positions-taken-for-samples", "not sample numbers",
+         edits=(("    padding = -len(rest) % world_size\n    rest += (rest * padding)[:padding]\n"
+                 "    mine = rest[rank::world_size]\n",
+                 "    from torch.utils.data.distributed import DistributedSampler\n\n"
+                 "    mine = list(DistributedSampler(rest, num_replicas=world_size, rank=rank,\n"
+                 "                                   shuffle=False))\n"),)),
 ])  # fmt: skip
 
 

@@ -99,6 +99,11 @@ def _judge_orders(reports: list[Record]) -> str | None:
                     "reshuffled: every rank calls sampler.set_epoch(epoch), not only rank 0 "
                     "(the shares then overlap)")  # fmt: skip
         shards = [r["seen"][epoch] for r in reports]
+        if all(r["seen"][epoch] == order(epoch + r["rank"])[r["rank"] :: n] for r in reports):
+            return (f"in epoch {epoch} each rank shuffled an order of its own, from a seed or an "
+                    "epoch number of its own (seed=args.seed + rank, or set_epoch(epoch + "
+                    "rank)?): the shares then overlap and miss samples - the same seed on every "
+                    "rank, and sampler.set_epoch(epoch), one number on every rank")  # fmt: skip
         if len(set(shards[0]) & set(shards[1])) == len(shards[0]) < SAMPLES:
             return (f"rank 1 trained on the same {len(shards[0])} samples as rank 0: a "
                     "DistributedSampler that was told the same rank on both - rank=LOCAL_RANK "
@@ -170,7 +175,8 @@ def _judge_saved(first: Record, n: int) -> str | None:
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if first["gap_lr_x_world"] <= 1e-5:
         return (f"the weights are those of a learning rate {n} times --lr (or of a loss times "
-                f"{n}): this lesson keeps "
+                f"{n}, or of gradients summed over the ranks again after DDP's backward averaged "
+                "them: an all_reduce of each .grad on top of DDP - drop it): this lesson keeps "
                 "--lr as it is, to train exactly what one process trains on the global batch; "
                 "a rate changes with a global batch that grows "
                 '(lesson 02, "The global batch and the learning rate")')  # fmt: skip
@@ -200,7 +206,8 @@ def judge_convert(records: list[Record]) -> str | None:
     writers = [r["rank"] for r in reports if r["wrote"]]
     if len(writers) != 1:
         return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
-                "(`if rank == 0`); concurrent writers corrupt the file")  # fmt: skip
+                "(`if rank == 0`, with rank from RANK - LOCAL_RANK is 0 on every machine); "
+                "concurrent writers corrupt the file")  # fmt: skip
     if writers != [0]:
         return (f"rank {writers[0]} wrote model.pt: rank 0 writes it (`if rank == 0`), the one "
                 "rank every job has, whatever its size")  # fmt: skip
@@ -230,6 +237,10 @@ ERRORS = (
      "on every machine"),
     ("Default process group has not been initialized", "a dist call before the process group "
      "exists: call dist.init_process_group first, in every process"),
+    ("rank should be in the interval", "a DistributedSampler was given a rank outside "
+     "0..num_replicas-1: num_replicas is the world size (WORLD_SIZE), not LOCAL_WORLD_SIZE, one "
+     "machine's own (this check runs each process as a machine of its own) - or leave "
+     "num_replicas= and rank= out: the sampler reads both from the process group"),
 )  # fmt: skip
 
 EXERCISES = [

@@ -203,6 +203,28 @@ def run_ring(module: ModuleType, ctx: Context) -> Record:
     return {"got": _values(got), "calls": calls, "dropped": dropped, "touched": touched}
 
 
+def _ring_off(rank: int, got: torch.Tensor, inputs: list[torch.Tensor]) -> str | None:
+    """The usual wrong rings, told by their numbers: a divisor of world_size - 1, one step
+    too many (the rank's own tensor comes back round), running totals passed on."""
+    n, total = len(inputs), torch.stack(inputs).sum(0)
+    if n > 2 and torch.allclose(got, total / (n - 1)):
+        return (f"rank {rank} returned the sum divided by world_size - 1: the mean divides by "
+                "world_size, the number of tensors added (every rank's own included); "
+                "world_size - 1 is the number of steps")  # fmt: skip
+    if torch.allclose(got, (total + inputs[rank]) / n):
+        return (f"rank {rank} added its own tensor twice: after world_size - 1 steps every other "
+                "rank's tensor has arrived, and one more step brings your own back round the "
+                "ring - loop range(world_size - 1)")  # fmt: skip
+    running = list(inputs)
+    for _ in range(n - 1):  # each rank adds the running total of the rank before it
+        running = [running[r] + running[r - 1] for r in range(n)]
+    if n > 2 and torch.allclose(got, running[rank] / n):
+        return (f"rank {rank} passed on its running total: the next rank then adds tensors it "
+                "has already counted - pass on the tensor that just came in (what you "
+                "received), and keep the sum apart")  # fmt: skip
+    return None
+
+
 def _not_a_ring(rank: int, calls: list[tuple[str, Any]]) -> str | None:
     """A ring's links: one rank sent to, another received from (a star's centre receives from
     everyone; an exchange with everyone sends to everyone)."""
@@ -261,6 +283,8 @@ def judge_ring(records: list[Record]) -> str | None:
                     "division - divide with `/`")  # fmt: skip
         if torch.allclose(got_t, total):
             return f"rank {rank} returned the sum {got}: divide by the world size for the mean"
+        if mistake := _ring_off(rank, got_t, inputs):
+            return mistake
         if not torch.allclose(got_t, mean):
             return (
                 f"rank {rank} returned {got}, expected the mean {mean.tolist()}: after "
@@ -346,7 +370,8 @@ def judge_gather(records: list[Record]) -> str | None:
                         "gather every rank's length first, then trim each to its own")  # fmt: skip
             return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
         longest = max(len(w) for w in want)
-        if over := [k for k in rec.get("sent", []) if k > longest]:
+        # one more than the longest: a slot that carries the length with the values is fine
+        if over := [k for k in rec.get("sent", []) if k > longest + 1]:
             return (f"rank {rank} sent {over[0]} values through dist.all_gather, the longest "
                     f"tensor has {longest}: pad to the longest length gathered, not to a "
                     "fixed size - it sends padding for nothing, and a longer tensor one day "

@@ -197,7 +197,12 @@ def _judge_os_environ(records: list[Record]) -> str | None:
 
 def _why_raised(raised: str, env: dict[str, str]) -> str:
     """An IndexError into CUDA_VISIBLE_DEVICES: indexed by RANK past the node's list, or the
-    list split on something other than its commas."""
+    list split on something other than its commas; int() of one character of the string."""
+    if CVD in env and raised.startswith("ValueError") and "invalid literal for int()" in raised:
+        return (
+            f" - {env[CVD]!r} is a string: indexing it gives one character (a digit, a "
+            'comma); split(",") it into the list first, then index that with LOCAL_RANK'
+        )
     if not raised.startswith("IndexError") or CVD not in env:
         return ""
     if int(env["RANK"]) >= len(env[CVD].split(",")):

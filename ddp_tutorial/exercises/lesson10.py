@@ -66,6 +66,13 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
                 "this world deals out, as DistributedSampler pads its own - the rest: rest + "
                 "rest[:padding], repeated as often as needed (the template's sampler too, so "
                 "that a later resume on this world size deals the same samples)")  # fmt: skip
+    positions = list(range(len(rest)))  # a sampler over `rest` yields indices into it
+    if lists == [
+        (positions + (positions * (padding + 1))[:padding])[r::world] for r in range(world)
+    ]:
+        return (f"{where}: the ranks got positions 0..{len(rest) - 1} of the rest, not sample "
+                "numbers: a DistributedSampler over `rest` yields indices into it - map them "
+                "back, [rest[i] for i in sampler]")  # fmt: skip
     if consumed and lists == skipped:
         return (f"{where}: each rank skipped consumed // world_size of its own shard; "
                 "the stopped job's shards were those of its own world size, not this "

@@ -114,9 +114,11 @@ def restored_signals() -> Iterator[None]:
 def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
     """Run the learner's script as ``__main__``, as torchrun does; ``ex.run`` reads its files."""
     original = dist.init_process_group
+    asked: dict[str, Any] = {}  # the rank= and world_size= the learner gave (replaced below)
 
     def init(backend: Any = None, init_method: Any = None, **kwargs: Any) -> None:
         if init_method in (None, "env://") and "store" not in kwargs:
+            asked.update((k, _plain(kwargs[k])) for k in ("rank", "world_size") if k in kwargs)
             kwargs = {**kwargs, **init_kwargs(ctx, ex)}
         original(backend, **kwargs)
         joined(ctx, ex)
@@ -146,8 +148,14 @@ def run_script(ex: Exercise, path: Path, ctx: Context) -> dict[str, Any]:
         "left_group_open": left_open,
         "exit_code": exit_code,
         "returned_at": returned_at,
+        "init_asked": asked,
         **found,
     }
+
+
+def _plain(value: Any) -> Any:
+    """A value for the record (JSON): an int stays one, anything else is shown as typed."""
+    return value if isinstance(value, int) else repr(value)
 
 
 def run_functions(ex: Exercise, path: Path, ctx: Context, tag: str) -> dict[str, Any]:

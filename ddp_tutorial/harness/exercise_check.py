@@ -110,12 +110,31 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
     return ex.hint(f"rank {first['rank']} raised {error}{where}")
 
 
+def told_init_wrong(results: list[Record]) -> str | None:
+    """A rank= or world_size= given to init_process_group that is not this process's global one.
+
+    The check makes each candidate's group itself (and so replaces what the learner passed);
+    on a real job of several machines LOCAL_RANK or LOCAL_WORLD_SIZE there breaks the group.
+    """
+    n = len(results)
+    for rank, result in enumerate(results):
+        asked = result.get("init_asked") or {}
+        for key, real in (("rank", rank), ("world_size", n)):
+            if key in asked and asked[key] != real:
+                return (f"rank {rank} called init_process_group({key}={asked[key]}); this process "
+                        f"is global rank {rank} of {n}: rank= and world_size= are the global "
+                        "ones, RANK and WORLD_SIZE - not LOCAL_RANK or LOCAL_WORLD_SIZE, one "
+                        "machine's own (the check may run each process as a machine of its "
+                        "own) - or leave both out: init reads torchrun's environment")  # fmt: skip
+    return None
+
+
 def judge(ex: Exercise, records: list[Record], output: str = "") -> tuple[bool, str]:
     """(passed, message) from every rank's record of one candidate (``output``: the launch's)."""
     if len(records) < ex.nproc or any(r.get("status") != "ok" for r in records):
         return False, explain_error(ex, records, output)
     results = [r.get("result", {}) for r in sorted(records, key=lambda r: r["rank"])]
-    mistake = ex.judge(results)
+    mistake = told_init_wrong(results) or ex.judge(results)
     if mistake is not None:
         return False, ex.hint(mistake)
     return True, f"right: {ex.proves}" + (f" ({ex.report(results)})" if ex.report else "")
