@@ -423,8 +423,8 @@ def train(
     k = global_batch / REFERENCE_BATCH
     peak_lr = args.lr * (k if args.optimizer == "sgd" else math.sqrt(k))
     say(
-        f"{world_size} rank{'s' * (world_size > 1)} ({why}); global batch {global_batch} = "
-        f"{args.batch_size} per rank x {world_size} ranks x {args.grad_accum} accumulation; "
+        f"{ranks(world_size)} ({why}); global batch {global_batch} = "
+        f"{args.batch_size} per rank x {ranks(world_size)} x {args.grad_accum} accumulation; "
         f"peak lr {args.lr} scaled for {global_batch}/{REFERENCE_BATCH} ({args.optimizer}) = "
         f"{peak_lr:.4g}, {args.warmup:.0%} warm-up then cosine"
     )
@@ -496,7 +496,7 @@ def train(
         resumed = {"epoch": epoch, "step": step, "consumed": consumed, "world": state["world_size"]}
         say(
             f"resumed from {path.name}: epoch {epoch}, step {step}, {consumed} samples into it "
-            f"(written by {state['world_size']} ranks, now {world_size})"
+            f"(written by {ranks(state['world_size'])}, now {world_size})"
         )
         saved = extra["config"]
         changed = kit.schedule_changes(saved, vars(args))
@@ -504,7 +504,7 @@ def train(
         if was == global_batch:  # per-rank batch and accumulation count through it alone
             changed = [c for c in changed if not c.startswith(("--batch-size", "--grad-accum"))]
         elif not same_world:  # the global batch follows the ranks, and the peak LR follows it
-            changed.append(f"{state['world_size']} -> {world_size} ranks (global batch {was} -> "
+            changed.append(f"{state['world_size']} -> {ranks(world_size)} (global batch {was} -> "
                            f"{global_batch})")  # fmt: skip
         if changed:
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
@@ -753,6 +753,10 @@ def train(
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank{'s' * (n != 1)}"
 
 
 def scores_of(result: kit.EvalResult) -> dict[str, float]:

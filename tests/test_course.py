@@ -64,8 +64,30 @@ def test_the_course_command_refuses_a_missing_notebook(tmp_path, capsys):
     from ddp_tutorial.harness.cli import main
 
     assert main(["course", str(tmp_path / "nope.ipynb"), "--output-dir", str(tmp_path)]) == 2
-    assert "no such notebook: " in capsys.readouterr().err
+    assert "nope.ipynb: no such notebook" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == [], "nothing ran, nothing written"
+
+
+def test_strip_and_course_refuse_what_is_not_a_notebook(tmp_path, capsys):
+    """Helper 132: strip of a missing file, and strip or course of an empty one or a .py file,
+    ended in nbformat's traceback."""
+    from ddp_tutorial.harness.cli import main
+
+    empty, script = tmp_path / "empty.ipynb", tmp_path / "train.py"
+    empty.write_text("")
+    script.write_text("print(1)\n")
+    for command, path, said in (("strip", tmp_path / "nope.ipynb", "no such notebook"),
+                                ("strip", empty, "not a notebook (NotJSONError"),
+                                ("strip", script, "not a notebook"),
+                                ("course", empty, "not a notebook")):  # fmt: skip
+        out = ["--output-dir", str(tmp_path / "out")] if command == "course" else []
+        assert main([command, str(path), *out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ddp-tutorial {command}: {path}: {said}"), err
+    assert script.read_text() == "print(1)\n" and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as ended:  # and a timeout that ends every cell at once
+        main(["course", "--timeout", "0"])
+    assert ended.value.code == 2 and "is not above 0" in capsys.readouterr().err
 
 
 def test_the_strip_command_strips_a_copy(tmp_path, capsys):

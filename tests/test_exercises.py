@@ -105,6 +105,28 @@ def test_unknown_lessons_and_files_get_a_clear_error(capsys, tmp_path):
         assert "nosuch.py: no such file" in capsys.readouterr().err
 
 
+def test_what_check_refuses_or_tells_without_a_launch(capsys, tmp_path):
+    """Helper 132: a folder was "no such file"; --solution with files checked the files; a file
+    of another exercise was checked as this one; a syntax error was launched and reported at
+    <frozen importlib._bootstrap>; the "not started" line asked for a check of the stub."""
+    ring, gather = (next(ex for ex in find("01") if ex.name == name)
+                    for name in ("01_ring_average", "01_gather_uneven"))  # fmt: skip
+    assert exercise_check.main("01", [str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert exercise_check.main(ring.name, [str(ring.solution)], solution=True) == 2
+    assert "give it no files" in capsys.readouterr().err
+    assert exercise_check.main(ring.name, [str(gather.stub)]) == 2
+    assert f"check {gather.name} {gather.stub}" in capsys.readouterr().err
+    broken = tmp_path / f"{ring.name}.py"
+    broken.write_text(ring.solution.read_text().replace("tensor.clone()", "tensor.clone(", 1))
+    mine = tmp_path / "mine.py"
+    mine.write_text(ring.stub.read_text())
+    assert exercise_check.main("01", [str(broken), str(mine)]) == 1
+    out = capsys.readouterr().out
+    assert "SyntaxError: '(' was never closed - fix it" in out and "importlib" not in out, out
+    assert f"ddp-tutorial check 01 {mine}`" in out, out
+
+
 def test_a_renamed_copy_of_a_stub_is_known_by_its_first_line(capsys, tmp_path):
     """Two exercises in lesson 05: a copy named mine.py is still 05_exact_resume's."""
     (stub,) = (ex.stub for ex in find("05") if ex.name == "05_exact_resume")

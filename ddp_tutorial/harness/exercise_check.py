@@ -24,6 +24,7 @@ from ddp_tutorial.exercises.core import (
     STARTED,
     Exercise,
     Record,
+    all_exercises,
     find,
     not_started,
     your_code_blocks,
@@ -301,9 +302,12 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
         if not path.is_file():
             verdicts[i] = ExerciseVerdict(ex, path, False, f"no such file: {path}")
         elif not force and not_started(path.read_text()):
+            again = "" if path.resolve() == ex.stub.resolve() else f" {path}"
             verdicts[i] = ExerciseVerdict(ex, path, False, started=False, message=(
                 f"not started yet: write your lines between `{BEGIN}` and `{END}` in {path}, "
-                f"then run `ddp-tutorial check {ex.lesson}` ({ex.teaches})"))  # fmt: skip
+                f"then run `ddp-tutorial check {ex.lesson}{again}` ({ex.teaches})"))  # fmt: skip
+        elif syntax := syntax_error(path):  # told at once: a launch would bury it in importlib
+            verdicts[i] = ExerciseVerdict(ex, path, False, ex.hint(syntax))
         else:
             sizes.setdefault(ex.nproc, []).append(i)
     todo: dict[tuple[int, int], list[int]] = {}  # (world size, share) -> indexes still to run
@@ -331,6 +335,15 @@ def check_files(pairs: Sequence[tuple[Exercise, Path]], echo: bool = False,
     return [verdicts[i] for i in range(len(pairs))]
 
 
+def syntax_error(path: Path) -> str | None:
+    """The file's syntax error, where it is, or None: Python would refuse the file at import."""
+    try:
+        compile(path.read_text(), str(path), "exec")
+    except SyntaxError as exc:
+        return f"{path.name}, line {exc.lineno}: SyntaxError: {exc.msg} - fix it, then check again"
+    return None
+
+
 def from_first_line(path: Path, exercises: Sequence[Exercise]) -> Exercise | None:
     """The exercise whose stub's first line (``Lesson NN, your turn: ...``) the file keeps,
     if exactly one does: a copy renamed by the learner is still recognised."""
@@ -351,16 +364,25 @@ def check(key: str, files: Sequence[str | Path] = (), solution: bool = False,
     or the reference answers with ``solution``.
     """
     exercises = find(key)
+    if files and solution:
+        raise LookupError("--solution checks the reference answers: give it no files")
     if not files:
         pairs = [(ex, ex.solution if solution else ex.stub) for ex in exercises]
     else:
         by_name = {ex.name: ex for ex in exercises}
         pairs = []
         for f in map(Path, files):
+            if f.is_dir():
+                raise LookupError(f"{f} is a folder: give the exercise's file")
             ex = by_name.get(f.stem) or (exercises[0] if len(exercises) == 1 else None)
             ex = ex or from_first_line(f, exercises)
             if ex is None and not f.is_file():
                 raise LookupError(f"{f}: no such file")
+            other = from_first_line(f, all_exercises())
+            if ex is not None and other is not None and other is not ex:
+                raise LookupError(f"{f} keeps the first line of {other.name}'s stub, not "
+                                  f"{ex.name}'s: check it with `ddp-tutorial check "
+                                  f"{other.name} {f}`")  # fmt: skip
             if ex is None:
                 names = ", ".join(by_name)
                 raise LookupError(f"{f}: which exercise? name the file after one of {names}, "

@@ -1,4 +1,4 @@
-"""``make gpu-smoke``: what the first GPU this course meets should tell us, in 8 minutes.
+"""make gpu-smoke: what the first GPU this course meets should tell us, in 8 minutes.
 
 ``make gpu-check`` runs every GPU branch and takes much longer; this is the short list that
 answers the open questions, on one GPU, with only the torch already there (no pip, no

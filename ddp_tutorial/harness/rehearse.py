@@ -1,4 +1,4 @@
-"""``make rehearse``: the lessons at GPU world sizes (3 and 8 ranks), on the CPU with gloo.
+"""make rehearse: the lessons at GPU world sizes (3 and 8 ranks), on the CPU with gloo.
 
 A GPU box runs the lessons with one rank per GPU: 8 where CI runs 2. Most
 of what breaks there depends on the world size, not on CUDA (a shard that no
