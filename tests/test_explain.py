@@ -287,6 +287,9 @@ EXAMPLES = {
     "device-side-assert": "RuntimeError: CUDA error: device-side assert triggered",
     "module-device": "RuntimeError: module must have its parameters and buffers on device "
     "cuda:0 (device_ids[0]) but found one of them on device: cuda:3",
+    # torch 2.x's wording; before 1.9, "all CUDA-capable devices are busy or unavailable"
+    "cuda-device-busy": "[rank1]: RuntimeError: CUDA error: CUDA-capable device(s) is/are busy "
+    "or unavailable",
     "launcher-signalled": "W0920 09:10:41.194000 84933 torch/distributed/elastic/agent/server/"
     "api.py:719] Received 1 death signal, shutting down workers",
 }

@@ -1,7 +1,7 @@
 """``ddp-tutorial explain``'s entries for what NCCL, gloo and the group's start-up say about
 the machines and the processes: too many or too few processes at init, NCCL's own memory and
-sockets, an address only this host can reach, a launcher signalled (harness/messages.py holds
-the rest of the catalogue)."""
+sockets, an address only this host can reach, a GPU another process holds, a launcher
+signalled (harness/messages.py holds the rest of the catalogue)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,18 @@ NET: tuple[Known, ...] = (
         "torch.cuda.set_device(LOCAL_RANK); model.to(f'cuda:{LOCAL_RANK}'); "
         "DDP(model, device_ids=[LOCAL_RANK]): one index for all three",
         "04",
+    ),
+    Known(
+        "cuda-device-busy",
+        r"CUDA-capable device\S* (?:is/are|are) busy or unavailable",
+        "CUDA refused this process a context on a GPU: the GPU is in compute mode "
+        "EXCLUSIVE_PROCESS (one process per GPU, common on shared clusters) and another process "
+        "holds it - often another rank of this job that touched cuda:0 (a tensor or a "
+        "torch.load before set_device, the same device on every rank) - or another job does",
+        "torch.cuda.set_device(LOCAL_RANK) before any CUDA call, every tensor on that device "
+        "(map_location on loads); nvidia-smi shows the compute mode ('E. Process') and which "
+        "processes hold each GPU",
+        "03",
     ),
     Known(
         "launcher-signalled",
