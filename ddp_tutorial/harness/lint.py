@@ -436,4 +436,6 @@ def main(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = N
             f"{count} finding{'s' * (count != 1)} in {len({f.path for f in findings})} file(s)",
             file=err,
         )
+    elif not errors:  # said on stderr: a clean run's stdout stays empty for scripts
+        print(f"no findings in {len(expand(paths))} file(s)", file=err)
     return 2 if errors else 1 if findings else 0
