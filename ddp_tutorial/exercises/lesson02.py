@@ -117,9 +117,14 @@ def run_accuracy(module: ModuleType, ctx: Context) -> Record:
             "modes": sorted(model.modes)}  # fmt: skip
 
 
-def truth_correct(flipped: bool = False) -> int:
+def right_per_sample(flipped: bool = False) -> torch.Tensor:
+    """Whether the predictor gets each validation sample right (True/False per sample)."""
     x, y = val_data(flipped)
-    return int((predictor()(x).argmax(dim=1) == y).sum())
+    return predictor()(x).argmax(dim=1) == y
+
+
+def truth_correct(flipped: bool = False) -> int:
+    return int(right_per_sample(flipped).sum())
 
 
 def _judge_reads(records: list[Record]) -> str | None:
@@ -235,8 +240,7 @@ def judge_accuracy(records: list[Record]) -> str | None:
 def _added_unequally(records: list[Record], got: list[Any], name: str) -> str:
     """Ranks that called a collective and still disagree: each kept its own counts (added
     before the loop), or one added its own twice (a gathered list plus its own sums)."""
-    x, y = val_data()
-    right = predictor()(x).argmax(dim=1) == y
+    right = right_per_sample()
     own = [[int(right[sorted(set(rec["read"]))].sum()), len(set(rec["read"]))] for rec in records]
     total = [sum(c) for c in zip(*own, strict=True)]
     if got == own:
