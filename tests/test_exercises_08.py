@@ -115,6 +115,23 @@ CASES = register([
     Case(EX, "async-flag-never-waited", "async_op=True and was never waited on",
          edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
                  "dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)"),)),
+    # helper 134: two wrong answers passed (a collective in the handler met the flag's
+    # all_reduce by luck; a sleep outlasted the held save), a right one failed (the
+    # sys.exit(main()) its own message recommends), an async barrier was named the flag's
+    Case(EX, "collective-in-the-handler", "called a collective inside its SIGTERM handler",
+         edits=(("    signal.signal(signal.SIGTERM, lambda signum, frame: "
+                 "stop.update(signal=signum))",
+                 "    def on_sigterm(signum, frame):\n        stop.update(signal=signum)\n"
+                 "        dist.all_reduce(torch.ones(1))\n\n"
+                 "    signal.signal(signal.SIGTERM, on_sigterm)"),)),
+    Case(EX, "sleep-instead-of-barrier", "sleep instead of waiting at dist.barrier()",
+         edits=(("                dist.barrier()\n",
+                 "                else:\n                    __import__('time').sleep(1.0)\n"),)),
+    Case(EX, "sys-exit-main", None,
+         edits=(("        status = main()", "        raise SystemExit(main())"),)),
+    Case(EX, "async-barrier-never-waited", "the barrier: it holds no rank back",
+         edits=(("                dist.barrier()\n",
+                 "                dist.barrier(async_op=True)\n"),)),
 ])  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 from unittest import mock
@@ -34,13 +34,46 @@ IN_HANDLER = "exited inside its SIGTERM handler"  # the error a wrapped handler'
 RAISED_IN_HANDLER = "raised inside its SIGTERM handler"  # ... and anything else it raised
 
 
+COLLECTIVE_IN_HANDLER = "called a collective inside its SIGTERM handler"
+HANDLER_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "all_gather",
+    "reduce",
+    "all_gather_object",
+    "broadcast_object_list",
+    "monitored_barrier",
+)
+
+
+class _CollectiveInHandler(RuntimeError):
+    """A collective the learner's handler called: refused, so that it never meets a peer's
+    collective of the loop by luck (helper 134: the handler's all_reduce met the other rank's
+    flag all_reduce, and the run passed)."""
+
+
+def _refused(name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> None:
+        raise _CollectiveInHandler(f"rank {COLLECTIVE_IN_HANDLER} (dist.{name})")
+
+    return call
+
+
 def _wrapped(handler: Any) -> Any:
     """The learner's SIGTERM handler, with an exit from inside it turned into a named error
-    (its frame stays on the stack under the learner's, so the stub still sees a save in it)."""
+    (its frame stays on the stack under the learner's, so the stub still sees a save in it),
+    and its collectives refused."""
 
     def sigterm(signum: int, frame: Any) -> Any:
+        names = [n for n in HANDLER_COLLECTIVES if hasattr(dist, n)]
         try:
-            return handler(signum, frame)
+            with ExitStack() as stack:
+                for name in names:
+                    stack.enter_context(mock.patch.object(dist, name, _refused(name)))
+                return handler(signum, frame)
+        except _CollectiveInHandler:
+            raise
         except SystemExit as stop:
             raise RuntimeError(f"rank {IN_HANDLER} (SystemExit {stop.code})") from stop
         except BaseException as exc:  # KeyboardInterrupt (default_int_handler), anything
@@ -162,6 +195,11 @@ def _judge_saves(records: list[Record], stop: int) -> str | None:
 def judge_preempt(records: list[Record]) -> str | None:
     reports = [r["report"] for r in records]
     if any(rep is None for rep in reports):
+        if any(r.get("exit_code") == PREEMPTED for r in records):
+            return ("the file exited with 75 from inside the loop: right for a job on a "
+                    "cluster, but this file reports first - set status = PREEMPTED and break, "
+                    "and main() returns it (on a cluster, end the script with "
+                    "sys.exit(main()))")  # fmt: skip
         return ("a rank wrote no report-rank*.json: keep the lines that write it, after the "
                 "loop - leave the loop with `break`, not `return`")  # fmt: skip
     if not any(rep["handler"] for rep in reports):
@@ -229,9 +267,12 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
     (IN_HANDLER, "a rank exited inside its SIGTERM handler: nothing was saved, and the other "
      "rank was left waiting in the next all_reduce - the handler only sets the flag "
      "(stop['signal'] = signum); the loop saves and stops at the step boundary"),
-    ("SystemExit: 75", "the file exited with 75 from inside the loop: right for a job on a "
-     "cluster, but this file reports first - set status = PREEMPTED and break, and main() "
-     "returns it (on a cluster, end the script with sys.exit(main()))"),
+    (COLLECTIVE_IN_HANDLER, "a rank called a collective inside its SIGTERM handler: the "
+     "handler runs between two lines of the loop, wherever the signal lands, so the other "
+     "ranks meet it with whatever collective they are in (the flag's all_reduce, backward's "
+     "gradients) - right by luck, a wrong sum or a hang; the handler only sets the flag "
+     "(stop['signal'] = signum), and the loop's all_reduce of it, at the step boundary, is the "
+     "one collective that decides"),
     ("loss.backward()", "a rank went on into the next step and waited in backward's gradient "
      "all_reduce for a rank that had stopped: the SIGTERM reached one process only - all_reduce "
      "the flag (MAX) at the step boundary, so that every rank stops at the same step, and "
@@ -244,9 +285,18 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 # luck when the sum arrived in time (a fresh CI clone passed it once; a busy host hangs it)
 UNWAITED = (
     r"(?s)\A(?!.*\.wait\().*async_op\s*=\s*True",
-    "the flag's all_reduce ran with async_op=True and was never waited on: flag.item() "
-    "may read it before the sum arrives, and the ranks then disagree on stopping - "
-    "call .wait() on the Work it returns (or drop async_op: the flag is one number)",
+    "a collective ran with async_op=True and was never waited on - the flag's all_reduce: "
+    "flag.item() may read it before the sum arrives, and the ranks then disagree on stopping; "
+    "the barrier: it holds no rank back, and one may exit while rank 0 still writes - call "
+    ".wait() on the Work it returns (or drop async_op)",
+)
+# a sleep where the barrier belongs: long enough here, too short on a slow file system
+SLEPT = (
+    r"(?s)\A(?!.*barrier\().*\bsleep\(",
+    "the ranks sleep instead of waiting at dist.barrier() for rank 0's save: a sleep guesses "
+    "how long the save takes - long enough here, too short on a slow file system, where "
+    "torchrun stops the job with rank 0 in mid-save; dist.barrier() after the save, on every "
+    "rank",
 )
 
 EXERCISES = [
@@ -261,9 +311,10 @@ EXERCISES = [
                  "broadcast from the rank this check signals: on a cluster any rank can get the "
                  "SIGTERM first, or only some of them - all_reduce the flag with op=MAX, so "
                  "that a signal on any rank stops every rank"),
-                UNWAITED),  # a run that won the race passes: named all the same
+                UNWAITED, SLEPT),  # a run that won the race passes: named all the same
         when_hung=(UNWAITED,),
         judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,
+        exit_codes=(PREEMPTED,),  # sys.exit(main()) after the report: what a cluster job does
         title="SIGTERM: every rank stops at one step, rank 0 saves, every rank exits 75",
         teaches='lesson 08, "4 · Preemption: save on SIGTERM, exit 75, resume when requeued"',
         proves=(
