@@ -192,16 +192,20 @@ def _judge_saves(records: list[Record], stop: int) -> str | None:
     return None
 
 
+def _no_report(records: list[Record]) -> str:
+    """A rank without its report: it exited 75 from the loop, or left it another way."""
+    if any(r.get("exit_code") == PREEMPTED for r in records):
+        return ("the file exited with 75 from inside the loop: right for a job on a cluster, "
+                "but this file reports first - set status = PREEMPTED and break, and main() "
+                "returns it (on a cluster, end the script with sys.exit(main()))")  # fmt: skip
+    return ("a rank wrote no report-rank*.json: keep the lines that write it, after the "
+            "loop - leave the loop with `break`, not `return`")  # fmt: skip
+
+
 def judge_preempt(records: list[Record]) -> str | None:
     reports = [r["report"] for r in records]
     if any(rep is None for rep in reports):
-        if any(r.get("exit_code") == PREEMPTED for r in records):
-            return ("the file exited with 75 from inside the loop: right for a job on a "
-                    "cluster, but this file reports first - set status = PREEMPTED and break, "
-                    "and main() returns it (on a cluster, end the script with "
-                    "sys.exit(main()))")  # fmt: skip
-        return ("a rank wrote no report-rank*.json: keep the lines that write it, after the "
-                "loop - leave the loop with `break`, not `return`")  # fmt: skip
+        return _no_report(records)
     if not any(rep["handler"] for rep in reports):
         return (f"no SIGTERM handler: on a cluster, rank {PREEMPT_RANK} would have died at once "
                 f"at step {PREEMPT_AT}, losing everything since the last snapshot - install one "
