@@ -203,6 +203,15 @@ CASES = register(
                      "seen = int(max(pred.max(), target.max())) + 1  # the classes this rank saw\n"
                      "    counts = torch.zeros(3, seen, dtype=torch.float64)"),
                     ("    for c in range(num_classes):", "    for c in range(seen):"))),
+        # helper 133: both got the generic "expected the macro F1"
+        Case(F1, "weighted-by-support", "weighted by each class's support",
+             edits=(("    score = per_class.mean().item()",
+                     "    support = tp + fn\n"
+                     "    score = ((per_class * support).sum() / support.sum()).item()"),)),
+        Case(F1, "absent-class-scores-1", "zero_division=1",
+             edits=(("    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)",
+                     "    denom = 2 * tp + fp + fn\n"
+                     "    per_class = torch.where(denom > 0, 2 * tp / denom.clamp(min=1), 1.0)"),)),
     ]
 )  # fmt: skip
 

@@ -169,6 +169,10 @@ CASES = register([
                  "            os.fsync(f.fileno())\n            f.flush()\n"),)),
     Case(SNAP, "loads-onto-the-cpu-always", "map_location=device, so that a GPU rank's",
          edits=(("map_location=device", 'map_location="cpu"'),)),
+    # helper 133: a right answer waited 120 s, then failed (rank 0 saved alone, its
+    # monitored_barrier waited for peers that were not in the call)
+    Case(SNAP, "monitored-barrier", None,
+         edits=(("    dist.barrier()", "    dist.monitored_barrier()"),)),
 ])  # fmt: skip
 
 

@@ -157,6 +157,14 @@ CASES = register([
     Case(EX, "zero-grad-before-the-step", "zeroed after the last backward",
          edits=(("    scaler.step(optimizer)\n",
                  "    optimizer.zero_grad()\n    scaler.step(optimizer)\n"),)),
+    # helper 133: a norm taken before unscale_, the clip after it, was named a clip of the
+    # scaled gradients
+    Case(EX, "norm-returned-from-before-unscale", "measured before unscale_",
+         edits=(("    scaler.unscale_(optimizer)\n",
+                 "    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])\n"
+                 "    scaler.unscale_(optimizer)\n"),
+                ("    norm = torch.nn.utils.clip_grad_norm_(",
+                 "    torch.nn.utils.clip_grad_norm_("))),
 ])  # fmt: skip
 
 

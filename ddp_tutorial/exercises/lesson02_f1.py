@@ -166,6 +166,12 @@ def _wrong_f1s(every: torch.Tensor, mean_of_own: float) -> list[tuple[float, str
          "counted as FN: (pred == c) & (target != c)?); F1 = 2·TP / (2·TP + FP + FN)"),
         (per_class[:-1].sum().item() / CLASSES, f"as if the last class ({CLASSES - 1}) were "
          "never counted: the loop must go over range(num_classes), every class"),
+        ((per_class * (tp + fn)).sum().item() / (tp + fn).sum().clamp(min=1).item(), "the F1s "
+         "weighted by each class's support (TP + FN: sklearn's 'weighted'); macro F1 weighs "
+         "every class alike - the plain mean of the per-class F1s"),
+        (torch.where(2 * tp + fp + fn > 0, per_class, 1.0).mean().item(), "a class nobody "
+         "predicted or labelled scored 1 (zero_division=1); this exercise scores it 0, as "
+         "2·TP / (2·TP + FP + FN).clamp(min=1) does"),
     ]  # fmt: skip
 
 

@@ -22,14 +22,13 @@ from typing import Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.lesson01 import COLLECTIVES
 from ddp_tutorial.exercises.runner import agent_store, meet
-from ddp_tutorial.exercises.spies import paths_through_os, spied_os, spying
+from ddp_tutorial.exercises.spies import barriers_return, paths_through_os, spied_os, spying
 
 DELAY_S = 1.5  # the longest rank 0's first save (write, then rename) waits for the others
 # what a rank that waits for rank 0's file calls (a sleep that outlasts DELAY_S waits for none):
@@ -177,10 +176,7 @@ def _kill_phase(
     if ctx.rank == 0 and record["saved"] and "error" not in record["saved"]:
         died: list[str] = []
         try:
-            with (
-                _spied_save(died, kill=True),
-                mock.patch.object(dist, "barrier", lambda *a, **k: None),
-            ):
+            with _spied_save(died, kill=True), barriers_return():
                 module.save_snapshot(path, model, optimizer, EPOCH + 1, STEP + 40)
             record["kill"] = "torch.save was never called"
         except Killed:
@@ -213,7 +209,7 @@ def _replace_phase(
                 mock.patch.object(os, "unlink", noted(os.unlink)),
                 mock.patch.object(os, "remove", noted(os.remove)),
                 paths_through_os(),  # Python 3.10: path.unlink() is seen too
-                mock.patch.object(dist, "barrier", lambda *a, **k: None),
+                barriers_return(),
             ):
                 module.save_snapshot(path, model, optimizer, EPOCH + 2, STEP + 80)
         except Exception:  # named by the first save already

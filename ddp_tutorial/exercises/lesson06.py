@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from ddp_tutorial.exercises.core import Context, Exercise, Record, divided_by
 from ddp_tutorial.exercises.lesson04 import EVERY, counted
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
+from ddp_tutorial.exercises.noting import NotingScaler, NotingSchedule, noted, without
 from ddp_tutorial.exercises.spies import spying
 
 # the limit is not 1.0: the lesson's own line (max_norm=1.0) copied with the number in it
@@ -47,38 +48,6 @@ def _net() -> nn.Module:
 
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-class _Scaler(torch.amp.GradScaler):
-    """A GradScaler that notes which of its methods ran, in order, in ``calls``."""
-
-    def __init__(self, calls: list[str]) -> None:
-        super().__init__("cpu", init_scale=SCALE)
-        self.calls = calls
-
-    def scale(self, outputs: Any) -> Any:
-        self.calls.append("scaler.scale")
-        return super().scale(outputs)
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append("scaler.step")
-        return super().step(optimizer, *args, **kwargs)
-
-    def update(self, new_scale: Any = None) -> None:
-        self.calls.append("scaler.update")
-        super().update(new_scale)
-
-
-class _Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """The warm-up schedule, noting each ``step()`` in ``calls`` once that is set (not the
-    step the constructor takes)."""
-
-    calls: list[str] | None = None
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.calls is not None:
-            self.calls.append("scheduler.step")
-        super().step(*args, **kwargs)
 
 
 def reference(world_size: int, clip: bool) -> list[dict[str, object]]:
@@ -121,10 +90,10 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     calls: list[str] = []  # this step's calls, in order
     optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
     for owner in (optimizer, model):  # either zeroes the gradients
-        owner.zero_grad = _noted(owner.zero_grad, calls)  # type: ignore[method-assign]
-    scheduler = _Schedule(optimizer, warmup)
+        owner.zero_grad = noted(owner.zero_grad, calls)  # type: ignore[method-assign]
+    scheduler = NotingSchedule(optimizer, warmup)
     scheduler.calls = calls
-    scaler = _Scaler(calls)
+    scaler = NotingScaler(calls, SCALE)
     want, unclipped = reference(ctx.world_size, True), reference(ctx.world_size, False)
     steps = []
     clips: list[tuple[float, float]] = []  # (max_norm, norm_type) of each clip_grad_norm_ call
@@ -154,26 +123,9 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
             "syncs": len(syncs), "sync_at": list(syncs),
-            "own": _without(collectives, ["all_reduce"] * len(syncs)),
+            "own": without(collectives, ["all_reduce"] * len(syncs)),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
-
-
-def _noted(zero_grad: Any, calls: list[str]) -> Any:
-    def noted(*args: Any, **kwargs: Any) -> Any:
-        calls.append("zero_grad")
-        return zero_grad(*args, **kwargs)
-
-    return noted
-
-
-def _without(calls: list[str], theirs: list[str]) -> list[str]:
-    """``calls`` less one of each of ``theirs`` (DDP's all_reduces, through its comm hook)."""
-    left = list(calls)
-    for name in theirs:
-        if name in left:
-            left.remove(name)
-    return left
 
 
 def _returned_norm(norm: float, true: float, world: int) -> str | None:
@@ -211,7 +163,7 @@ def judge_clip(records: list[Record]) -> str | None:
         if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
         norm, true = rows[0]["norm"], rows[0]["want_norm"]
-        if mistake := _scaled_norm(norm, true, rows[0]["clips"]):
+        if mistake := _scaled_norm(norm, true, rows[0]["clips"], rows[0]["calls"]):
             return mistake
         norms = [row["norm"] for row in rows]
         if max(norms) - min(norms) > 1e-5 * max(norms):
@@ -312,9 +264,17 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
     return None
 
 
-def _scaled_norm(norm: float, true: float, clips: list[list[float]]) -> str | None:
+def _scaled_norm(norm: float, true: float, clips: list[list[float]],
+                 calls: list[str]) -> str | None:  # fmt: skip
     """A norm of the scaled gradients: measured by a clip before unscale_, or returned so."""
     scaled_limit = any(abs(c[0] - MAX_NORM * SCALE) <= 1e-9 * c[0] for c in clips)
+    unscaled_first = "clip" in calls and "scaler.unscale_" in calls[: calls.index("clip")]
+    if norm > 100 * true and unscaled_first and not scaled_limit:
+        return (f"train_step returned {norm:.4g}, the norm of the scaled gradients "
+                f"({norm / true:.0f} times the true {true:.4g}), though it clipped after "
+                "scaler.unscale_: the norm "
+                "it returned was measured before unscale_ - return what clip_grad_norm_ returns "
+                "(lesson 06, \"Three things every real loop needs\")")  # fmt: skip
     if norm > 100 * true and scaled_limit:
         return (
             f"train_step returned {norm:.4g}, the norm of the scaled gradients "
