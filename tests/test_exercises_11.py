@@ -171,6 +171,13 @@ CASES = register([
                 ("    scaler.step(optimizer)  # unscales; skips the step on every rank if a "
                  "gradient is inf/nan\n    scaler.update()  # after a skip: the scale halves\n",
                  "    pass\n"))),
+    # helper 134: both were named "the weights never moved", the second "stepped although
+    # rank 1's gradient held an inf"
+    Case(AMP, "loss-scaled-twice", "the loss was scaled twice",
+         edits=(("to_backward = scaler.scale(loss)",
+                 "to_backward = scaler.scale(scaler.scale(loss))"),)),
+    Case(AMP, "zero-grad-every-micro-batch", "zero_grad ran in every micro-batch",
+         edits=(("        with sync:\n", "        optimizer.zero_grad()\n        with sync:\n"),)),
 ])  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.noting import noted
 from ddp_tutorial.exercises.spies import spying
 
 AMP_LR, AMP_SCALE, AMP_TOL = 0.1, 1024.0, 2e-2  # SGD; the scaler's first scale; float16 vs 32
@@ -122,9 +123,13 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     watch = _Watch(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE)
-    record: Record = {"allreduces": [], "allreduce_after": [], "dtypes": [], "returned": []}
+    record: Record = {"allreduces": [], "allreduce_after": [], "dtypes": [], "returned": [],
+                      "zeroed": []}  # fmt: skip
     calls: list[str] = []  # the learner's clip_grad_norm_ and unscale_ calls, in order
     cast_backward = _watch_backward(model, ctx, record)
+    zeroed: list[str] = []  # each zero_grad of a step (helper 134: one per micro-batch)
+    for owner in (optimizer, model):
+        owner.zero_grad = noted(owner.zero_grad, zeroed)  # type: ignore[method-assign]
 
     def step(n: int) -> None:
         x, y = amp_batch(n, ctx.world_size)
@@ -132,8 +137,10 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
         k = AMP_MICRO[n]
         micro = list(zip(x[mine].chunk(k), y[mine].chunk(k), strict=True))
         watch.reset()
+        zeroed.clear()
         with noting_clips(scaler, module, calls):
             returned = module.amp_step(model, micro, optimizer, scaler, AMP_DTYPES[n])
+        record["zeroed"].append(len(zeroed))
         record["returned"].append(returned if isinstance(returned, float | int) else repr(returned))
         record["allreduces"].append(len(watch.after))
         record["allreduce_after"].append(list(watch.after))
@@ -141,6 +148,7 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
 
     before = _flat(model)
     step(0)
+    record["skipped_0"] = scaler.get_scale() < AMP_SCALE  # no inf was put in step 0
     reference = amp_model()  # float32, one process, the global batch
     x, y = amp_batch(0, ctx.world_size)
     nn.functional.cross_entropy(reference(x), y).backward()
@@ -152,14 +160,7 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
     record["clipped_scaled"] = "clip" in calls and calls.index("clip") < (
         calls.index("unscale") if "unscale" in calls else len(calls)
     )
-    grads: list[int] = []
-
-    def first_call_inf(grad: torch.Tensor) -> torch.Tensor:
-        """Rank 1's first micro-batch (inside no_sync: nothing sent yet) gets an inf."""
-        grads.append(1)
-        return grad.clone().fill_(float("inf")) if len(grads) == 1 else grad
-
-    hook = model.module[0].weight.register_hook(first_call_inf) if ctx.rank == 1 else None
+    hook = model.module[0].weight.register_hook(_inf_first()) if ctx.rank == 1 else None
     before, scale = _flat(model), scaler.get_scale()
     step(1)
     record["scale_kept"] = scaler.get_scale() >= scale  # update() halves it after a skip
@@ -174,6 +175,18 @@ def run_amp(module: ModuleType, ctx: Context) -> Record:
         weights=after.tolist(),
     )
     return record
+
+
+def _inf_first() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook: rank 1's first micro-batch (inside no_sync: nothing sent yet) gets an
+    inf; the later calls pass through."""
+    calls: list[int] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return grad.clone().fill_(float("inf")) if len(calls) == 1 else grad
+
+    return hook
 
 
 def _next_step_ratio(model: DDP, step: Callable[[int], None], world: int) -> float:
@@ -195,9 +208,19 @@ def judge_amp(records: list[Record]) -> str | None:
                     "step through the scaler, scaler.step(optimizer), which skips it - in "
                     "bfloat16 too: bf16 needs no scaling, but its step must still skip an "
                     "inf, and the scaler given here does both")  # fmt: skip
+        if rec["ratio"] == 0 and rec.get("skipped_0"):
+            return ("step 0 was skipped: the scaler found an inf in float16 gradients that held "
+                    "none - the loss was scaled twice (scaler.scale(scaler.scale(loss)), or "
+                    "times scaler.get_scale()), and they overflowed: scale it once")  # fmt: skip
         if rec["ratio"] == 0:
             return ("the weights never moved: after the micro-batches, scaler.step(optimizer), "
                     "then scaler.update()")  # fmt: skip
+        if any(
+            z >= k > 1 for z, k in zip(rec.get("zeroed", []), AMP_MICRO, strict=False)
+        ):  # one a batch
+            return ("zero_grad ran in every micro-batch: the gradients of the ones before were "
+                    "thrown away (an inf in one of them too) - zero once a step, before the "
+                    "first micro-batch or after scaler.step")  # fmt: skip
         k, after = AMP_MICRO[0], rec["allreduce_after"][0]
         if k not in after and len(after) > 1:
             return (f"DDP all-reduced in the backward of micro-batches "
