@@ -174,6 +174,16 @@ CASES = register(
         Case(BUCKETS, "buckets-listed-front-to-back", None,
              edits=(("        self.bucket_of = {p: i",
                      "        self.buckets.reverse()\n        self.bucket_of = {p: i"),)),
+        # helper 134: the all_reduce into a copy, and a flat rebuilt after it, got the
+        # generic "weights are ... away" (and the buckets' hint to wait first)
+        Case(HOOKS, "reduced-into-a-copy", "its own gradient divided by the world size",
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        g = p.grad.detach().clone()\n        dist.all_reduce(g)\n"
+                     "        p.grad.data = p.grad.data / world\n"),)),
+        Case(BUCKETS, "flat-rebuilt-after-the-wait", "its own gradient divided by the world",
+             edits=(("            flat /= self.world_size\n",
+                     "            flat = torch.cat([p.grad.flatten() for p in params])"
+                     " / self.world_size\n"),)),
     ]
 )  # fmt: skip
 

@@ -103,13 +103,15 @@ def references(rank: int, world: int) -> dict[str, Any]:
     train(summed, rank, LR * world)
     halved = DDP(make_model(rank))  # divided by the world size twice
     train(halved, rank, LR / world)
-    alone = make_model(0)
+    alone, own_over_world = make_model(0), make_model(0)
     train(alone, rank, LR)
+    train(own_over_world, rank, LR / world)  # its own gradient / world: the sum went elsewhere
     return {
         "ddp": _flat(ddp.module),
         "summed": _flat(summed.module),
         "halved": _flat(halved.module),
         "alone": _flat(alone),
+        "own_over_world": _flat(own_over_world),
         "ddp_seconds": seconds,
         "ddp_model": ddp,  # for the timing rounds
     }
@@ -191,6 +193,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "from_summed": far(ref["summed"]),
         "from_halved": far(ref["halved"]),
         "from_alone": far(ref["alone"]),
+        "from_own_over_world": far(ref["own_over_world"]),
     }
     # the weights are compared: now more steps of both, for the times alone (without the
     # check's look at the buckets: the learner's step only)
@@ -267,6 +270,12 @@ def judge_weights(records: list[Record], hint: str = "") -> str | None:
                 f"write the result back into p.grad?{hint}) "
                 '(lesson 12, "Your turn")'
             )
+        if rec.get("from_own_over_world", TOL + 1) <= TOL:
+            return (f"rank {rank}'s weights are those of its own gradient divided by the world "
+                    "size: the sum of the ranks' gradients never reached p.grad - it went into a "
+                    "copy (or a flat tensor rebuilt from p.grad after the all_reduce) that was "
+                    "not copied back; all_reduce p.grad itself, or copy the reduced tensor back "
+                    '(lesson 12, "Your turn")')  # fmt: skip
         return (
             f"after {STEPS} SGD steps rank {rank}'s weights are {rec['from_ddp']:.2g} away "
             f"from DistributedDataParallel's (allowed: {TOL:g}): each p.grad must hold the "
