@@ -504,7 +504,7 @@ def train(
         if was == global_batch:  # per-rank batch and accumulation count through it alone
             changed = [c for c in changed if not c.startswith(("--batch-size", "--grad-accum"))]
         elif not same_world:  # the global batch follows the ranks, and the peak LR follows it
-            changed.append(f"{state['world_size']} -> {ranks(world_size)} (global batch {was} -> "
+            changed.append(f"{state['world_size']} -> {world_size} ranks (global batch {was} -> "
                            f"{global_batch})")  # fmt: skip
         if changed:
             say(f"WARNING: resumed with {', '.join(changed)}: the LR schedule jumps at step {step}")
