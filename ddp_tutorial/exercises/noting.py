@@ -1,7 +1,7 @@
-"""Lesson 06's check, rank side: the scaler, the schedule and zero_grad noting each call, in
-order (on a CPU in float32 the scaler changes no number: the order is what shows a step past
-it, a schedule advanced early, a norm measured before unscale_). Not a lesson* module: those
-hold exercises."""
+"""Lessons 06 and 11's checks, rank side: the scaler, the schedule and zero_grad noting each
+call, in order (on a CPU in float32 the scaler changes no number: the order is what shows a
+step past it, a schedule advanced early, a norm measured before unscale_). Not a lesson*
+module: those hold exercises."""
 
 from __future__ import annotations
 

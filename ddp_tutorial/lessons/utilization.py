@@ -254,3 +254,21 @@ def step_breakdown(records: list[dict[str, Any]]) -> list[dict[str, float]]:
             }
         )
     return rows
+
+
+def output_of_each_rank(*flags: str) -> dict[int, tuple[str, bool]]:
+    """Lesson 06: for `torchrun <flags> --nproc-per-node 2 train.py`, where each local rank's
+    stderr goes (a file, /dev/null or "" for the console) and whether it also reaches the
+    console, as torchrun's own LogsSpecs decides it (built as torch/distributed/run.py does)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args([*flags, "--nproc-per-node", "2", "train.py"])
+    specs = DefaultLogsSpecs(
+        log_dir=args.log_dir,
+        redirects=Std.from_str(args.redirects),
+        tee=Std.from_str(args.tee),
+        local_ranks_filter={int(r) for r in args.local_ranks_filter.split(",")},
+    )
+    dest = specs.reify({rank: {"TORCHELASTIC_RUN_ID": "demo"} for rank in range(2)})
+    return {r: (dest.stderrs[r], dest.stderrs[r] == "" or r in dest.tee_stderrs) for r in range(2)}
