@@ -129,6 +129,10 @@ CASES = register([
                  "                else:\n                    __import__('time').sleep(1.0)\n"),)),
     Case(EX, "sys-exit-main", None,
          edits=(("        status = main()", "        raise SystemExit(main())"),)),
+    # twenty-seventh session: os._exit(75) in the loop was "the launch failed before your code ran"
+    Case(EX, "os-exit-in-the-loop", "os._exit stops a process on the spot",
+         edits=(("                status = PREEMPTED\n                break\n",
+                 "                os._exit(PREEMPTED)\n"),)),
     Case(EX, "async-barrier-never-waited", "the barrier: it holds no rank back",
          edits=(("                dist.barrier()\n",
                  "                dist.barrier(async_op=True)\n"),)),

@@ -119,6 +119,14 @@ CASES = register(
              edits=(("        for work, flat, params in self.pending:\n            work.wait()\n",
                      "        torch.futures.wait_all([work.get_future() for work, _, _ in "
                      "self.pending])\n        for work, flat, params in self.pending:\n"),)),
+        # twenty-seventh session: polling until complete is a wait (it was "never waited on")
+        Case(BUCKETS, "polled-is-completed", None,
+             edits=(("            work.wait()\n",
+                     "            while not work.is_completed():\n                pass\n"),)),
+        Case(BUCKETS, "polled-future-done", None,
+             edits=(("            work.wait()\n",
+                     "            future = work.get_future()\n"
+                     "            while not future.done():\n                pass\n"),)),
         Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
              edits=(("        for p in model.parameters():\n"
                      "            p.register_post_accumulate_grad_hook(self._grad_ready)\n",

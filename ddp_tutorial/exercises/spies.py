@@ -53,6 +53,14 @@ class NotedWork:
         self._waited = True
         self._on_wait()
 
+    def is_completed(self) -> bool:
+        """Polled until True (``while not work.is_completed()``): the result is there, as
+        after a ``wait()`` (gloo on a CPU; a GPU's stream is then past the kernel too)."""
+        done = self._work.is_completed()
+        if done:
+            self.note_wait()
+        return done
+
     def get_future(self) -> torch.futures.Future:
         future = self._work.get_future()
         _FUTURES[id(future)] = (future, [self])
@@ -79,18 +87,25 @@ def _works(futures: Any) -> list[NotedWork]:
 
 @contextmanager
 def _futures_noted() -> Iterator[None]:
-    """While a spy is on: a wait on a future of a NotedWork is a wait on the Work."""
+    """While a spy is on: a wait on a future of a NotedWork (or its ``done()`` found True) is
+    a wait on the Work."""
     if _PATCHED[0]:
         yield
         return
     cls, futures = torch._C.Future, torch.futures
-    reals = {"wait": cls.wait, "then": cls.then, "wait_all": futures.wait_all,
+    reals = {"wait": cls.wait, "done": cls.done, "then": cls.then, "wait_all": futures.wait_all,
              "collect_all": futures.collect_all}  # fmt: skip
 
     def wait(future: Any) -> Any:
         for work in _works([future]):
             work.note_wait()
         return reals["wait"](future)
+
+    def done(future: Any) -> bool:  # polled until True: completed, as after a wait
+        finished = reals["done"](future)
+        for work in _works([future]) if finished else []:
+            work.note_wait()
+        return finished
 
     def derived(real: Callable[..., Any]) -> Callable[..., Any]:
         def call(first: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +121,7 @@ def _futures_noted() -> Iterator[None]:
             work.note_wait()
         return reals["wait_all"](futures_)
 
-    patches = [(cls, "wait", wait), (cls, "then", derived(reals["then"])),
+    patches = [(cls, "wait", wait), (cls, "done", done), (cls, "then", derived(reals["then"])),
                (futures, "collect_all", derived(reals["collect_all"])),
                (futures, "wait_all", wait_all)]  # fmt: skip
     _PATCHED[0] = 1

@@ -164,6 +164,13 @@ def died(ex: Exercise, path: Path, output: str) -> str:
     # a traceback names the innermost frame last ("line 9, in f"); a fatal error's dump
     # (faulthandler, when gloo aborts) first ("line 9 in f")
     found = re.findall(rf'File "{re.escape(str(path.resolve()))}", line (\d+)(,?)', output)
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)}
+    if not found and codes and codes <= set(ex.exit_codes):  # os._exit(75): ended on the spot
+        return ex.hint(f"a rank ended its process with status {min(codes)} before the check "
+                       "could read what it did (os._exit stops a process on the spot: the lines "
+                       "after it, the report this file writes and every finally are skipped) - "
+                       "set the status and leave the loop; main() returns it (on a cluster, end "
+                       "the script with sys.exit(main()))")  # fmt: skip
     if not found:
         errors = re.findall(r"^\S*(?:Error|Exception): .*$", output, re.M)
         said = f" ({errors[-1].strip()[:200]})" if errors else ""
