@@ -127,6 +127,15 @@ CASES = register(
              edits=(("            work.wait()\n",
                      "            future = work.get_future()\n"
                      "            while not future.done():\n                pass\n"),)),
+        Case(HOOKS, "reduced-with-max", "op=MAX: not the mean",
+             edits=(("        dist.all_reduce(p.grad)\n",
+                     "        dist.all_reduce(p.grad, op=dist.ReduceOp.MAX)\n"),)),
+        Case(HOOKS, "async-broadcast-never-waited", "had not arrived when training began",
+             edits=(("            dist.broadcast(p, src=0)\n",
+                     "            dist.broadcast(p, src=0, async_op=True)\n"),)),
+        Case(BUCKETS, "copied-into-the-weights", "the weights themselves changed",
+             edits=(("                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))",
+                     "                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))"),)),  # noqa: E501
         Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
              edits=(("        for p in model.parameters():\n"
                      "            p.register_post_accumulate_grad_hook(self._grad_ready)\n",

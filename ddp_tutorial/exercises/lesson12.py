@@ -82,11 +82,13 @@ def train(
         begun = time.perf_counter()
         if trace is not None:
             trace.step, trace.grads = step, 0
+        weights = _flat(model).clone() if trace is not None else None
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         finish()
         if trace is not None:
             trace.add("step", unwaited=len(trace.unwaited))
+            trace.moved_weights |= not torch.equal(weights, _flat(model))  # before the step
         opt.step()
         seconds.append(time.perf_counter() - begun)
     return seconds
@@ -160,6 +162,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             mine, finish = None, lambda: None
             timed = finish
         start = _flat(model)
+        unwaited_broadcasts = trace.broadcasts_waited.count(False)  # when training begins
         for p in params:  # after the learner's hooks: these run once theirs have
             p.register_post_accumulate_grad_hook(
                 lambda _p: setattr(trace, "grads", trace.grads + 1)
@@ -189,6 +192,9 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "events": list(trace.events),
         "touched": list(trace.touched),
         "same_front": trace.same_front,
+        "unwaited_broadcasts": unwaited_broadcasts,
+        "moved_weights": trace.moved_weights,
+        "ops": sorted({e["op"] for e in trace.events if e["kind"] == "all_reduce"}),
         "from_ddp": far(ref["ddp"]),
         "from_summed": far(ref["summed"]),
         "from_halved": far(ref["halved"]),
@@ -232,6 +238,13 @@ def judge_start(records: list[Record]) -> str | None:
             return (f"every rank started from rank {rec['start_from']}'s weights, not rank 0's: "
                     "src is the rank that sends - dist.broadcast(p, src=0) "
                     '(lesson 04, "1 · The broadcast at construction")')  # fmt: skip
+        if not rec["start_is_rank0"] and rec.get("unwaited_broadcasts"):
+            return (f"rank {rank} started from its own random weights: its "
+                    f"{rec['unwaited_broadcasts']} dist.broadcast(..., async_op=True) had not "
+                    "arrived when training began, and nothing waited on them - call .wait() on "
+                    "each Work before the first forward (or leave async_op out: broadcast "
+                    'returns once the weights are there) (lesson 04, "1 · The broadcast at '
+                    'construction")')  # fmt: skip
         if not rec["start_is_rank0"]:
             return (
                 f"rank {rank} started from its own random weights, not rank 0's: broadcast "
@@ -276,6 +289,16 @@ def judge_weights(records: list[Record], hint: str = "") -> str | None:
                     "copy (or a flat tensor rebuilt from p.grad after the all_reduce) that was "
                     "not copied back; all_reduce p.grad itself, or copy the reduced tensor back "
                     '(lesson 12, "Your turn")')  # fmt: skip
+        if other := [op for op in rec.get("ops", ()) if op not in ("SUM", "AVG")]:
+            return (f"rank {rank} all_reduced with op={other[0]}: not the mean of the "
+                    "gradients (MAX and MIN keep one rank's number, PRODUCT multiplies them) - "
+                    "the default op, SUM, then divide by the world size "
+                    '(lesson 12, "Your turn")')  # fmt: skip
+        if rec.get("moved_weights"):
+            return (f"on rank {rank} the weights themselves changed before optimizer.step(): "
+                    "the averaged gradient was written into the parameter (p.data, p.copy_), "
+                    "not into p.grad - p.grad.copy_(...) there, and the optimizer moves the "
+                    'weights (lesson 12, "Your turn")')  # fmt: skip
         return (
             f"after {STEPS} SGD steps rank {rank}'s weights are {rec['from_ddp']:.2g} away "
             f"from DistributedDataParallel's (allowed: {TOL:g}): each p.grad must hold the "

@@ -218,7 +218,10 @@ _NO_WORK = (
 )
 
 
-READ_AFTER_WAIT = "; is each bucket copied back only after its work.wait()?"
+READ_AFTER_WAIT = (
+    "; is each bucket copied back only after its work.wait(), each piece into the p.grad it "
+    "was flattened from (the order of the torch.cat, the same offsets)?"
+)
 
 
 _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when its bucket "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddp_tutorial.exercises.spies import is_async, spying
+from ddp_tutorial.exercises.spies import is_async, reduce_op, spying
 
 
 class Trace:
@@ -29,6 +29,8 @@ class Trace:
         self.unwaited: set[int] = set()
         self.touched: list[str] = []  # an async call's tensor changed in place before its wait
         self.same_front = False  # two gradients of one bucket began with the same numbers
+        self.broadcasts_waited: list[bool] = []  # each async broadcast: waited on yet?
+        self.moved_weights = False  # a parameter changed between a step's start and its step()
 
     def add(self, kind: str, **info: Any) -> None:
         self.events.append({"kind": kind, "step": self.step, "grads": self.grads, **info})
@@ -55,7 +57,8 @@ class Trace:
 @contextmanager
 def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
     """Each ``dist.all_reduce`` the learner's ``module`` makes, recorded while the block runs
-    (blocking or not, how many numbers, on which tensor), and each wait on what it returned."""
+    (blocking or not, how many numbers, on which tensor, with which op), and each wait on what
+    it returned; and each ``dist.broadcast(..., async_op=True)`` that nothing waited on."""
 
     def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
@@ -66,9 +69,8 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
                 "register_post_accumulate_grad_hook's runs once p.grad is set"
             )
         async_op = is_async(args, kwargs)
-        trace.add(
-            "all_reduce", numel=tensor.numel(), async_op=async_op, target=trace.target(tensor)
-        )
+        trace.add("all_reduce", numel=tensor.numel(), async_op=async_op,
+                  target=trace.target(tensor), op=reduce_op(args, kwargs))  # fmt: skip
         if not async_op:
             return None
         trace.unwaited.add(ident)
@@ -79,7 +81,17 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
 
         return waited
 
-    with spying(("all_reduce",), note, module, touched=trace.touched):
+    def note_broadcast(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not is_async(args, kwargs):
+            return None
+        i = len(trace.broadcasts_waited)
+        trace.broadcasts_waited.append(False)
+        return lambda: trace.broadcasts_waited.__setitem__(i, True)
+
+    with (
+        spying(("all_reduce",), note, module, touched=trace.touched),
+        spying(("broadcast",), note_broadcast, module),
+    ):
         yield
 
 
