@@ -169,14 +169,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             )
         seconds = train(model, ctx.rank, LR, finish, trace)
     ref = references(ctx.rank, ctx.world_size)
-    index = {id(p): i for i, p in enumerate(params)}
-    buckets = None
-    if mine is not None:
-        found = getattr(mine, "buckets", None)
-        try:
-            buckets = [[index.get(id(p), -1) for p in b] for b in found]  # type: ignore[union-attr]
-        except TypeError:
-            buckets = repr(found)
+    buckets = None if mine is None else _bucket_layout(mine, params)
 
     def far(other: torch.Tensor) -> float:
         return (_flat(model) - other).abs().max().item()
@@ -208,6 +201,17 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     )
     record["busy_host"] = busy_host()
     return record
+
+
+def _bucket_layout(mine: Any, params: list[torch.Tensor]) -> list[list[int]] | str:
+    """The learner's buckets as lists of parameter indexes (-1: not a parameter of the model),
+    or their repr when they are not a list of lists."""
+    index = {id(p): i for i, p in enumerate(params)}
+    found = getattr(mine, "buckets", None)
+    try:
+        return [[index.get(id(p), -1) for p in b] for b in found]  # type: ignore[union-attr]
+    except TypeError:
+        return repr(found)
 
 
 def _finish_and_look(mine: Any, trace: Trace) -> Callable[[], None]:
