@@ -62,6 +62,12 @@ CASES = register([
     Case(SNAP, "no-map-location", "map_location=device",
          edits=(("torch.load(path, map_location=device, weights_only=True)",
                  "torch.load(path, weights_only=True)"),)),
+    Case(RESUME, "rank-0-loads-markers-deleted", "loaded under `if rank == 0`",  # helper 136
+         edits=(("    # YOUR CODE: if `snapshot`", "    # if `snapshot`"),
+                ("    # END YOUR CODE\n    model = DDP", "    model = DDP"),
+                ("        # YOUR CODE: this epoch's", "        # this epoch's"),
+                ("        # END YOUR CODE\n        order", "        order"),
+                ("    if snapshot.is_file():\n", "    if rank == 0 and snapshot.is_file():\n"))),
     Case(RESUME, "epochs-run-twice", "EPOCHS_RUN",
          edits=(('start_epoch = state["epoch"] + 1', 'start_epoch = state["epoch"]'),)),
     Case(RESUME, "no-optimizer-state", "empty optimizer",

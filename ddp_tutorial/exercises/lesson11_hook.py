@@ -207,6 +207,9 @@ ERRORS = (
     ("Expected a proper Tensor but got None", "the function given to .then() returned None: "
      "return the bucket's tensor from it (DDP copies what the Future holds into the "
      "gradients)"),
+    ("Unable to cast [", "the function given to .then() returned f.value(), a list [tensor] "
+     "(an all_reduce's future holds one): return the bucket's tensor - copy f.value()[0] into "
+     "the bucket and return the bucket"),
     ("isPyObject()", "the hook returned all_reduce's own Future, whose value is a list [tensor], "
      "not the bucket's tensor: chain .then(fn) and return the bucket from fn"),
     ("must return a torch.futures.Future", "the hook returned a tensor: DDP wants a Future "

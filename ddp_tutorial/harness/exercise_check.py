@@ -207,17 +207,21 @@ def by_luck(ex: Exercise, path: Path) -> str | None:
     if found:
         return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
                        f"{found[0].message}")  # fmt: skip
-    code = _your_lines(text)
+    code = _your_lines(ex, text)
     for pattern, mistake in ex.hidden:
         if re.search(pattern, code):
             return ex.hint(f"right in this check's run only: {mistake}")
     return None
 
 
-def _your_lines(text: str) -> str:
-    """The code of the learner's YOUR CODE blocks, comments left out."""
-    return "\n".join(line.split("#", 1)[0] for block in your_code_blocks(text)
-                     for line in block.splitlines())  # fmt: skip
+def _your_lines(ex: Exercise, text: str) -> str:
+    """The code of the learner's YOUR CODE blocks, comments left out; a file whose markers
+    were deleted with the stub's comments (helper 136): its lines that the stub does not have."""
+    lines = [line for block in your_code_blocks(text) for line in block.splitlines()]
+    if not lines and ex.stub.is_file():
+        stub = {line.strip() for line in ex.stub.read_text().splitlines()}
+        lines = [line for line in text.splitlines() if line.strip() not in stub]
+    return "\n".join(line.split("#", 1)[0] for line in lines)
 
 
 def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
@@ -225,7 +229,7 @@ def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
     the list of what makes ranks wait for each other."""
     if not ex.when_hung or not any(_hung(r) for r in records) or not path.is_file():
         return None
-    code = _your_lines(path.read_text())
+    code = _your_lines(ex, path.read_text())
     return next((ex.hint(m) for p, m in ex.when_hung if re.search(p, code)), None)
 
 
@@ -240,7 +244,7 @@ COPY_REDUCED = re.compile(
 def reduced_a_copy(ex: Exercise, path: Path) -> str | None:
     """A failed file whose collective was handed a converted tensor: named, where the runs
     only show that the ranks' results stayed their own."""
-    found = COPY_REDUCED.search(_your_lines(path.read_text())) if path.is_file() else None
+    found = COPY_REDUCED.search(_your_lines(ex, path.read_text())) if path.is_file() else None
     if found is None:
         return None
     op, copy = found["op"], found["copy"]
