@@ -436,7 +436,7 @@ def capture_rng_state() -> dict[str, Any]:
     """This process's generators: torch, this rank's own GPU, Python's, numpy's global one.
     Dropout, noise and worker seeds draw from them: an exact resume puts them back."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # is_available() would ask the CUDA driver (lesson 01)
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state["numpy"] = {
@@ -1870,7 +1870,7 @@ class TrainLog:
             return
         grad = f"{norm.item():.3g}" if norm is not None else "off"
         memory = ""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # is_available() would ask the CUDA driver (lesson 01)
             memory = f", {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB max allocated"
         print(f"step {step}: loss {mean:.4f}, lr {lr:.4g}, grad norm {grad}, {rate:.0f} "
               f"samples/s{memory}", flush=True)  # fmt: skip

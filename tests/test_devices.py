@@ -308,6 +308,33 @@ def test_nothing_here_initialises_cuda():
     assert json.loads(done.stdout.splitlines()[-1]) == {"initialised": False, "calls": []}
 
 
+STARTED = """
+import json, torch
+from ddp_tutorial.harness.environment import environment_report, kernel_started_cuda
+seen = [kernel_started_cuda()]
+environment_report()  # lesson 00's first cell: it must start nothing either
+seen.append(kernel_started_cuda())
+torch.cuda.is_available()  # starts the driver on a CUDA build; is_initialized() stays False
+print(json.dumps({"seen": seen + [kernel_started_cuda()], "flag": torch.cuda.is_initialized()}))
+"""
+
+
+@pytest.mark.torchrun  # a fresh interpreter, as for the test above
+def test_kernel_started_cuda_sees_is_available_that_is_initialized_misses():
+    """The lessons' "the kernel never touched CUDA" asserts use it (helper 135: with
+    ``is_initialized()`` alone, an ``is_available()`` in the kernel passed them)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STARTED], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    # a CPU-only build has no CUDA runtime to ask: nothing starts
+    assert got == {"seen": [False, False, bool(torch.version.cuda)], "flag": False}
+
+
 def test_mig_is_refused_with_what_to_do_not_counted_as_gpus(nvml):
     """MIG on, no CUDA_VISIBLE_DEVICES: NVML lists 8 GPUs, CUDA would show one instance."""
     nvml([fake_gpu(i, mig=True) for i in range(8)])

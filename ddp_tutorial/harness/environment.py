@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import sys
+import warnings
 from typing import Any
 
 import psutil
@@ -23,6 +24,23 @@ from ddp_tutorial.devices import DeviceError, visible_gpus
 from ddp_tutorial.distributed import choose_backend
 from ddp_tutorial.harness.launch import default_nproc
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+
+
+def kernel_started_cuda() -> bool:
+    """Whether this process started CUDA: torch initialised it (``is_initialized()``), or only
+    the driver was asked, which ``is_initialized()`` does not show - ``is_available()`` asks the
+    CUDA runtime for the GPU count (lesson 01, lesson 03: ``CUDA_VISIBLE_DEVICES`` is read then).
+    torch then marks every later fork as bad, so a forked child's ``_is_in_bad_fork()`` tells."""
+    if torch.cuda.is_initialized():
+        return True
+    if not hasattr(os, "fork"):  # no fork (Windows): torch's own flag is all there is
+        return False
+    with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded kernel
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: one question, then gone (no cleanup of the kernel's state)
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
 
 
 def environment_report() -> dict[str, Any]:

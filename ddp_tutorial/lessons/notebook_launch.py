@@ -81,7 +81,11 @@ CUDA_CASES = (
     ("memory_allocated", False),
     ("mem_get_info", False),
     ("tensor", False),
+    ("adam_step", False),  # what calls is_available() for you, on the CPU too
+    ("pin_memory", False),
+    ("data_parallel", False),
 )
+FOR_YOU = ("adam_step", "pin_memory", "data_parallel")  # ask the CUDA runtime as is_available()
 """``(--touch, --nvml-check)`` of each parent ``scripts/demos/fork_after_cuda.py`` stands in for."""
 
 

@@ -24,8 +24,22 @@ import os
 
 import torch
 import torch.multiprocessing as mp
+import torch.utils.data
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def adam_step() -> None:  # on the CPU: Adam's step asks the accelerator whether it is capturing
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weight])
+    weight.sum().backward()
+    optimizer.step()
+
+
+def pin_memory() -> None:  # on a machine without a GPU it warns, and pins nothing
+    next(iter(torch.utils.data.DataLoader(torch.arange(4.0), batch_size=2, pin_memory=True)))
+
+
 TOUCHES = {
     "nothing": lambda: None,  # only `import torch`
     "device_count": torch.cuda.device_count,  # asks NVML first
@@ -33,6 +47,10 @@ TOUCHES = {
     "memory_allocated": torch.cuda.memory_allocated,  # CUDA not initialised: empty stats, 0
     "mem_get_info": torch.cuda.mem_get_info,  # asks the driver: initialises CUDA
     "tensor": lambda: torch.zeros(1, device="cuda"),  # initialises CUDA: a context on cuda:0
+    # what calls is_available() for you, on the CPU too: its question goes to the CUDA runtime
+    "adam_step": adam_step,  # most torch.optim steps (Adam, AdamW, RMSprop...; not SGD) in 2.14
+    "pin_memory": pin_memory,  # the loader asks torch.accelerator.is_available()
+    "data_parallel": lambda: torch.nn.DataParallel(torch.nn.Linear(2, 2)),  # its device type
 }
 
 

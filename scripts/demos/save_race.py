@@ -80,22 +80,23 @@ def same_state(a: dict, b: dict) -> bool:
     )
 
 
-def check_load(path: Path, round_: int, numel: int) -> tuple[str, str]:
-    """``("ok" | "wrong" | "error", detail)`` for one load of the shared file."""
+def check_load(path: Path, round_: int, numel: int) -> tuple[str, str, int | None]:
+    """``("ok" | "wrong" | "error", detail, writer)`` for one load of the shared file (writer:
+    the rank whose whole, consistent state it holds; None unless "ok")."""
     try:
         loaded = load_checkpoint(path)
     except CheckpointError as exc:
-        return "error", str(exc)
+        return "error", str(exc), None
     writer = loaded.get("writer") if isinstance(loaded, dict) else None
     if not isinstance(writer, int):
-        return "wrong", f"loaded a {type(loaded).__name__} without a writer id"
+        return "wrong", f"loaded a {type(loaded).__name__} without a writer id", None
     try:
         ok = same_state(loaded, make_state(writer, round_, numel))
     except (KeyError, RuntimeError) as exc:
-        return "wrong", f"malformed content: {exc}"
+        return "wrong", f"malformed content: {exc}", None
     if not ok:
-        return "wrong", f"says writer {writer} round {round_}, but its tensors are a mix"
-    return "ok", ""
+        return "wrong", f"says writer {writer} round {round_}, but its tensors are a mix", None
+    return "ok", "", writer
 
 
 @record
@@ -117,6 +118,7 @@ def main() -> None:
             dist.all_reduce(flags)  # how many processes write in this mode
             counts: Counter[str] = Counter()
             examples: dict[str, str] = {}
+            from_writers: set[int] = set()  # whose state the good loads held
             for r in range(args.rounds):
                 state = make_state(info.rank, r, args.numel)
                 dist.barrier()  # start together, as ranks do at the end of an epoch
@@ -127,8 +129,9 @@ def main() -> None:
                     if writes:
                         torch.save(state, path)  # the seeds' way
                     dist.barrier()  # every writer has finished: the naive modes' best chance
-                outcome, detail = check_load(path, r, args.numel)
+                outcome, detail, writer = check_load(path, r, args.numel)
                 counts[outcome] += 1
+                from_writers |= {writer} if writer is not None else set()
                 if detail and outcome not in examples:
                     examples[outcome] = detail
                 dist.barrier()  # nobody rewrites while someone still reads
@@ -137,6 +140,7 @@ def main() -> None:
                 "loads": args.rounds,
                 **{k: counts.get(k, 0) for k in ("ok", "wrong", "error")},
                 "examples": examples,
+                "from_writers": sorted(from_writers),
             }
             print(
                 f"rank {info.rank} (local {info.local_rank}) {mode}: {int(flags.item())} "
