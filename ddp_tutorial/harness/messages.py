@@ -215,10 +215,14 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "cuda-fork",
         r"Cannot re-initialize CUDA in forked subprocess",
-        "CUDA was used in the parent before it forked (a DataLoader worker, "
-        "multiprocessing with fork): a child cannot use a parent's CUDA",
-        "do not touch CUDA before forking (no torch.cuda.* in the parent); or the spawn "
-        "start method",
+        "the parent started CUDA before it forked (a DataLoader worker, multiprocessing or "
+        "a notebook launcher with fork): a child cannot use it. Asking is enough - "
+        "torch.cuda.is_available(), and what calls it for you on the CPU too: an optimizer "
+        "step (Adam, AdamW, RMSprop...; torch 2.14), DataLoader(pin_memory=True), "
+        "nn.DataParallel(...) - though torch.cuda.is_initialized() still says False",
+        "nothing of that in the parent before forking (train, build loaders in the child); "
+        "PYTORCH_NVML_BASED_CUDA_CHECK=1 makes is_available() ask NVML instead; or the spawn "
+        "start method (or torchrun)",
         "01",
     ),
     Known(
