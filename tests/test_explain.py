@@ -67,7 +67,7 @@ def test_a_rank_that_logged_nothing_while_the_others_waited_is_named_when_it_log
     assert "the slow one logged nothing" in lagging_ranks(silent.splitlines())
     rank_0_silent = watchdog_log([1, 2, 3], {})  # ranks 0-3 exist; 0 wrote no line at all
     assert lagging_ranks(rank_0_silent.splitlines()).endswith(
-        "silent: rank 0 (behind, or logs elsewhere)"
+        "silent: rank 0 (behind, or logs elsewhere; ranks above 3: unknown)"
     )
 
 
@@ -78,7 +78,9 @@ def test_the_watchdog_is_read_in_the_formats_of_older_and_newer_torch():
         "timeout: WorkNCCL(SeqNum=120, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for " \
         "1800412 milliseconds before timing out."  # fmt: skip
     log = [old.format(r=r) for r in (1, 2, 3)]
-    assert lagging_ranks(log).endswith("ALLREDUCE #120; silent: rank 0 (behind, or logs elsewhere)")
+    assert lagging_ranks(log).endswith(
+        "ALLREDUCE #120; silent: rank 0 (behind, or logs elsewhere; ranks above 3: unknown)"
+    )
     for pg in ("PG 1 Rank {r}", "PG ID 0 PG GUID 0(default_pg) Rank {r}"):
         enqueued = (f"[9{{r}}] [rank{{r}}]:[E1103 10:00:01.1 ProcessGroupNCCL.cpp:1785] [{pg}] "
                     "Exception (either an error or timeout) detected by watchdog at work: 42, "
@@ -350,7 +352,8 @@ def test_a_rank_whose_only_line_is_its_enqueued_work_counts_as_one_that_logged()
     log = [WATCHDOG[0].format(r=r).removeprefix(f"[rank{r}]:") for r in (0, 1)]
     log.append(enqueued.format(r=3, e=13))
     assert lagging_ranks(log) == (
-        "ranks 0, 1, 3 waited in ALLREDUCE #12; silent: rank 2 (behind, or logs elsewhere)"
+        "ranks 0, 1, 3 waited in ALLREDUCE #12; silent: rank 2 (behind, or logs elsewhere; "
+        "ranks above 3: unknown)"
     )
 
 

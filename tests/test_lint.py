@@ -1525,3 +1525,24 @@ def test_a_device_made_from_the_local_rank_places_values_and_splits_tests_on_its
                     dist.barrier()
         """
     assert "DDP101" not in codes(head + textwrap.dedent(trainer)), "the loss is every rank's"
+
+
+def test_a_chosen_init_timeout_and_a_dataparallel_fallback_are_not_flagged():
+    """Helper 138, on yolov5's train.py: rank 0 downloading while the others wait is fine when
+    init_process_group was given a timeout of its own (its 3 hours); and nn.DataParallel in a
+    file that wraps with a DDP helper of its own (smart_DDP) is a fallback without torchrun."""
+    slow = (
+        "import torch.distributed as dist\n"
+        'dist.init_process_group("gloo"{})\nif dist.get_rank() == 0:\n    download(url)\n'
+        "dist.barrier()\ndist.destroy_process_group()\n"
+    )
+    assert codes(slow.format("")) == ["DDP122"]
+    assert codes(slow.format(", timeout=timedelta(seconds=10800)")) == []
+    fallback = (
+        "import torch\nimport torch.distributed as dist\n"
+        "if RANK == -1:\n    model = torch.nn.DataParallel(model)\n"
+        'else:\n    dist.init_process_group("nccl")\n    model = smart_DDP(model)\n'
+        "dist.destroy_process_group()\n"
+    )
+    assert "DDP116" not in codes(fallback)
+    assert "DDP116" in codes("import torch\nmodel = torch.nn.DataParallel(model)\n")

@@ -132,7 +132,8 @@ RULES: dict[str, tuple[str, str]] = {
     "DDP122": (
         "rank 0 works alone ({what}) and the others wait for it in the next collective: "
         "longer than the timeout and they fail; prepare before init_process_group, wait on "
-        "the store, or on a group made with a long timeout (dist.new_group(timeout=...))",
+        "the store, or on a group made with a long timeout (dist.new_group(timeout=...); "
+        "init_process_group(timeout=...) lengthens every wait, and is not flagged)",
         "02",
     ),
     "DDP123": (

@@ -27,7 +27,8 @@ NOT_HTTP = r"^(?!.*(?:urlopen|HTTPS?Connection|Max retries exceeded|requests\.|u
 KNOWN: tuple[Known, ...] = (
     Known(
         "nccl-watchdog",
-        r"Watchdog caught collective operation timeout",
+        r"Watchdog caught collective operation timeout|"
+        r"ProcessGroupNCCL::WorkNCCL::checkTimeout|ncclCommWatchdog",  # its C++ frames alone
         "a collective ran past the process group's timeout on the GPU: some rank never "
         "called it (a desync: a collective in a rank-dependent branch, a rank with more "
         "batches) or called it much later (rank 0 working alone)",
@@ -129,7 +130,9 @@ KNOWN: tuple[Known, ...] = (
         "dtypes (TORCH_DISTRIBUTED_DEBUG=DETAIL compares them - not beside DDP on a machine "
         "without a GPU, where it crashes DDP's constructor; gloo aborts the rank)",
         "a collective outside rank-dependent branches; shapes that do not depend on the "
-        "data (bincount(..., minlength=K))",
+        "data (bincount(..., minlength=K)); gradient buckets of different sizes: the forward "
+        "took another path on some ranks (a text-only batch skipping a vision tower) - run "
+        "every parameter on every rank (a dummy pass), or find_unused_parameters=True",
         "09",
     ),
     Known(
@@ -173,13 +176,16 @@ KNOWN: tuple[Known, ...] = (
         "address-in-use",
         r"EADDRINUSE|errno: 98 - Address already in use|"
         r"^(?:\[rank\d+\]:)?\s*RuntimeError: Address already in use",
-        "the rendezvous port is taken (a --master-port given: a one-node torchrun without one "
-        "picks a free port; MASTER_PORT is read by launches without torchrun): another job on "
+        "the rendezvous port is taken (a --master-port given, or an older torchrun, whose "
+        "default is 29500 - torch 2.14's picks a free port on one node; MASTER_PORT is read by "
+        "launches without torchrun, or the script sets it itself): another job on "
         "this machine, or a leftover of an earlier one; under --standalone, whose port is "
         "free, two processes that both act as rank 0 (a hard-coded --local_rank 0 or rank) "
         "or a second init_process_group in the script",
         "on one machine leave the port out (torchrun --standalone); across machines a port "
-        "you know is free; find leftovers with ps",
+        "you know is free; find leftovers with ps; a change of MASTER_PORT that changes "
+        "nothing: the script sets the port (or init_method='tcp://...') itself - search it "
+        "for 29500",
         "09",
     ),
     Known(
@@ -222,7 +228,9 @@ KNOWN: tuple[Known, ...] = (
         "nn.DataParallel(...) - though torch.cuda.is_initialized() still says False",
         "nothing of that in the parent before forking (train, build loaders in the child); "
         "PYTORCH_NVML_BASED_CUDA_CHECK=1 makes is_available() ask NVML instead; or the spawn "
-        "start method (or torchrun)",
+        "start method (or torchrun). In DataLoader workers (the parent of a DDP rank always "
+        "uses CUDA): no CUDA in the Dataset or collate_fn - CPU tensors, moved to the GPU in "
+        "the training loop - or DataLoader(multiprocessing_context='spawn')",
         "01",
     ),
     Known(
@@ -306,7 +314,8 @@ KNOWN: tuple[Known, ...] = (
         "a peer process is gone: it crashed or was killed, and this rank noticed in a "
         "collective - or it exited before a transfer of its own ended (an isend never "
         "waited on, no barrier before it returned)",
-        "find the first rank that failed (torchrun's Root Cause), not this one",
+        "find the first rank that failed (torchrun's Root Cause), not this one; when none "
+        "failed: .wait() every isend/irecv request (or a barrier) before a rank returns",
         "09",
         detail=reset_at_init,
     ),

@@ -172,5 +172,9 @@ def lagging_ranks(lines: list[str]) -> str | None:
     if behind or lower:
         return text
     if silent := sorted(set(range(max(t.seen) + 1)) - t.seen):  # ranks 0..max exist: no line
-        return f"{text}; silent: {_ranks(silent)} (behind, or logs elsewhere)"
+        top = max(t.seen)  # a rank above it would be known from no line at all (helper 138)
+        return (
+            f"{text}; silent: {_ranks(silent)} (behind, or logs elsewhere; ranks above {top}: "
+            "unknown)"
+        )
     return text + "; every rank that logged reached it: the slow one logged nothing (look for it)"
