@@ -522,6 +522,16 @@ REAL_LOGS = {
     "gloo_loopback_pytorch15592": (["gloo-loopback"], ["GLOO_SOCKET_IFNAME"], []),
     "address_in_use_standalone_pytorch85604": (["address-in-use"], ["both act as rank 0"], []),
     "launcher_sighup_ms_swift5884": (["launcher-signalled"], ["tmux"], []),
+    # helper 138: the watchdog from its C++ frames alone, the fork in DataLoader workers,
+    # gradient buckets of different sizes, a port the script sets itself
+    "watchdog_frames_only_particleflow390": (["nccl-watchdog"], [], []),
+    "cuda_fork_worker_spconv408": (["cuda-fork"], ["no CUDA in the Dataset or collate_fn"], []),
+    "bucket_sizes_differ_ms_swift9443": (
+        ["mismatched-collectives"],
+        ["took another path on some ranks"],
+        [],
+    ),
+    "address_in_use_own_port_mochi_xdit22": (["address-in-use"], ["search it for 29500"], []),
     "worker_raised_course": (
         ["worker-raised", "child-failed"],
         ["Original Traceback", "ValueError: bad sample 7"],
