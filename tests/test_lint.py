@@ -160,6 +160,10 @@ RULE_CASES: dict[str, tuple[str, str]] = {
         'plain = {k.lstrip("module."): v for k, v in state.items()}',
         'plain = {k.removeprefix("module."): v for k, v in state.items()}',
     ),
+    "DDP130": (  # pytorch/examples' multinode.py (helper 138)
+        "torch.accelerator.device_index(local_rank)",
+        "torch.accelerator.set_device_index(local_rank)",
+    ),
     "DDP116": (
         "model = torch.nn.DataParallel(net)",
         "model = torch.nn.parallel.DistributedDataParallel(net)",

@@ -167,7 +167,17 @@ RULES: dict[str, tuple[str, str]] = {
         "init_process_group('cpu:gloo,cuda:nccl')",
         "01",
     ),
+    "DDP130": (
+        "{what}(...) on a line of its own does nothing: it is a context manager, which sets "
+        "the device only inside a `with` block - the current device stays cuda:0, and every "
+        "rank's device-less work lands there; torch.cuda.set_device(local_rank) (or "
+        "torch.accelerator.set_device_index(local_rank))",
+        "03",
+    ),
 }
+# context managers that look like setters (pytorch/examples' multinode.py: a bare
+# torch.accelerator.device_index(rank), helper 138)
+DEVICE_CONTEXTS = ("cuda.device", "accelerator.device_index")
 
 COLLECTIVES = frozenset(
     "all_reduce reduce broadcast all_gather all_gather_object all_gather_into_tensor gather "

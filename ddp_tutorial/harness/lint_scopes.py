@@ -27,6 +27,7 @@ from ddp_tutorial.harness.lint_ast import (
 from ddp_tutorial.harness.lint_rules import (
     ALIASED,
     CUDA_STRING,
+    DEVICE_CONTEXTS,
     GPU_INDEX,
     IGNORE,
     RANK_ZERO_FIRST,
@@ -279,7 +280,12 @@ class ScopeChecks(SaveChecks):
                 self.add(stmt, "DDP122", what=f"{last_name(slow[0])}()")
 
     def devices(self, owner: ast.AST, scope: Scope) -> None:
-        """DDP102: the global rank where a GPU index goes."""
+        """DDP102: the global rank where a GPU index goes; DDP130: a device context manager
+        called as a statement of its own (it sets nothing)."""
+        for stmt in self.statements(owner):
+            bare = stmt.value if isinstance(stmt, ast.Expr) else None
+            if isinstance(bare, ast.Call) and dotted(bare.func).endswith(DEVICE_CONTEXTS):
+                self.add(stmt, "DDP130", what=dotted(bare.func))
         for call in (c for s in self.statements(owner) for c in self.own_calls(s)):
             name = dotted(call.func)
             slots: list[ast.expr] = []
