@@ -136,6 +136,10 @@ CASES = register(
         Case(BUCKETS, "copied-into-the-weights", "the weights themselves changed",
              edits=(("                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))",
                      "                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))"),)),  # noqa: E501
+        # helper 136: sent when the last-listed parameter is ready (right here by luck)
+        Case(BUCKETS, "sent-on-the-last-listed-parameter", "its last-listed parameter is ready",
+             edits=(("        if self.ready[i] == len(self.buckets[i]):",
+                     "        if param is self.buckets[i][-1]:"),)),
         Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
              edits=(("        for p in model.parameters():\n"
                      "            p.register_post_accumulate_grad_hook(self._grad_ready)\n",

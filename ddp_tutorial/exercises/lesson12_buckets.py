@@ -252,7 +252,11 @@ EXERCISES = [
         name="12_my_ddp_buckets", lesson="12", run=run_buckets, judge=judge_buckets,
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
-                 "self.world_size"),),
+                 "self.world_size"),
+                (r"\]\s*\[\s*-1\s*\]", "a bucket is sent when its last-listed parameter is "
+                 "ready, which holds only while autograd produces them in that order (this "
+                 "check's MLP does; a layer used twice, or one registered out of the order it "
+                 "runs, does not) - count the bucket's ready gradients instead"),),
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
