@@ -93,10 +93,18 @@ CASES = register([
          edits=(('dist.init_process_group("gloo")',
                  'dist.init_process_group("gloo", rank=int(os.environ["RANK"]),\n'
                  '                            world_size=int(os.environ["WORLD_SIZE"]))'),)),
-    Case(EX, "gradients-reduced-again", "gradients summed over the ranks again",
+    Case(EX, "gradients-reduced-again", "on top of DDP's backward, which averaged them already",
          edits=(("            loss.backward()\n",
                  "            loss.backward()\n            for p in model.parameters():\n"
                  "                dist.all_reduce(p.grad)\n"),)),
+    # helper 139: no DDP, the gradients all_reduced by hand and never divided
+    Case(EX, "summed-by-hand-without-ddp", "instead of DDP, without dividing by the world size",
+         edits=(("    model = DDP(model)\n", ""),
+                ("writer, state = rank == 0, model.module.state_dict()",
+                 "writer, state = rank == 0, model.state_dict()"),
+                ("            loss.backward()\n",
+                 "            loss.backward()\n            for p in model.parameters():\n"
+                 "                dist.all_reduce(p.grad)\n"))),
     Case(EX, "sampler-replicas-from-local-world-size", "not LOCAL_WORLD_SIZE",
          edits=(("(train_set, seed=args.seed)",
                  '(train_set, num_replicas=int(os.environ["LOCAL_WORLD_SIZE"]), rank=rank,\n'

@@ -17,6 +17,11 @@ EVAL_FIX = "            net = model.module  # the plain model: its forward is no
 CASES = register([
     Case(EX, "rank0-evaluates-the-ddp-model", "net(x)",
          edits=((EVAL_FIX, ""),)),
+    # helper 139: the hang gone by turning the buffer sync off, outside the blocks
+    Case(EX, "buffer-sync-turned-off", "broadcast_buffers=False stops the hang",
+         edits=(("    model = DDP(model)\n", "    model = DDP(model, broadcast_buffers=False)\n"),
+                ("            net = model.module  # the plain model: its forward is no collective\n",  # noqa: E501
+                 ""))),
     Case(EX, "uneven-batches-left", "dist.barrier()", edits=((SHARD_FIX, ""),)),
     Case(EX, "split-then-filter", "dist.barrier()",
          edits=((SHARD_FIX, "    shard = [i for i in DistributedSampler(train_set, shuffle=False)"

@@ -175,8 +175,9 @@ def _judge_saved(first: Record, n: int) -> str | None:
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if first["gap_lr_x_world"] <= 1e-5:
         return (f"the weights are those of a learning rate {n} times --lr (or of a loss times "
-                f"{n}, or of gradients summed over the ranks again after DDP's backward averaged "
-                "them: an all_reduce of each .grad on top of DDP - drop it): this lesson keeps "
+                f"{n}, or of gradients summed over the ranks and not averaged: an all_reduce of "
+                "each .grad on top of DDP's backward, which averaged them already - drop it; or "
+                "instead of DDP, without dividing by the world size): this lesson keeps "
                 "--lr as it is, to train exactly what one process trains on the global batch; "
                 "a rate changes with a global batch that grows "
                 '(lesson 02, "The global batch and the learning rate")')  # fmt: skip

@@ -215,12 +215,15 @@ def by_luck(ex: Exercise, path: Path) -> str | None:
 
 
 def _your_lines(ex: Exercise, text: str) -> str:
-    """The code of the learner's YOUR CODE blocks, comments left out; a file whose markers
-    were deleted with the stub's comments (helper 136): its lines that the stub does not have."""
+    """The code of the learner's YOUR CODE blocks, then every other line the stub does not have
+    (markers deleted with the stub's comments, helper 136; a change outside the blocks, helper
+    139: ``DDP(model, broadcast_buffers=False)``), comments left out."""
     lines = [line for block in your_code_blocks(text) for line in block.splitlines()]
-    if not lines and ex.stub.is_file():
-        stub = {line.strip() for line in ex.stub.read_text().splitlines()}
-        lines = [line for line in text.splitlines() if line.strip() not in stub]
+    if ex.stub.is_file():
+        stub = {line.strip() for line in ex.stub.read_text().splitlines()} | set(lines)
+        lines += [
+            line for line in text.splitlines() if line not in stub and line.strip() not in stub
+        ]
     return "\n".join(line.split("#", 1)[0] for line in lines)
 
 

@@ -5,7 +5,7 @@ shuffled DataLoader, an atomic save. Started under torchrun as it is, every proc
 alone on all the data and every one writes the same file. Make it the loop lesson 00 showed:
 join the process group (rank and world size from torchrun's environment), give each process
 its share of the data with a new order every epoch, wrap the model so that backward() averages
-the gradients, let one process save the weights without DDP's wrapper, and leave the group at
+the gradients, let rank 0 save the weights without DDP's wrapper, and leave the group at
 the end. ``--batch-size`` stays per process: 2 processes x 16 must train what 1 x 32 trains.
 
 Check it (2 gloo ranks, your file started the way torchrun starts it):
@@ -81,7 +81,7 @@ def main() -> None:
             optimizer.step()
 
     writer, state = True, model.state_dict()
-    # YOUR CODE: only one process writes; and `state` must be the weights without the wrapper
+    # YOUR CODE: only rank 0 writes; and `state` must be the weights without the wrapper
     # END YOUR CODE
     if writer:
         torch.save(state, out / "model.pt.tmp")  # write aside, then rename: never half a file

@@ -71,7 +71,7 @@ def main() -> None:
             optimizer.step()
 
     writer, state = True, model.state_dict()
-    # YOUR CODE: only one process writes; and `state` must be the weights without the wrapper
+    # YOUR CODE: only rank 0 writes; and `state` must be the weights without the wrapper
     writer, state = rank == 0, model.module.state_dict()
     # END YOUR CODE
     if writer:
