@@ -407,7 +407,7 @@ EXERCISES = [
         teaches='lesson 01, "all_gather": every rank must send the same shape',
         errors=_UNEVEN_ERRORS,
         proves=(
-            "every rank got every rank's tensor back through dist.all_gather, at its own length "
+            "every rank got every rank's tensor back through one all_gather, at its own length "
             "and dtype"
         ),
     ),
