@@ -75,6 +75,20 @@ CASES = register(
         # helper 109: only the TP row added up: FP and FN stay each rank's own
         Case(F1, "only-tp-added", "counts only partly added over the ranks (TP added",
              edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),
+        # helper 139: a confusion matrix from a bincount without minlength (torch's raw error)
+        Case(F1, "bincount-without-minlength", "torch.bincount(..., minlength=k * k)",
+             edits=(("    counts = torch.zeros(3, num_classes, dtype=torch.float64)\n"
+                     "    for c in range(num_classes):\n"
+                     "        counts[0, c] = ((pred == c) & (target == c)).sum()  # TP\n"
+                     "        counts[1, c] = ((pred == c) & (target != c)).sum()  # FP\n"
+                     "        counts[2, c] = ((pred != c) & (target == c)).sum()  # FN\n"
+                     "    dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not\n"
+                     "    tp, fp, fn = counts\n",
+                     "    k = num_classes\n"
+                     "    conf = torch.bincount(target.long() * k + pred.long()).reshape(k, k)\n"
+                     "    conf = conf.double()\n    dist.all_reduce(conf)\n"
+                     "    tp = conf.diagonal()\n"
+                     "    fp, fn = conf.sum(0) - tp, conf.sum(1) - tp\n"),)),
         Case(F1, "mean-of-the-ranks-f1", "the mean of the ranks' own F1s",
              edits=((REDUCE_COUNTS, "pass"),
                     (SCORE, "mine = per_class.mean().reshape(1)\n    dist.all_reduce(mine)\n"
