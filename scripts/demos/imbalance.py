@@ -171,7 +171,9 @@ def main() -> None:
             step += 1
         end = time.time()
         weights = state_digest(dict(model.module.named_parameters()))
-        sizes = {"batch_size": args.batch_size, "world_size": world, "device": str(device)}
+        sizes = {"batch_size": args.batch_size, "world_size": world, "device": str(device),
+                 "buffers": len(list(model.module.buffers())),  # BatchNorm's: synced in forward
+                 "forward_sync_buffers": bool(model.forward_sync_buffers)}  # fmt: skip
         write_rank_record(args.out, {"eval": args.eval, "schedule": args.schedule, "start": start,
                                      "end": end, **times, "lr": lrs, "grad_norm": norms,
                                      "weights": weights, **sizes})  # fmt: skip
