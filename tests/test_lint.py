@@ -937,6 +937,23 @@ def test_nccl_without_device_id_is_no_finding_once_the_script_sets_its_device(tm
     assert "DDP109" not in {f.code for f in lint_source(with_device)}
 
 
+def test_a_backend_computed_as_nccl_or_gloo_still_needs_a_device_on_its_gpu_branch():
+    """A practitioner's review: ``"nccl" if torch.cuda.is_available() else "gloo"`` (inline, or
+    through a name) hid DDP109: the GPU branch binds no device either."""
+    from ddp_tutorial.harness.lint import lint_source
+
+    head = "import torch\nimport torch.distributed as dist\n"
+    choice = '"nccl" if torch.cuda.is_available() else "gloo"'
+    tail = "dist.destroy_process_group()\n"
+    inline = head + f"dist.init_process_group(backend={choice})\n" + tail
+    named = head + f"backend = {choice}\ndist.init_process_group(backend)\n" + tail
+    for source in (inline, named):
+        assert "DDP109" in {f.code for f in lint_source(source)}, source
+    bound = named.replace(tail, "torch.cuda.set_device(local_rank)\n" + tail)
+    unknown = head + "dist.init_process_group(backend=args.backend)\n" + tail  # a flag: unknown
+    assert not {"DDP109"} & {f.code for s in (bound, unknown) for f in lint_source(s)}
+
+
 def test_the_state_dict_of_a_wrapper_held_in_an_attribute_is_found():
     """A practitioner's review: the official series' Trainer style (self.model = DDP(...))
     saved self.model.state_dict() unflagged; the plain model's own is left alone."""

@@ -98,7 +98,7 @@ class Linter(ScopeChecks):
                     self.add(call, "DDP111")
                     names.add("destroy_process_group")  # said once, at the first init
                 binds = {"set_device", "set_device_index"} & names  # the current GPU, set
-                if self.nccl(call) and keyword(call, "device_id") is None and not binds:
+                if self.may_be_nccl(call) and keyword(call, "device_id") is None and not binds:
                     self.add(call, "DDP109")
             elif name == "DataLoader":
                 shuffle = keyword(call, "shuffle")

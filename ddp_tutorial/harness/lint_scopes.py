@@ -198,6 +198,25 @@ class ScopeChecks(SaveChecks):
         backend = keyword(call, "backend") or (call.args[0] if call.args else None)
         return isinstance(backend, ast.Constant) and "nccl" in str(backend.value)
 
+    def may_be_nccl(self, call: ast.Call) -> bool:
+        """nccl named, or one of the backends a computed one can be: ``"nccl" if
+        torch.cuda.is_available() else "gloo"``, inline or in a name the file assigns it to
+        (the GPU branch of such a script binds no device either)."""
+        backend = keyword(call, "backend") or (call.args[0] if call.args else None)
+        if backend is None or isinstance(backend, ast.Constant):
+            return self.nccl(call)
+        sources = [backend] + [
+            node.value
+            for node in ast.walk(self.tree)  # type: ignore[attr-defined]
+            if isinstance(backend, ast.Name) and isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == backend.id for t in node.targets)
+        ]  # fmt: skip
+        return any(
+            isinstance(c, ast.Constant) and str(c.value).lower() == "nccl"
+            for source in sources
+            for c in ast.walk(source)
+        )
+
     @staticmethod
     def gloo(call: ast.Call) -> bool:
         """A backend named, without nccl in it: a group that never runs on a GPU."""
