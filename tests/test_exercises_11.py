@@ -29,6 +29,20 @@ CASES = register([
          edits=(("    # YOUR CODE: compress", "    # compress"), ("    # END YOUR CODE\n", ""),
                 ("dist.all_reduce(compressed, group=group, async_op=True)",
                  "dist.all_reduce(compressed, async_op=True)"))),
+    # helper 142: the group judged by a regex over the call's text missed a multi-line call and
+    # refused a right one (the group passed by position; a cast inside the call's brackets)
+    Case(EX, "default-group-over-several-lines", "the hook uses the default group",
+         edits=(("dist.all_reduce(compressed, group=group, async_op=True)",
+                 "dist.all_reduce(\n        compressed,\n        async_op=True,\n    )"),)),
+    Case(EX, "group-by-position", None,
+         edits=(("dist.all_reduce(compressed, group=group, async_op=True)",
+                 "dist.all_reduce(compressed, dist.ReduceOp.SUM, group, True)"),)),
+    Case(EX, "cast-inside-the-call", None,
+         edits=(("    compressed = buffer.to(torch.bfloat16).div_(world_size)  # divide first: "
+                 "DDP averages\n", ""),
+                ("dist.all_reduce(compressed, group=group, async_op=True)",
+                 "dist.all_reduce(buffer.to(torch.bfloat16).div_(world_size), group=group, "
+                 "async_op=True)"))),
     Case(EX, "then-returns-the-list", "returned f.value(), a list [tensor]",
          edits=(("    future = work.get_future().then(decompress)\n",
                  "    future = work.get_future().then(lambda f: f.value())\n"),)),

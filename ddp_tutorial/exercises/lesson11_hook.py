@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,7 +68,10 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     ready_for_ddp(ctx)
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    # the hooked model on a group of its own (all the ranks): DDP hands the hook that group, and
+    # an all_reduce on the default group instead is seen, however the call is written
+    own_group = dist.new_group(list(range(ctx.world_size)))
+    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base), process_group=own_group)
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     buckets: list[int] = []  # the hook's calls, one per bucket, in this step
     handed: set[str] = set()  # the dtypes of DDP's buckets as the hook got and left them
@@ -77,13 +81,15 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     done_at_return: list[tuple[bool, float]] = []
 
     hook = _watched(module, buckets, handed, valued, done_at_return)
-    hooked.register_comm_hook(None, hook)
+    hooked.register_comm_hook(own_group, hook)
     sent: list[tuple[str, int, bool]] = []
+    groups: list[bool] = []  # per all_reduce: on the group DDP handed the hook
 
     def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         tensor = args[0] if args else kwargs["tensor"]
         size = tensor.numel() * tensor.element_size()
         sent.append((str(tensor.dtype).removeprefix("torch."), size, is_async(args, kwargs)))
+        groups.append(kwargs.get("group", args[2] if len(args) > 2 else None) is own_group)
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
     record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
@@ -113,6 +119,7 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         buckets.clear()
         done_at_return.clear()
     record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
+    record["own_group"] = all(groups)
     return record
 
 
@@ -156,6 +163,8 @@ def judge_hook(records: list[Record]) -> str | None:
                         "gradients and the replicas drift apart)")  # fmt: skip
             if mistake := _dtypes_kept(rec, rank, step):
                 return mistake
+            if not rec.get("own_group", True):
+                return DEFAULT_GROUP
             dtypes = sorted({d for d, _, _ in sent})
             if dtypes != ["bfloat16"]:
                 return (f"rank {rank}'s hook sent {', '.join(dtypes)}: cast the bucket to "
@@ -203,6 +212,13 @@ def judge_hook(records: list[Record]) -> str | None:
     return None
 
 
+DEFAULT_GROUP = (
+    "the hook uses the default group (an all_reduce without group=, or the whole job's world "
+    "size): DDP hands the hook the group the model was wrapped with, a subgroup in a larger "
+    "job - all_reduce(..., group=group) and the size of that group (world_size, above your "
+    "lines)"
+)
+
 ERRORS = (
     ("Expected a proper Tensor but got None", "the function given to .then() returned None: "
      "return the bucket's tensor from it (DDP copies what the Future holds into the "
@@ -225,11 +241,7 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by world_size "
                  "(the process group's size)"),
-                (r"all_reduce\((?![^)\n]*\bgroup\b)[^)\n]*\)|get_world_size\(\)|WORLD_SIZE",
-                 "the hook uses the default group (an all_reduce without group=, or the whole "
-                 "job's world size): DDP hands the hook the group the model was wrapped with, a "
-                 "subgroup in a larger job - all_reduce(..., group=group) and the size of that "
-                 "group (world_size, above your lines)")),
+                (r"get_world_size\(\)|WORLD_SIZE", DEFAULT_GROUP)),
         title="a comm hook that sends the gradients as bfloat16",
         teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
         proves=(
