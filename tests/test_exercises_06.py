@@ -15,6 +15,15 @@ AFTER = ("    scaler.unscale_(optimizer)\n"
          "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
          "    scaler.step(optimizer)\n    scaler.update()\n    scheduler.step()\n")  # fmt: skip
 CASES = register([
+    # helper 142: named by what they did, not by the advice the learner had followed
+    Case(EX, "norm-measured-after-clipping", "measured after clipping",
+         edits=(("    norm = torch.nn.utils." + CLIP,
+                 "    torch.nn.utils." + CLIP + "\n"
+                 "    norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))"
+                 ),)),
+    Case(EX, "scaled-loss-thrown-away", "not on scaler.scale(loss)",
+         edits=(("            scaler.scale(loss).backward()",
+                 "            scaler.scale(loss)\n            loss.backward()"),)),
     # from a twenty-fifth-session learner review (helper 127)
     Case(EX, "loss-divided-by-k-twice", "divided by k twice",
          edits=(("scaler.scale(loss).backward()", "scaler.scale(loss / k).backward()"),)),

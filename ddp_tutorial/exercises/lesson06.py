@@ -141,6 +141,16 @@ def _returned_norm(norm: float, true: float, world: int) -> str | None:
                 "over the ranks - it is already the same on every rank (measured on the "
                 "averaged gradients): return what clip_grad_norm_ returns, with no collective "
                 '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if true > MAX_NORM and abs(norm - MAX_NORM) < 1e-4 * MAX_NORM:  # helper 142
+        return (f"{said}, max_norm itself: the norm was measured after clipping (the clipped "
+                f"gradients' norm); the norm before it was {true:.4g} - return what "
+                "clip_grad_norm_ returns "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if abs(norm * SCALE - true) < 1e-3 * true:  # helper 142: scaler.scale(loss) thrown away
+        return (f"{said}, the true gradient norm {true:.4g} / {SCALE:g}, the scale: backward "
+                "ran on the loss itself, not on scaler.scale(loss), and unscale_ then divided "
+                "unscaled gradients by the scale - scaler.scale(loss).backward() "
+                '(lesson 11, "1 · Mixed precision under DDP")')  # fmt: skip
     if abs(norm - true) > 1e-4 * true:  # 1/K: divided twice; less: some parameters
         why = ("the loss was divided by k twice - each micro-batch's loss / k, once"
                if abs(norm * K - true) < 1e-4 * true else "clip_grad_norm_ of every "
