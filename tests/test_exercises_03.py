@@ -16,6 +16,9 @@ PHYSICAL = 'physical = local_rank if listed is None else int(listed.split(",")[l
 
 CASES = register(
     [
+        # helper 142: named (it read "you picked cuda:None")
+        Case(GPU, "device-without-an-index", "has no index - it means the current device",
+             edits=(('torch.device("cuda", local_rank)', 'torch.device("cuda")'),)),
         # from an eighth learner review: ids that are not consecutive ("7,5", rank 1)
         Case(GPU, "first-listed-plus-local-rank", "",
              edits=(("int(listed.split(\",\")[local_rank])",

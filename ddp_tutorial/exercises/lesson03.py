@@ -230,6 +230,11 @@ def judge_gpu(records: list[Record]) -> str | None:
                 return (f"{where}: the device is {a['type']!r}; a rank of a GPU job uses "
                         f"torch.device('cuda', {index})")  # fmt: skip
             if a["index"] != index:
+                if a["index"] is None:  # helper 142: torch.device("cuda"), no index
+                    return (f"{where}: torch.device('cuda') has no index - it means the current "
+                            "device, cuda:0 on every rank that never set one: every rank on "
+                            f"one GPU. Name this rank's: torch.device('cuda', {index}), "
+                            "LOCAL_RANK's (lesson 03, \"`LOCAL_RANK`, not `RANK`\")")  # fmt: skip
                 if a["index"] == global_ and global_ != local:
                     return (
                         f"{where}: you picked cuda:{global_}, the global RANK; GPUs are numbered "
