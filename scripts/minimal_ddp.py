@@ -5,7 +5,8 @@
 One process per GPU (or N CPU processes with gloo). Every rank runs this same file;
 torchrun tells each one who it is through environment variables. Lesson 00 shows the diff
 against the single-process loop; 2 ranks x --batch-size 32 train the same weights as one
-process with --batch-size 64. Only torch and the standard library: copy it.
+process with --batch-size 64 (to float rounding; when --num-samples divides by the ranks: else
+DistributedSampler pads each epoch with repeated samples). Only torch and the standard library.
 """
 
 import argparse
@@ -22,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
-    """n points in 20 dimensions, 4 classes given by a fixed random linear teacher."""
+    """n points in 20 dimensions, 4 classes given by a random linear teacher."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)

@@ -5,7 +5,8 @@
 Run it again with the same --checkpoint-dir and it continues from its newest snapshot, at
 the step it reached, ending with the weights an uninterrupted run ends with (bitwise on 2
 ranks; on more, to rounding: lesson 08). On SIGTERM (a preemption; torchrun forwards it to
-every rank) every rank saves that step and exits 75.
+every rank) every rank saves that step and exits 75; a loss gone inf or nan stops every rank
+(exit 1) and saves nothing over the last good snapshot. A resume with other flags is refused.
 Global rank 0 writes every file, atomically. Only torch and the standard library: copy it.
 The middle rung between minimal_ddp.py and the template, train.py.
 """
@@ -26,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
-    """n points in 20 dimensions, 4 classes given by a fixed random linear teacher."""
+    """n points in 20 dimensions, 4 classes given by a random linear teacher."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=torch.Generator().manual_seed(0))).argmax(dim=1)
@@ -35,7 +36,7 @@ def make_data(n: int, seed: int) -> TensorDataset:
 
 def atomic_save(obj: object, path: Path) -> None:
     """Write aside, fsync, rename: the file is always the old one or the new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # its own: never another writer's
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -92,7 +93,11 @@ def main() -> None:
         state = torch.load(ckpt / "snapshot.pt", map_location=device, weights_only=True)
         if len(state["rng"]) != world_size:  # each rank's batches and streams: not remappable
             raise SystemExit(f"{ckpt}/snapshot.pt was written by {len(state['rng'])} processes: "
-                             "resume with as many (train.py resumes on any number)")  # fmt: skip
+                             "resume with as many (train.py's own snapshots resume on any "
+                             "number; it cannot read this one)")  # fmt: skip
+        if changed := [k for k, v in state.get("flags", {}).items() if getattr(args, k) != v]:
+            raise SystemExit(f"{ckpt}/snapshot.pt was written with other {', '.join(changed)}: "
+                             "resume with the same flags or a new --checkpoint-dir")  # fmt: skip
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, start_batch, step = state["epoch"], state["batch"], state["step"]
@@ -106,6 +111,8 @@ def main() -> None:
         if rank == 0:
             print(f"resumed: epoch {start_epoch}, batch {start_batch}, step {step}", flush=True)
 
+    flags = {k: getattr(args, k) for k in ("batch_size", "lr", "num_samples", "seed")}  # saved
+
     def save_snapshot(epoch: int, batch: int, loss_sum: torch.Tensor) -> None:  # a collective
         rngs = [None] * world_size
         cuda = [torch.cuda.get_rng_state()] if device.type == "cuda" else []
@@ -115,7 +122,8 @@ def main() -> None:
         if rank == 0:  # one writer, in the whole job
             atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "epoch": epoch, "batch": batch, "step": step, "best": best,
-                         "loss_sum": loss_sum, "rng": rngs}, ckpt / "snapshot.pt")  # fmt: skip
+                         "loss_sum": loss_sum, "rng": rngs, "flags": flags},
+                        ckpt / "snapshot.pt")  # fmt: skip
         dist.barrier()  # nobody reads (or exits) before the file is there
 
     for epoch in range(start_epoch, args.epochs):
@@ -131,18 +139,24 @@ def main() -> None:
             optimizer.step()
             step += 1
             loss_sum += torch.stack([loss.detach() * len(y), torch.tensor(len(y), device=device)])
-            stop = torch.tensor([float(len(received))], device=device)
-            dist.all_reduce(stop)  # a signal on any rank stops every rank, at this same step
-            if stop.item() or args.save_every and step % args.save_every == 0:
+            stop = torch.tensor([len(received), not loss.isfinite()], device=device).float()
+            dist.all_reduce(stop)  # a signal (or inf/nan) on any rank stops every rank, this step
+            if stop[1]:  # diverged: the last snapshot stays the last good one
+                dist.destroy_process_group()
+                sys.exit(f"step {step}: loss inf or nan on a rank (lower --lr); nothing saved")
+            if stop[0] or args.save_every and step % args.save_every == 0:
                 save_snapshot(epoch, batch + 1, loss_sum)
-            if stop.item():
+            if stop[0]:
                 if rank == 0:
                     print(f"SIGTERM: saved step {step}, exit 75: rerun to resume", flush=True)
                 dist.destroy_process_group()
                 sys.exit(75)  # EX_TEMPFAIL: each rank's status (torchrun itself exits 1)
         dist.all_reduce(loss_sum)  # every rank's sums: the loss over the whole epoch
+        for buffer in model.module.buffers():  # BatchNorm's statistics differ per rank: one
+            dist.all_reduce(buffer)  # model, their mean (lesson 04), the one best.pt saves
+            buffer.copy_(buffer / world_size)  # copy_: an integer count stays an integer
         model.eval()
-        counts = torch.zeros(2, device=device)  # [correct, samples] over this rank's share
+        counts = torch.zeros(2, device=device, dtype=torch.float64)  # [correct, samples], exact
         with torch.no_grad():
             for x, y in val_loader:
                 x, y = x.to(device), y.to(device)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
-    """n points in 20 dimensions, 4 classes given by a fixed random linear teacher."""
+    """n points in 20 dimensions, 4 classes given by a random linear teacher."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)

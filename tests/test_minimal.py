@@ -131,7 +131,7 @@ RUNG = SCRIPTS / "resumable_ddp.py"
 
 def test_the_resumable_rung_imports_only_torch_and_stays_short():
     foreign = _imported_roots(RUNG) - {"torch"} - set(sys.stdlib_module_names)
-    assert not foreign and len(RUNG.read_text().splitlines()) <= 170, foreign
+    assert not foreign and len(RUNG.read_text().splitlines()) <= 190, foreign
 
 
 @pytest.mark.torchrun
@@ -154,18 +154,20 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     # with dropout, as a user adds it: the global RNG in use, so the resume must restore it at
     # the right point (creating the DataLoader's iterator draws from it: helper 92 found a
     # mid-epoch resume one draw ahead)
-    relu = "nn.ReLU(), nn.Linear(64, 4)"
+    # and BatchNorm (helper 143): each rank's running statistics differ after its last batch,
+    # so the evaluation scored a mix of models unless rank 0's are made every rank's first
+    relu = "nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)"
     assert RUNG.read_text().count(relu) == 1, "the rung's model line"
-    (folder / RUNG.name).write_text(
-        RUNG.read_text().replace(relu, "nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4)")
-    )
+    (folder / RUNG.name).write_text(RUNG.read_text().replace(
+        relu, "nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4)"
+    ))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_TUTORIAL", "PYTHON"))}
     env["OMP_NUM_THREADS"] = "1"
 
-    def start(name: str) -> subprocess.Popen:
+    def start(name: str, *more: str) -> subprocess.Popen:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "2", RUNG.name, "--epochs", "3", "--num-samples", "2048",
-                   "--checkpoint-dir", str(tmp_path / name)]  # fmt: skip
+                   "--checkpoint-dir", str(tmp_path / name), *more]  # fmt: skip
         return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
@@ -203,8 +205,9 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     spec = importlib.util.spec_from_file_location("rung", RUNG)
     rung = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rung)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(64, 4)).eval()  # fmt: skip
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(64, 4)).eval()  # fmt: skip
     model.load_state_dict(torch.load(tmp_path / "straight" / "best.pt", weights_only=True))
     x, y = rung.make_data(500, 1).tensors  # the validation set (--seed 0 + 1)
     scored = (model(x).argmax(1) == y).float().mean().item()
@@ -217,3 +220,51 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
                            text=True, timeout=120)  # fmt: skip
     said = fewer.stdout + fewer.stderr
     assert fewer.returncode != 0 and "written by 2 processes" in said, said[-2000:]
+    # other flags: refused by name (helper 143: a finished run "resumed" with another --lr and
+    # trained nothing; another --batch-size skipped the rest of the epoch in its own batches)
+    other = start("job", "--lr", "0.1")
+    said = other.communicate(timeout=120)[0]
+    assert other.returncode != 0 and "written with other lr" in said, said[-2000:]
+    # a loss gone inf/nan stops every rank before it is saved (helper 143: NaN weights in
+    # snapshot.pt, best.pt and final.pt, and exit 0)
+    diverged = start("diverged", "--lr", "1e4", "--epochs", "1")
+    said = diverged.communicate(timeout=120)[0]
+    assert diverged.returncode != 0 and "loss inf or nan" in said, said[-2000:]
+    assert not list((tmp_path / "diverged").glob("*.pt")), "nothing saved"
+
+
+@pytest.mark.torchrun  # two writer processes, no launch
+def test_the_rungs_atomic_save_leaves_no_half_file_with_two_writers(tmp_path):
+    """Helper 143: every writer used one temp name, snapshot.pt.tmp. Two jobs on one folder (a
+    requeued job beside the old one in its grace period) then tore the file: 11 of 22 loads
+    failed, and a writer's os.replace found its temp file gone. Each writer has its own now."""
+    import torch
+
+    code = (
+        "import importlib.util, sys, torch\n"
+        "from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('rung', {str(RUNG)!r})\n"
+        "rung = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(rung)\n"
+        "for i in range(40):\n"
+        "    rung.atomic_save({'w': torch.full((200_000,), float(i))}, Path(sys.argv[1]))\n"
+    )
+    target = tmp_path / "snapshot.pt"
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(target)], stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    loads, torn = 0, []
+    while any(w.poll() is None for w in writers):
+        if target.exists():
+            try:
+                torch.load(target, weights_only=True)
+                loads += 1
+            except Exception as exc:  # a torn file: torch's zip reader refuses it
+                torn.append(repr(exc))
+    errors = [w.communicate()[1] for w in writers]
+    assert all(w.returncode == 0 for w in writers), errors
+    assert not torn and loads > 0, (torn[:3], loads)
+    assert not list(tmp_path.glob("*.tmp")), "no temp file left behind"
