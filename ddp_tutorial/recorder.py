@@ -16,6 +16,8 @@ template outside this repository runs. With ``--out`` it writes:
 * ``rank{r}.json`` and, on rank 0, ``metrics.json`` at the end (gathered to rank 0
   only): the history, throughput, each evaluation's state digest (lesson 06:
   every rank evaluates one model);
+* ``exit-rank{r}.json`` when a preempted rank exits (its step, its exit status: lesson 08;
+  torchrun does not print its ranks' statuses on that path);
 * with ``--record-indices``: the sample indices each rank was handed, per epoch
   (lesson 10: a resume on another world size sees each sample once) — every index
   of every epoch, so only when a lesson asks;
@@ -203,6 +205,12 @@ class Recorder:
         """With ``--record-indices``: the first ``count`` indices ``sampler`` handed this rank."""
         if self.keep_indices:
             self.indices.setdefault(epoch, []).extend(list(sampler)[:count])
+
+    def exiting(self, step: int, code: int) -> None:
+        """This rank leaves now, at ``step``, with exit status ``code`` (a preemption)."""
+        if self.out is not None:
+            write_json(self.out / f"exit-rank{self.rank}.json",
+                       {"rank": self.rank, "step": step, "exit": code})  # fmt: skip
 
     def step_times(self) -> list[float]:
         """Seconds per step, data loading included (``--record-steps`` only)."""

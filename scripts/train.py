@@ -595,6 +595,8 @@ def train(
                 f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT} on every rank (torchrun, "
                 "signalled too, exits 1): rerun to resume"
             )
+            if hook:  # (records only, with --out)
+                hook.exiting(step, kit.PREEMPTED_EXIT)
             sys.exit(kit.PREEMPTED_EXIT)
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once

@@ -20,7 +20,7 @@ CASES = register(
         Case(GPU, "device-without-an-index", "has no index - it means the current device",
              edits=(('torch.device("cuda", local_rank)', 'torch.device("cuda")'),)),
         # from an eighth learner review: ids that are not consecutive ("7,5", rank 1)
-        Case(GPU, "first-listed-plus-local-rank", "",
+        Case(GPU, "first-listed-plus-local-rank", "the first listed id plus LOCAL_RANK",
              edits=(("int(listed.split(\",\")[local_rank])",
                      "int(listed.split(\",\")[0]) + local_rank"),)),
         Case(GPU, "global-rank-as-device", "the global RANK",

@@ -142,6 +142,11 @@ def _judge_physical(where: str, got: int, env: dict[str, str], physical: int) ->
                 f"RANK ({global_}) of the list; the list is per node: the card at "
                 f"position LOCAL_RANK ({local}), {physical} "
                 '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
+    if ids and local and got == ids[0] + local:  # helper 142: "7,5" is not 7, 8
+        return (f"{where}: you said physical GPU {got}, the first listed id plus LOCAL_RANK; "
+                f"the list need not be consecutive (CUDA_VISIBLE_DEVICES={listed.strip()!r}): "
+                f"take the entry at position LOCAL_RANK ({local}), {physical} "
+                '(lesson 03, "Physical ids and logical ids")')  # fmt: skip
     if got == global_ != local:
         which = ("it is the card listed at position LOCAL_RANK" if listed is not None else
                  "without CUDA_VISIBLE_DEVICES, cuda:i is physical GPU i, so it is "
@@ -211,6 +216,54 @@ def _why_raised(raised: str, env: dict[str, str]) -> str:
             "each, which ignores spaces), and index it with LOCAL_RANK")  # fmt: skip
 
 
+def _wrong_index(records: list[Record], rank: int, a: Record, index: int, physical: int) -> str:
+    """What a device index other than cuda:LOCAL_RANK came from, in the lesson's words."""
+    where, env = a["where"], a["env"]
+    listed = env.get(CVD)
+    local, global_ = int(env["LOCAL_RANK"]), int(env["RANK"])
+    if a["index"] is None:  # helper 142: torch.device("cuda"), no index
+        return (f"{where}: torch.device('cuda') has no index - it means the current "
+                "device, cuda:0 on every rank that never set one: every rank on "
+                f"one GPU. Name this rank's: torch.device('cuda', {index}), "
+                "LOCAL_RANK's (lesson 03, \"`LOCAL_RANK`, not `RANK`\")")  # fmt: skip
+    if a["index"] == global_ and global_ != local:
+        return (
+            f"{where}: you picked cuda:{global_}, the global RANK; GPUs are numbered "
+            f"per node, and this rank is LOCAL_RANK {local} there: use "
+            f"cuda:LOCAL_RANK (on the second node cuda:RANK names a GPU that does "
+            "not exist) "
+            '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
+        )
+    if listed is not None and a["index"] == physical:
+        return (
+            f"{where}: you picked cuda:{physical}, the physical id; inside the "
+            f"process CUDA renumbers the listed cards from 0 in the order written, so "
+            f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK "
+            '(lesson 03, "Physical ids and logical ids")'
+        )
+    if a["index"] == global_ % int(env["LOCAL_WORLD_SIZE"]):
+        return (
+            f"{where}: you picked cuda:{a['index']}, the local rank worked out "
+            "from RANK (RANK % LOCAL_WORLD_SIZE, or RANK - GROUP_RANK x "
+            "LOCAL_WORLD_SIZE): that holds only when every node runs as many ranks "
+            "- read LOCAL_RANK, which torchrun sets on every node "
+            '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
+        )
+    if _reads_own_rank(records, where):  # torchrun's LOCAL_RANK: rank = local
+        return (
+            f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
+            "the variables from `env`, the environment passed in, not os.environ"
+        )
+    if _constant(records) is not None:
+        return (
+            f"{where}: you picked cuda:{a['index']} for every rank in every "
+            f"environment, expected cuda:{index}: a rank's device is cuda:LOCAL_RANK, "
+            "read from `env` "
+            '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
+        )
+    return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
+
+
 def judge_gpu(records: list[Record]) -> str | None:
     if mistake := _judge_cuda_calls(records) or _judge_os_environ(records):
         return mistake
@@ -224,53 +277,11 @@ def judge_gpu(records: list[Record]) -> str | None:
             if "bad" in a:
                 return (f"{where}: rank_gpu returned {a['bad']}, expected (cuda:{index}, "
                         f"{physical}): a (torch.device, int) pair")  # fmt: skip
-            listed = env.get(CVD)
-            local, global_ = int(env["LOCAL_RANK"]), int(env["RANK"])
             if a["type"] != "cuda":
                 return (f"{where}: the device is {a['type']!r}; a rank of a GPU job uses "
                         f"torch.device('cuda', {index})")  # fmt: skip
             if a["index"] != index:
-                if a["index"] is None:  # helper 142: torch.device("cuda"), no index
-                    return (f"{where}: torch.device('cuda') has no index - it means the current "
-                            "device, cuda:0 on every rank that never set one: every rank on "
-                            f"one GPU. Name this rank's: torch.device('cuda', {index}), "
-                            "LOCAL_RANK's (lesson 03, \"`LOCAL_RANK`, not `RANK`\")")  # fmt: skip
-                if a["index"] == global_ and global_ != local:
-                    return (
-                        f"{where}: you picked cuda:{global_}, the global RANK; GPUs are numbered "
-                        f"per node, and this rank is LOCAL_RANK {local} there: use "
-                        f"cuda:LOCAL_RANK (on the second node cuda:RANK names a GPU that does "
-                        "not exist) "
-                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
-                    )
-                if listed is not None and a["index"] == physical:
-                    return (
-                        f"{where}: you picked cuda:{physical}, the physical id; inside the "
-                        f"process CUDA renumbers the listed cards from 0 in the order written, so "
-                        f"card {physical} is cuda:{index}: the device is cuda:LOCAL_RANK "
-                        '(lesson 03, "Physical ids and logical ids")'
-                    )
-                if a["index"] == global_ % int(env["LOCAL_WORLD_SIZE"]):
-                    return (
-                        f"{where}: you picked cuda:{a['index']}, the local rank worked out "
-                        "from RANK (RANK % LOCAL_WORLD_SIZE, or RANK - GROUP_RANK x "
-                        "LOCAL_WORLD_SIZE): that holds only when every node runs as many ranks "
-                        "- read LOCAL_RANK, which torchrun sets on every node "
-                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
-                    )
-                if _reads_own_rank(records, where):  # torchrun's LOCAL_RANK: rank = local
-                    return (
-                        f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
-                        "the variables from `env`, the environment passed in, not os.environ"
-                    )
-                if _constant(records) is not None:
-                    return (
-                        f"{where}: you picked cuda:{a['index']} for every rank in every "
-                        f"environment, expected cuda:{index}: a rank's device is cuda:LOCAL_RANK, "
-                        "read from `env` "
-                        '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
-                    )
-                return f"{where}: you picked cuda:{a['index']}, expected cuda:{index}"
+                return _wrong_index(records, rank, a, index, physical)
             if a["physical"] != physical:
                 return _judge_physical(where, a["physical"], env, physical)
     return None
