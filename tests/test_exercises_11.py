@@ -21,6 +21,10 @@ CASES = register([
                 ("    scaler.step(optimizer)  #", "    if dtype == torch.bfloat16:\n"
                  "        optimizer.step()\n    else:\n        scaler.step(optimizer)  #"),
                 ("    scaler.update()  #", "        scaler.update()  #"))),
+    # helper 142: the step under `if rank == 0` - rank 1's scaler then has nothing to update
+    Case(AMP, "step-on-rank-0-only", "under `if rank == 0`",
+         edits=(("    scaler.step(optimizer)  #",
+                 "    if torch.distributed.get_rank() == 0:\n        scaler.step(optimizer)  #"),)),
     Case(AMP, "update-only-in-float16", "call scaler.update() after every scaler.step",
          edits=(("    scaler.update()  #",
                  "    if dtype == torch.float16:\n        scaler.update()  #"),)),

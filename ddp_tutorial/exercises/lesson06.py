@@ -85,6 +85,8 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         return default_hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, hook)
+    forwards: list[int] = []  # this step's forward passes (the learner's micro-batches)
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
@@ -108,6 +110,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         x, y = batch(ctx.rank, step)
         micro = list(zip(x.chunk(K), y.chunk(K), strict=True))
         calls.clear()
+        forwards.clear()
         clips.clear()
         syncs.clear()
         collectives: list[str] = []  # the learner's and DDP's (its hook calls dist.all_reduce)
@@ -122,7 +125,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
-            "syncs": len(syncs), "sync_at": list(syncs),
+            "syncs": len(syncs), "sync_at": list(syncs), "forwards": len(forwards),
             "own": without(collectives, ["all_reduce"] * len(syncs)),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
@@ -227,7 +230,14 @@ def _unmoved(calls: list[str]) -> str:
 def _accumulated(rows: list[Record], step: int) -> str | None:
     """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
     syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
-    if rows[0]["calls"].count("scaler.scale") < K and stepped == 1:
+    scaled = rows[0]["calls"].count("scaler.scale")
+    if 0 < scaled < K == rows[0].get("forwards", 0) and stepped == 1:  # helper 142
+        return (f"step {step + 1} ran {K} micro-batches but only {scaled} backward(s) through "
+                "scaler.scale(loss): the others' backward ran on the loss itself, and "
+                f"unscale_ then divides their share of the gradients by the scale ({SCALE:g}) "
+                "- scaler.scale(loss).backward() for every micro-batch "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+    if scaled < K and stepped == 1:
         return (f"step {step + 1} ran {rows[0]['calls'].count('scaler.scale')} backward(s) for "
                 f"its {K} micro-batches: put together, they are one batch of all of them, the "
                 "memory --grad-accum exists to avoid - a forward and a backward per micro-batch, "

@@ -316,9 +316,10 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
     ("but _scale is None", "backward() did not run on scaler.scale(loss): the scaler scales "
      "the loss itself, so that it knows what to unscale (fp16: small gradients stay above 0)"),
     ("No inf checks were recorded prior to update", "scaler.update() found no "
-     "scaler.step(optimizer) before it in this step: first scaler.step(optimizer) - not "
-     "optimizer.step(): it unscales the gradients and skips a step with inf or nan - then "
-     "scaler.update()"),
+     "scaler.step(optimizer) before it in this step (also on a rank whose step sits under "
+     "`if rank == 0`: every rank steps and updates its own scaler): first "
+     "scaler.step(optimizer) - not optimizer.step(): it unscales the gradients and skips a "
+     "step with inf or nan - then scaler.update()"),
     ("No inf checks were recorded for this optimizer", "scaler.step(optimizer) ran before "
      "any backward had put a gradient in: the scaler had no gradient to check for inf - step "
      "once, after the last micro-batch's scaler.scale(loss).backward()"),
