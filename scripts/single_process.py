@@ -22,12 +22,24 @@ def make_data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def positive(text: str) -> int:  # --epochs 0 would train nothing, and say nothing
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return int(text)
+
+
+def rate(text: str) -> float:  # nan, inf or <= 0 would train on as if nothing were wrong
+    if not 0 < float(text) < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return float(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--num-samples", type=int, default=2048)
+    p.add_argument("--epochs", type=positive, default=3)
+    p.add_argument("--batch-size", type=positive, default=64)
+    p.add_argument("--lr", type=rate, default=0.05)
+    p.add_argument("--num-samples", type=positive, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="model.pt", help="where the trained weights go")
     args = p.parse_args()
