@@ -50,6 +50,11 @@ def both(old: str, new: str) -> tuple[tuple[str, str], tuple[str, str]]:
 
 CASES = register(
     [
+        # helper 146: a hang whose cause the learner's lines show, named (it read: "is one
+        # under `if rank == ...`, or in a loop ..., or ... tensors of different shapes?")
+        Case(BUFFERS, "all-reduce-on-rank-0-only", "dist.all_reduce() is under `if rank == 0`",
+             edits=(("    dist.all_reduce(flat)  #",
+                     "    if dist.get_rank() == 0:\n        dist.all_reduce(flat)  #"),)),
         # the exercise since the twelfth session: micro-batches of unequal sizes, ranks with
         # unequal totals (the lesson's accumulate, each mean / k, is a mean of means there)
         Case(ACCUM, "the-lessons-accumulate", "a mean of means",

@@ -10,6 +10,10 @@ HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signa
 SAVE = """                if rank == 0:
                     save_snapshot("""
 CASES = register([
+    # helper 146: named, as lesson 05 names its barrier (it read "for a peer that never came")
+    Case(EX, "barrier-under-rank-0", "dist.barrier() is under `if rank == 0`",
+         edits=(("                dist.barrier()\n                status = PREEMPTED",
+                 "                    dist.barrier()\n                status = PREEMPTED"),)),
     # from a twenty-fifth-session learner review (helper 127)
     Case(EX, "broadcast-from-the-signalled-rank", "broadcast from the rank this check signals",
          edits=(("dist.all_reduce(flag, op=dist.ReduceOp.MAX)",

@@ -85,11 +85,10 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         return default_hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, hook)
-    forwards: list[int] = []  # this step's forward passes (the learner's micro-batches)
-    model.register_forward_pre_hook(lambda *_: forwards.append(1))
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
+    model.register_forward_pre_hook(lambda *_: calls.append("forward"))  # each micro-batch's
     optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
     for owner in (optimizer, model):  # either zeroes the gradients
         owner.zero_grad = noted(owner.zero_grad, calls)  # type: ignore[method-assign]
@@ -110,7 +109,6 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         x, y = batch(ctx.rank, step)
         micro = list(zip(x.chunk(K), y.chunk(K), strict=True))
         calls.clear()
-        forwards.clear()
         clips.clear()
         syncs.clear()
         collectives: list[str] = []  # the learner's and DDP's (its hook calls dist.all_reduce)
@@ -125,7 +123,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
             "weights": w.tolist(), "calls": list(calls), "clips": list(clips),
-            "syncs": len(syncs), "sync_at": list(syncs), "forwards": len(forwards),
+            "syncs": len(syncs), "sync_at": list(syncs),
             "own": without(collectives, ["all_reduce"] * len(syncs)),
         })  # fmt: skip
     return {"rank": ctx.rank, "steps": steps}
@@ -231,7 +229,7 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
     """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
     syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
     scaled = rows[0]["calls"].count("scaler.scale")
-    if 0 < scaled < K == rows[0].get("forwards", 0) and stepped == 1:  # helper 142
+    if 0 < scaled < K == rows[0]["calls"].count("forward") and stepped == 1:  # helper 142
         return (f"step {step + 1} ran {K} micro-batches but only {scaled} backward(s) through "
                 "scaler.scale(loss): the others' backward ran on the loss itself, and "
                 f"unscale_ then divides their share of the gradients by the scale ({SCALE:g}) "

@@ -242,10 +242,12 @@ def judge_start(records: list[Record]) -> str | None:
             return (f"every rank started from rank {rec['start_from']}'s weights, not rank 0's: "
                     "src is the rank that sends - dist.broadcast(p, src=0) "
                     '(lesson 04, "1 · The broadcast at construction")')  # fmt: skip
-        if not rec["start_is_rank0"] and rec.get("unwaited_broadcasts"):
-            return (f"rank {rank} started from its own random weights: its "
-                    f"{rec['unwaited_broadcasts']} dist.broadcast(..., async_op=True) had not "
-                    "arrived when training began, and nothing waited on them - call .wait() on "
+        if rec.get("unwaited_broadcasts"):  # a race: named whether or not it won this time
+            this_run = ("they had arrived, by luck" if rec["start_is_rank0"] else "rank "
+                        f"{rank} started from its own random weights")  # fmt: skip
+            return (f"rank {rank}'s {rec['unwaited_broadcasts']} dist.broadcast(..., "
+                    "async_op=True) were never waited on: nothing held training back until "
+                    f"the weights had arrived (this run: {this_run}) - call .wait() on "
                     "each Work before the first forward (or leave async_op out: broadcast "
                     'returns once the weights are there) (lesson 04, "1 · The broadcast at '
                     'construction")')  # fmt: skip

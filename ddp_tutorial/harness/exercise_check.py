@@ -230,10 +230,24 @@ def _your_lines(ex: Exercise, text: str) -> str:
 def hung_by(ex: Exercise, path: Path, records: list[Record]) -> str | None:
     """A hang whose cause the learner's own lines show (``ex.when_hung``): named, instead of
     the list of what makes ranks wait for each other."""
-    if not ex.when_hung or not any(_hung(r) for r in records) or not path.is_file():
+    if not any(_hung(r) for r in records) or not path.is_file():
         return None
     code = _your_lines(ex, path.read_text())
-    return next((ex.hint(m) for p, m in ex.when_hung if re.search(p, code)), None)
+    named = next((ex.hint(m) for p, m in ex.when_hung if re.search(p, code)), None)
+    if named is None and (under := UNDER_RANK_0.search(code)):  # helper 146: any exercise
+        op = under["op"] or under["inner"]
+        named = ex.hint(f"dist.{op}() is under `if rank == 0`: the other ranks never call it, "
+                        "and every rank that does waits for them - call it on every rank, "
+                        "outside the `if`")  # fmt: skip
+    return named
+
+
+_OPS = r"all_reduce|barrier|broadcast\w*|all_gather\w*|reduce_scatter\w*|reduce|scatter|gather"
+# a collective on the `if` line itself, or on a line indented under it
+UNDER_RANK_0 = re.compile(
+    rf"(?m)^( *)if\b[^\n]*\b(?:rank|get_rank\(\))\s*==\s*0\b[^\n]*:[ \t]*(?:[^\n]*"
+    rf"\bdist\.(?P<op>{_OPS})\(|\n(?:\1 +[^\n]*\n|[ \t]*\n)*?\1 +[^\n]*\bdist\.(?P<inner>{_OPS})\()"
+)
 
 
 # dist.all_reduce(x.float()): the collective works in place on a new tensor nobody reads

@@ -446,7 +446,21 @@ def exp_buffers(args: argparse.Namespace, info: DistInfo) -> dict:
         out[name] = {"after_init": after_init, "after_forward": buffer[0].item(),
                      "future_warning": future[0] if future else None}  # fmt: skip
     out["broadcast_before"] = broadcast_before(bn_model(args.seed), x, info.device)
+    out["step_collectives"] = step_collectives(bn_model(args.seed), x, info.device)
     return out
+
+
+def step_collectives(model: nn.Module, x: torch.Tensor, device: torch.device) -> dict[str, int]:
+    """The collectives of one steady training step of a BatchNorm model under DDP's defaults,
+    counted by the profiler: the third step (the second rebuilds the buckets and broadcasts
+    their new order, two broadcasts more)."""
+    ddp = wrap(model.to(device), device)
+    for _ in range(2):
+        ddp(x).sum().backward()
+    with torch.profiler.profile() as prof:
+        ddp(x).sum().backward()
+    names = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+    return {name: names.count(name) for name in sorted(set(names))}
 
 
 def broadcast_before(model: nn.Module, x: torch.Tensor, device: torch.device) -> dict[str, bool]:
