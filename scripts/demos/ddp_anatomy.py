@@ -207,7 +207,9 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
     micro = [(x[:half], y[:half]), (x[half:], y[half:])]
     base = tiny_model(args.seed)
     results = {}
-    for name in ("one_big_batch", "accumulate_no_sync", "accumulate_naive", "bypass_wrapper"):
+    names = ("one_big_batch", "accumulate_no_sync", "accumulate_naive", "backward_only_in_no_sync",
+             "bypass_wrapper")  # fmt: skip
+    for name in names:
         ddp = wrap(copy.deepcopy(base), info.device)  # default buckets: one all_reduce per sync
         counter = CommCounter()
         ddp.register_comm_hook(counter, counting_allreduce_hook)
@@ -218,6 +220,11 @@ def exp_no_sync(args: argparse.Namespace, info: DistInfo) -> dict:
         elif name == "accumulate_naive":  # without no_sync: every micro-batch is all-reduced
             for mx, my in micro:
                 F.cross_entropy(ddp(mx), my).div(2).backward()
+        elif name == "backward_only_in_no_sync":  # the first forward outside it: too late
+            first = F.cross_entropy(ddp(micro[0][0]), micro[0][1]).div(2)
+            with ddp.no_sync():
+                first.backward()
+            F.cross_entropy(ddp(micro[1][0]), micro[1][1]).div(2).backward()
         else:  # a forward that bypasses the wrapper: model.module(x) instead of model(x)
             F.cross_entropy(ddp.module(x), y).backward()
         results[name] = {"grad": flat_grads(ddp), "allreduce_calls": counter.calls}
