@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_tutorial.devices import DeviceError, device_for_local_rank, visible_gpu_count
 from ddp_tutorial.distributed import process_group
 from ddp_tutorial.records import write_rank_record
-from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
+from ddp_tutorial.settings import DEVICE_ORDER_ENV, VISIBLE_DEVICES_ENV
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,6 +94,7 @@ def main() -> None:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES_ENV),
+                "cuda_device_order": os.environ.get(DEVICE_ORDER_ENV),  # the launcher's default
                 "gpus_per_node": gpus,
                 "seed_000_device": seed_000,
                 "seed_000_outcome": rule_outcome(seed_000, gpus),
