@@ -5,8 +5,11 @@
 Run it again with the same --checkpoint-dir and it continues from its newest snapshot, at
 the step it reached, ending with the weights an uninterrupted run ends with (bitwise on 2
 ranks; on more, to rounding: lesson 08). On SIGTERM (a preemption; torchrun forwards it to
-every rank) every rank saves that step and exits 75; a loss gone inf or nan stops every rank
-(exit 1) and saves nothing over the last good snapshot. A resume with other flags is refused.
+every rank) every rank saves at the end of the step under way and exits 75 (one that comes
+during an evaluation: after it, at the next step's end; the whole must fit torchrun's 30 s
+grace, --shutdown-timeout; train.py also stops inside an evaluation); a loss gone inf or nan
+stops every rank (exit 1) and saves nothing over the last good snapshot. A resume with other
+flags is refused.
 Global rank 0 writes every file, atomically. Only torch and the standard library: copy it.
 The middle rung between minimal_ddp.py and the template, train.py.
 """
