@@ -71,6 +71,15 @@ if os.environ["RANK"] == "1":
 time.sleep(120)
 """
 
+# Every rank exits 75 (EX_TEMPFAIL) though torchrun was not signalled; each attempt appends
+# a line, so the test counts the attempts torchrun started.
+EXITS_75 = """
+import os, sys
+with open(os.path.join(sys.argv[-1], "attempts.txt"), "a") as f:
+    f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+sys.exit(75)
+"""
+
 HANGING = """
 import json, os, sys, time
 path = os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json")
@@ -99,6 +108,11 @@ def failed(tmp_path_factory) -> tuple[RunResult, float, RunResult, dict[str, Run
         path = run_dir / f"dies_by_{how}.py"
         path.write_text(DIES_BY.replace("{how}", how))
         dying[how] = start(path, nproc=2, run_dir=run_dir / how, echo=False, check=False)
+    (run_dir / "75").mkdir()
+    (run_dir / "exits_75.py").write_text(EXITS_75)
+    dying["75"] = start(run_dir / "exits_75.py", run_dir / "75", nproc=1, run_dir=run_dir / "75",
+                        echo=False, check=False, out_flag=None,
+                        torchrun_args=("--max-restarts", "1"))  # fmt: skip
     t0 = time.monotonic()
     launch = start(script, nproc=2, run_dir=run_dir, echo=False, check=False,
                    env={"DDP_TEST_MARKER": "hello-from-parent"})  # fmt: skip
@@ -120,6 +134,16 @@ def test_start_returns_before_the_launch_ends(failed):
 def test_seconds_end_when_the_output_ends_not_when_it_is_collected(failed):
     result, _, slower, _ = failed
     assert slower.ok and result.seconds < slower.seconds - 1
+
+
+@pytest.mark.torchrun
+def test_ranks_exiting_75_unsignalled_are_failed_workers_to_torchrun(failed):
+    """Lesson 08: exit 75 reaches torchrun only, which takes it for a failure, restarts under
+    --max-restarts, then exits 1: nothing watching torchrun ever sees the 75."""
+    ended = failed[3]["75"]
+    attempts = (ended.run_dir / "attempts.txt").read_text().split()
+    assert ended.returncode == 1 and attempts == ["0", "1"], (ended.returncode, attempts)
+    assert [f.exitcode for f in ended.failures] == [75], ended.output[-2000:]
 
 
 @pytest.mark.torchrun
