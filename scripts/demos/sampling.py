@@ -164,13 +164,17 @@ def evaluate(args: argparse.Namespace, device: torch.device) -> dict:
     model.load_state_dict(torch.load(args.model, weights_only=True, map_location=device))
     model.to(device)  # the plain model: after training with DDP, pass ddp_model.module
     out: dict = {"ran": {f.__name__: inspect.getsource(f) for f in TAUGHT}}
+    forwards: list[int] = []  # one per batch this rank ran (the lesson counts them)
+    counting = model.register_forward_hook(lambda *_: forwards.append(1))
     for name, padded in (("naive", True), ("exact", False)):
+        forwards.clear()
         correct, count, loss_sum = evaluate_sums(model, val, device, args.val_batch_size, padded)
         local_count = len(validation_shard(val, padded))
         out[name] = {
             "correct": int(correct),
             "count": int(count),
             "local_count": local_count,
+            "batches": len(forwards),
             "accuracy": (correct / count).item(),
             "loss": (loss_sum / count).item(),
         }
@@ -179,6 +183,7 @@ def evaluate(args: argparse.Namespace, device: torch.device) -> dict:
             f"({local_count} here), accuracy {out[name]['accuracy']:.4f}",
             flush=True,
         )
+    counting.remove()
     pred = gather_predictions(model, val, device)  # every sample once, in order
     mine = validation_shard(val)  # this rank's own samples, no padding
     shard_f1 = macro_f1(pred[mine].cpu(), val.targets[mine], val.num_classes)
