@@ -658,6 +658,23 @@ def two_forwards(
     return out
 
 
+def version_bumps(seed: int, x: torch.Tensor, device: torch.device) -> dict[str, list[int]]:
+    """How much one forward advances each buffer's version counter, plain and under DDP.
+
+    The counter is what autograd's "modified by an inplace operation" check reads. BatchNorm's
+    own update of its statistics advances it; DDP's copy of rank 0's buffers before the forward
+    adds to that unless the copy keeps the counters (the fix, PR #175851).
+    """
+    out = {}
+    for name in ("plain", "ddp"):
+        model = bn_model(seed).to(device)
+        model = wrap(model, device) if name == "ddp" else model
+        before = [b._version for b in model.buffers()]
+        model(x)
+        out[name] = [b._version - v for b, v in zip(model.buffers(), before, strict=True)]
+    return out
+
+
 def exp_pitfalls(args: argparse.Namespace, info: DistInfo) -> dict:
     """BatchNorm vs the one-process reference; checkpointing; two forwards, one backward."""
     ddp = wrap(bn_model(args.seed), info.device)  # same init everywhere: compare with one process
@@ -669,6 +686,7 @@ def exp_pitfalls(args: argparse.Namespace, info: DistInfo) -> dict:
         "bn_params_after_steps": flat_params(ddp),
         "checkpointing": checkpointing(args.seed, x, y, info.device),
         "two_forwards": two_forwards(args.seed, x, y, info.device),
+        "version_bumps": version_bumps(args.seed, x, info.device),
     }
 
 
