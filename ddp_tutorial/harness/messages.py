@@ -225,7 +225,8 @@ KNOWN: tuple[Known, ...] = (
         "a notebook launcher with fork): a child cannot use it. Asking is enough - "
         "torch.cuda.is_available(), and what calls it for you on the CPU too: an optimizer "
         "step (Adam, AdamW, RMSprop...; torch 2.14), DataLoader(pin_memory=True), "
-        "nn.DataParallel(...) - though torch.cuda.is_initialized() still says False",
+        "nn.DataParallel(...), torchrun's LaunchConfig(...) - though on a machine without a "
+        "GPU torch.cuda.is_initialized() still says False (with one, most go on to initialise)",
         "nothing of that in the parent before forking (train, build loaders in the child); "
         "PYTORCH_NVML_BASED_CUDA_CHECK=1 makes is_available() ask NVML instead; or the spawn "
         "start method (or torchrun). In DataLoader workers (the parent of a DDP rank always "
