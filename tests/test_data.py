@@ -119,7 +119,7 @@ def test_synthetic_images_are_learnable_by_a_small_cnn():
     train = SyntheticImages(800, image_size=16, num_classes=10, seed=0)
     val = SyntheticImages(300, image_size=16, num_classes=10, seed=1)
     model = SmallCNN(3, 10)
-    losses = train_classifier(model, train, epochs=3, batch_size=64, lr=3e-3)
+    losses = train_classifier(model, train, epochs=3, batch_size=64)
     accuracy = distributed_evaluate(model, val).accuracy
     assert losses[-1] < 0.75 * losses[0], losses
     assert accuracy > 0.6, f"val accuracy {accuracy:.2f} after 3 epochs (chance: 0.10)"
