@@ -9,14 +9,14 @@ every rank) every rank saves at the end of the step under way and exits 75 (one 
 during an evaluation: after it, at the next step's end; the whole must fit torchrun's 30 s
 grace, --shutdown-timeout; train.py also stops inside an evaluation); a loss gone inf or nan
 stops every rank (exit 1) and saves nothing over the last good snapshot. A resume with other
-flags is refused.
-Global rank 0 writes every file, atomically. Only torch and the standard library: copy it.
-The middle rung between minimal_ddp.py and the template, train.py.
+flags is refused. Global rank 0 writes every file, atomically. Only torch and the standard
+library: copy it. The middle rung between minimal_ddp.py and the template, train.py.
 """
 
 import argparse
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -39,7 +39,7 @@ def make_data(n: int, seed: int) -> TensorDataset:
 
 def atomic_save(obj: object, path: Path) -> None:
     """Write aside, fsync, rename: the file is always the old one or the new one, never half."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # its own: never another writer's
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # only its own
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
