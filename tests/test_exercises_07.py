@@ -11,6 +11,18 @@ REDUCE = "    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"
 
 CASES = register(
     [
+        # helper 148: named as something else before
+        Case(TIMING, "mean-of-gathered-times", "max() of the gathered times",
+             edits=((REDUCE,
+                     "    gathered = [torch.zeros_like(slowest) for _ in range(dist.get_world_size())]\n"  # noqa: E501
+                     "    dist.all_gather(gathered, slowest)\n"
+                     "    slowest = torch.stack(gathered).mean()  #"),)),
+        Case(TIMING, "barriers-for-synchronize", "a dist.barrier() does not drain it",
+             edits=(("        synchronize()  # start", "        dist.barrier()  #"),
+                    ("        synchronize()  # the step's", "        dist.barrier()  #"))),
+        Case(TIMING, "clock-readings-appended", "the clock's readings themselves were added up",
+             edits=(("times.append(time.perf_counter() - start)",
+                     "times.append(time.perf_counter())"),)),
         # from an eighth learner review: the GPU's synchronize, not the one given
         Case(TIMING, "torch-cuda-synchronize", "call the synchronize that time_steps is given",
              edits=(("        synchronize()  # start with nothing queued",

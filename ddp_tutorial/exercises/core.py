@@ -80,7 +80,8 @@ class Exercise:
     kind: str = "functions"
     nproc: int = 2
     args: tuple[str, ...] = ()
-    errors: tuple[tuple[str, str], ...] = ()  # (text in a rank's error or output, the mistake)
+    # (text in a rank's error or output - or a tuple of texts, all there - , the mistake)
+    errors: tuple[tuple[str | tuple[str, ...], str], ...] = ()
     report: Callable[[list[Record]], str] | None = None  # on a pass: what was measured
     exit_codes: tuple[int, ...] = ()  # a script's sys.exit(code) that is an answer (lesson 08: 75)
     collective_timeout_s: float = 10.0  # a rank that waits this long for a peer fails, named

@@ -75,7 +75,7 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> Callable[[], None] | None:  # fmt: skip
-        if name in ("reduce", "broadcast"):  # reduce: the result on dst alone, unless sent on
+        if name in ("reduce", "broadcast", "all_gather"):  # reduce: the result on dst alone
             notes[name] += 1
             return None
         notes["ops"].append(reduce_op(args, kwargs))
@@ -101,7 +101,7 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
     for place, attr, name in places:
         setattr(place, attr, clock(name))
     try:
-        with spying(("all_reduce", "reduce", "broadcast"), note, module):
+        with spying(("all_reduce", "reduce", "broadcast", "all_gather"), note, module):
             yield
     finally:
         for place, attr, name in places:
@@ -111,7 +111,8 @@ def noted_calls(notes: dict[str, Any], module: ModuleType) -> Iterator[None]:
 def run_timing(module: ModuleType, ctx: Context) -> Record:
     device = QueuedDevice(ctx.rank)
     notes: dict[str, Any] = {"ops": [], "async": 0, "waits": 0, "cpu_clock": None, "sent": [],
-                             "reduce": 0, "broadcast": 0, "readings": []}  # fmt: skip
+                             "reduce": 0, "broadcast": 0, "all_gather": 0,
+                             "readings": []}  # fmt: skip
     with noted_calls(notes, module):
         got = module.time_steps(device.step, STEPS, WARMUP, device.synchronize)
     try:
@@ -212,6 +213,40 @@ def _from_one_start(rec: Record) -> bool:
     )
 
 
+def _raw_readings(rec: Record) -> bool:
+    """Did this rank add up the clock's readings themselves (times since some start: the
+    machine's boot for perf_counter), not durations? Its own total is then at least STEPS
+    of its smallest reading, which no sum of durations of these steps comes near (helper 148)."""
+    r, own = rec.get("readings", []), rec["sent"][-1] if rec.get("sent") else None
+    return own is not None and bool(r) and min(r) > 0 and own >= 0.999 * STEPS * min(r)
+
+
+def _judge_records(records: list[Record], values: list[float], mine: list[float],
+                   maxed: bool) -> str | None:  # fmt: skip
+    """What each rank's own readings and calls show (helper 148): the clock's readings added
+    up, a gathered time that is not the largest, every rank's clock read before its work."""
+    slowest = max(mine)
+    if any(_raw_readings(rec) for rec in records):
+        return (f"{values[0]:.4g} s: the clock's readings themselves were added up - "
+                "time.perf_counter() gives a time since some start, not a duration: append "
+                "end - start for each timed step (or read it once before and once after "
+                "them all)")  # fmt: skip
+    gathered = any(rec.get("all_gather") for rec in records)
+    if gathered and not maxed and values[0] < 0.95 * slowest:
+        return (f"{values[0] * 1e3:.0f} ms, less than the slowest rank's work alone "
+                f"({slowest * 1e3:.0f} ms): you gathered every rank's time, then reported "
+                "something else than the largest - the job moves at its slowest rank's pace: "
+                "max() of the gathered times (or all_reduce with op=ReduceOp.MAX)")  # fmt: skip
+    own = [rec["sent"][-1] if rec.get("sent") else None for rec in records]
+    if maxed and all(o is not None and o < 0.4 * m for o, m in zip(own, mine, strict=True)):
+        return (f"{values[0] * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
+                f"{min(mine) * 1e3:.0f} ms on every rank: each rank read the clock while its "
+                "work was still queued (a dist.barrier() does not drain it either: it waits "
+                "for the ranks, not for the device) - call synchronize() before each clock "
+                "reading")  # fmt: skip
+    return None
+
+
 def judge_timing(records: list[Record]) -> str | None:
     n = len(records)
     for rank, rec in enumerate(records):
@@ -255,6 +290,8 @@ def judge_timing(records: list[Record]) -> str | None:
                 f" (you reported {values[0] * 1e3:.0f} ms; the slowest rank's work alone takes "
                 f"at least {slowest * 1e3:.0f} ms): the job moves at its slowest rank's pace - "
                 "op=ReduceOp.MAX")  # fmt: skip
+    if mistake := _judge_records(records, values, mine, maxed):
+        return mistake
     if any(_from_one_start(rec) for rec in records):
         return (f"{values[0] * 1e3:.0f} ms: the clock's readings were added up from one start "
                 "- each step's time counted again in every later one. Read the clock at the "

@@ -238,6 +238,10 @@ def run_hooks(module: ModuleType, ctx: Context) -> Record:
 
 def judge_start(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
+        if any(e["kind"] == "reduce" for e in rec["events"]):  # helper 148: read as "no hook"
+            return ("dist.reduce leaves the sum on its dst rank alone, and every other rank "
+                    "steps with its own gradient: every rank needs the mean - "
+                    'dist.all_reduce (lesson 01, "The collectives")')  # fmt: skip
         if not rec["start_is_rank0"] and rec.get("start_from") not in (None, rank):
             return (f"every rank started from rank {rec['start_from']}'s weights, not rank 0's: "
                     "src is the rank that sends - dist.broadcast(p, src=0) "
@@ -373,7 +377,10 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the gradient is divided by 2, this check's number of ranks: "
                  "on 4 or 8 GPUs it would be 2x or 4x DDP's - divide by dist.get_world_size() "
                  "(`world`)"),),
-        errors=(("hook returned", "a gradient hook returned a value (torch: 'expected "
+        errors=(("'NoneType' object has no attribute 'register", "p.grad is None until "
+                 "backward has computed it: register the hook on the parameter itself, "
+                 "p.register_post_accumulate_grad_hook(hook), which runs once p.grad is set"),
+                ("hook returned", "a gradient hook returned a value (torch: 'expected "
                  "Variable, but hook returned ...'): a post-accumulate-grad hook must return "
                  "None, it works on param.grad in place - a lambda returns what its expression "
                  "makes, so write the hook with def, and use the parameter it is given, not "

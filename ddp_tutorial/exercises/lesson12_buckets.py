@@ -232,6 +232,16 @@ _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when 
           "yet)")  # fmt: skip
 
 
+# helper 148: a constructor that sized its buckets from p.grad, which is None before backward;
+# and gradients of different shapes joined without flattening
+_INIT_NONE = (("'NoneType' object has no attribute", "in __init__:"), "p.grad is None until "
+              "the first backward, so the constructor cannot read it: size the buckets from "
+              "the parameters themselves, p.numel() * p.element_size()")  # fmt: skip
+_UNFLAT = ("Tensors must have same number of dimensions", "torch.cat joins tensors of one "
+           "shape: a bucket's gradients have different shapes - flatten each first, "
+           "torch.cat([p.grad.flatten() for p in bucket])")  # fmt: skip
+
+
 _TWICE = (HOOKED_TWICE, "a parameter has its hook registered more than once, so each of its "
           "gradients is counted again and its bucket is launched before the others have "
           "arrived: register once per parameter - model.modules() yields a parameter once for "
@@ -260,7 +270,8 @@ EXERCISES = [
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_TWICE, _NO_WORK, _EARLY, ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
+        errors=(_TWICE, _NO_WORK, _INIT_NONE, _EARLY, _UNFLAT, ("IndexError", _NO_BUCKET),
+                ("KeyError", _NO_BUCKET)),
         proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
         "waited on before the step; the weights equal DistributedDataParallel's",
         report=timed,

@@ -51,14 +51,14 @@ def load(path: Path, tag: str) -> ModuleType:
 
 
 def where(exc: BaseException, path: Path) -> str:
-    """``line N: code`` of the deepest frame in the learner's file, else the deepest frame."""
+    """``line N, in f: code`` of the deepest frame in the learner's file, else the deepest."""
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if Path(f.filename).resolve() == path.resolve()]
     frame = (mine or frames or [None])[-1]
     if frame is None:
         return ""
     name = "your file" if mine else Path(frame.filename).name
-    return f"{name}, line {frame.lineno}: {(frame.line or '').strip()}"
+    return f"{name}, line {frame.lineno}, in {frame.name}: {(frame.line or '').strip()}"
 
 
 @functools.cache

@@ -47,11 +47,17 @@ class NotedWork:
 
     def note_wait(self) -> None:
         """A wait on this Work, or on its future (``get_future()``: lesson 11's hooks)."""
+        self.settle()
+        self._waited = True
+        self._on_wait()
+
+    def settle(self) -> None:
+        """The result is there (a wait, or a ``then`` callback about to run): a change in
+        place before now raced the reduction; one after it (the callback's own) did not."""
         touched = self._tensor is not None and self._tensor._version != self._version
         if touched and not self._waited and self._on_touch is not None:
             self._on_touch()
-        self._waited = True
-        self._on_wait()
+        self._tensor = None
 
     def is_completed(self) -> bool:
         """Polled until True (``while not work.is_completed()``): the result is there, as
@@ -116,12 +122,24 @@ def _futures_noted() -> Iterator[None]:
 
         return call
 
+    def then(future: Any, callback: Callable[[Any], Any]) -> Any:
+        works = _works([future])
+
+        def after(done_future: Any) -> Any:  # runs once the result is there
+            for work in works:
+                work.settle()
+            return callback(done_future)
+
+        made = reals["then"](future, after if works else callback)
+        _FUTURES.update({id(made): (made, works)} if works else {})
+        return made
+
     def wait_all(futures_: list[Any]) -> list[Any]:
         for work in _works(futures_):
             work.note_wait()
         return reals["wait_all"](futures_)
 
-    patches = [(cls, "wait", wait), (cls, "done", done), (cls, "then", derived(reals["then"])),
+    patches = [(cls, "wait", wait), (cls, "done", done), (cls, "then", then),
                (futures, "collect_all", derived(reals["collect_all"])),
                (futures, "wait_all", wait_all)]  # fmt: skip
     _PATCHED[0] = 1
@@ -177,7 +195,9 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
                 return work
             on_drop = None if dropped is None else (lambda: dropped.append(name))
             tensor = args[0] if args else kwargs.get("tensor")
-            if touched is None or not watchable(tensor):
+            # AVG divides in the background, in place, before any wait: not the learner's change
+            avg = name == "all_reduce" and reduce_op(args, kwargs) == "AVG"
+            if touched is None or not watchable(tensor) or avg:
                 return NotedWork(work, on_wait, on_drop)
             return NotedWork(work, on_wait, on_drop, tensor, lambda: touched.append(name))
 

@@ -88,9 +88,13 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
         trace.broadcasts_waited.append(False)
         return lambda: trace.broadcasts_waited.__setitem__(i, True)
 
+    def note_reduce(*_: Any) -> None:  # the sum on one rank only: named, not "no hook"
+        trace.add("reduce")
+
     with (
         spying(("all_reduce",), note, module, touched=trace.touched),
         spying(("broadcast",), note_broadcast, module),
+        spying(("reduce",), note_reduce, module),
     ):
         yield
 

@@ -76,8 +76,8 @@ def explain_error(ex: Exercise, records: list[Record], output: str = "") -> str:
     died = len(records) < ex.nproc
     said = "\n".join([f"{r.get('error', '')}\n{r.get('where', '')}" for r in bad]
                      + ([output] if died else []))  # fmt: skip
-    for text, mistake in ex.errors:
-        if text in said:
+    for text, mistake in ex.errors:  # text: one string, or several that must all be there
+        if all(t in said for t in ((text,) if isinstance(text, str) else text)):
             return ex.hint(mistake)
     if not bad:
         missing = sorted(set(range(ex.nproc)) - {r["rank"] for r in records})
