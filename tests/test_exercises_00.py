@@ -12,6 +12,11 @@ CASES = register([
     Case(EX, "loss-divided-by-the-world-size", "divided by the world size",
          edits=(("            loss = nn.functional.cross_entropy(model(x), y)\n",
                  "            loss = nn.functional.cross_entropy(model(x), y) / world_size\n"),)),
+    # helper 147: the lesson's GPU lines copied onto the CPU check
+    Case(EX, "device-ids-on-the-cpu", "take the CPU branch",
+         edits=(("    model = DDP(model)\n", "    model = DDP(model, device_ids=[0])\n"),)),
+    Case(EX, "nccl-on-the-cpu", "take the CPU branch",
+         edits=(('init_process_group("gloo")\n', 'init_process_group("nccl")\n'),)),
     Case(EX, "no-set-epoch", "sampler.set_epoch(epoch)",
          edits=(("        sampler.set_epoch(epoch)\n", ""),)),
     Case(EX, "every-rank-saves", "only rank 0 must save",

@@ -15,6 +15,14 @@ RING_LOOP = SOLUTION.read_text().split("    total = tensor.clone()\n")[1].split(
 RING_LOOP = RING_LOOP[RING_LOOP.index("    send_buf, recv_buf") : RING_LOOP.index("    total /=")]
 CASES = register([
     # from an eighth learner review: one output tensor for every rank ([t] * world)
+    # helper 147: output buffers of this rank's own length (gloo's raw error before)
+    Case(GATHER, "buffers-of-its-own-length", "the output list's tensors must have the shape",
+         edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
+                 "    gathered = [torch.empty_like(tensor) for _ in range(world)]"),)),
+    Case(GATHER, "own-tensor-first", "in another order",
+         edits=(("    # END YOUR CODE\n",
+                 "    result = result[dist.get_rank() :] + result[: dist.get_rank()]\n"
+                 "    # END YOUR CODE\n"),)),
     Case(GATHER, "one-buffer-for-every-rank", "held one tensor several times",
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
                  "    gathered = [torch.empty_like(padded)] * world"),)),

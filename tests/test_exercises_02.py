@@ -49,6 +49,9 @@ def exact_accuracy(model, dataset, batch_size=4):
 CASES = register(
     [
         # the check's own number of ranks written in (passes its 2-rank run)
+        # helper 147: a tensor made in the call, reduced, then never read
+        Case(ACC, "reduced-a-stacked-copy", "was handed a new tensor: torch.stack(...)",
+             edits=(("    dist.all_reduce(sums)  #", "    dist.all_reduce(torch.stack([sums[0], sums[1]]))  #"),)),  # noqa: E501
         Case(ACC, "world-size-written-as-2", "use dist.get_world_size()",
              edits=((SPLIT, "shard = Subset(dataset, range(rank, len(dataset), 2))"),)),
         Case(ACC, "world-set-to-2", "use dist.get_world_size()",
@@ -73,6 +76,19 @@ CASES = register(
         Case(ACC, "gradients-on", "ran with gradients on",
              edits=(("    with torch.no_grad():\n", "    if True:\n"),)),
         # helper 109: only the TP row added up: FP and FN stay each rank's own
+        # helper 147: the sum on rank 0, the score broadcast from it - right
+        Case(F1, "right-reduce-then-broadcast-the-score", None,
+             edits=(("    dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not\n"
+                     "    tp, fp, fn = counts\n"
+                     "    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)  # 0 for a class nobody has\n"  # noqa: E501
+                     "    score = per_class.mean().item()\n",
+                     "    dist.reduce(counts, dst=0)\n"
+                     "    out = torch.zeros(1, dtype=torch.float64)\n"
+                     "    if dist.get_rank() == 0:\n"
+                     "        tp, fp, fn = counts\n"
+                     "        out[0] = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean()\n"
+                     "    dist.broadcast(out, src=0)\n"
+                     "    score = out.item()\n"),)),
         Case(F1, "only-tp-added", "counts only partly added over the ranks (TP added",
              edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),
         # helper 139: a confusion matrix from a bincount without minlength (torch's raw error)

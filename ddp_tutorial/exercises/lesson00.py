@@ -232,9 +232,19 @@ def one_machine_each(ctx: Context) -> Iterator[None]:
         yield
 
 
+# the GPU lines of the lesson's snippet, copied onto this CPU check (helper 147)
+_CPU_BRANCH = ("this check runs on the CPU with gloo: take the CPU branch of the lesson's lines "
+               '- dist.init_process_group("gloo"), DDP(model) without device_ids, no '
+               "torch.cuda.set_device (on GPUs: nccl, torch.cuda.set_device(local_rank), "
+               "DDP(model, device_ids=[local_rank]))")  # fmt: skip
+
 ERRORS = (
+    ("device_ids and output_device arguments only work", _CPU_BRANCH),
+    ("ProcessGroupNCCL is only supported with GPUs", _CPU_BRANCH),
+    ("Found no NVIDIA driver", _CPU_BRANCH),
     ("model.pt.tmp", "two processes wrote model.pt at once (one renamed the other's temporary "
-     "file away): only rank 0 must save (`if rank == 0`), with rank from RANK - LOCAL_RANK is 0 "
+     "file away): only rank 0 must save (`if rank == 0`), with rank read from RANK in every "
+     "process (a rank, world_size left at 0, 1 makes each process rank 0) - LOCAL_RANK is 0 "
      "on every machine"),
     ("Default process group has not been initialized", "a dist call before the process group "
      "exists: call dist.init_process_group first, in every process"),

@@ -346,6 +346,10 @@ def judge_gather(records: list[Record]) -> str | None:
         got = rec["got"]
         if not isinstance(got, list) or len(got) != n:
             return f"rank {rank} returned {got!r}: expected a list of {n} tensors, one per rank"
+        if got != want and sorted(map(repr, got)) == sorted(map(repr, want)):  # helper 147
+            return (f"on rank {rank}, every rank's tensor came back, in another order: result[i] "
+                    "must be rank i's tensor on every rank - keep all_gather's order, which is "
+                    "the ranks' (not this rank's own first)")  # fmt: skip
         for src, (g, w) in enumerate(zip(got, want, strict=True)):
             if g == w and rec["dtypes"][src] not in ("int64", None):
                 return (f"on rank {rank}, rank {src}'s tensor came back as "
@@ -385,6 +389,9 @@ def judge_gather(records: list[Record]) -> str | None:
 
 
 _UNEVEN_ERRORS = (
+    ("allgather: invalid tensor size", "the output list's tensors must have the shape every "
+     "rank sends, the padded one: [torch.empty_like(padded) for _ in range(world_size)] (not "
+     "buffers of this rank's own length)"),
     ("Received data size", "the ranks sent tensors of different lengths to one all_gather: "
      "every rank must send the same shape - gather the lengths, pad to the longest, trim"),
     ("EnforceNotMet", "the ranks sent tensors of different lengths to one all_gather: "

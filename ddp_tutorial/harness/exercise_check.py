@@ -250,25 +250,26 @@ UNDER_RANK_0 = re.compile(
 )
 
 
-# dist.all_reduce(x.float()): the collective works in place on a new tensor nobody reads
-# (not .detach() nor .contiguous(): they share x's memory, and a collective into them is x's)
+# dist.all_reduce(x.float()), dist.all_reduce(torch.stack(...)): the collective works in place
+# on a new tensor nobody reads (not .detach() nor .contiguous(): they share x's memory)
 COPY_REDUCED = re.compile(
-    r"(?:dist|distributed)\.(?P<op>all_reduce|broadcast|reduce)\(\s*[\w.\[\]]+(?:\.\w+\(\))*?"
-    r"\.(?P<copy>float|double|long|int|half|bfloat16|clone|to|cpu|cuda)\("
+    r"(?:dist|distributed)\.(?P<op>all_reduce|broadcast|reduce)\(\s*(?:(?P<new>torch\.(?:stack|"
+    r"tensor|cat))|[\w.\[\]]+(?:\.\w+\(\))*?\.(?P<copy>float|double|long|int|half|bfloat16|clone|"
+    r"to|cpu|cuda))\("
 )
 
 
 def reduced_a_copy(ex: Exercise, path: Path) -> str | None:
-    """A failed file whose collective was handed a converted tensor: named, where the runs
-    only show that the ranks' results stayed their own."""
+    """A failed file whose collective was handed a new tensor (the runs show own results)."""
     found = COPY_REDUCED.search(_your_lines(ex, path.read_text())) if path.is_file() else None
     if found is None:
         return None
-    op, copy = found["op"], found["copy"]
-    return ex.hint(f"dist.{op}(... .{copy}(...)) was handed a new tensor: .{copy}() makes one "
-                   f"({'always' if copy == 'clone' else 'whenever it converts'}), and {op} "
-                   "worked on that copy in place, which nothing reads - convert first "
-                   f"(x = x.{copy}(...)), then dist.{op}(x)")  # fmt: skip
+    op, copy, new = found["op"], found["copy"], found["new"]
+    made = f"{new}(...)" if new else f"x.{copy}(...)"
+    when = "always" if new or copy == "clone" else "whenever it converts"
+    return ex.hint(f"dist.{op}({made}) was handed a new tensor: {made} makes one ({when}), and "
+                   f"{op} worked on that copy in place, which nothing reads - make it first "
+                   f"(x = {made}), then dist.{op}(x), and read x")  # fmt: skip
 
 
 def _hung_in(ex: Exercise, folder: Path) -> bool:
