@@ -1149,8 +1149,9 @@ class StopCheck:
         self.last = (step, now)
         if math.isfinite(bad):
             raise DivergedError(
-                f"the loss or the weights stopped being finite at step {int(-bad)}: every rank "
-                f"stops before saving them (any snapshot in --checkpoint-dir is from before). "
+                f"the loss, the weights or the buffers stopped being finite at step {int(-bad)}: "
+                f"every rank stops before saving them (any snapshot in --checkpoint-dir is from "
+                f"before). "
                 f"Lower --lr, keep --clip-grad on, use --warmup, or look for a bad batch there"
             )
         name = signal.Signals(int(received)).name if received else None

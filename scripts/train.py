@@ -210,8 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lr = lr if args.lr is None else args.lr
     args.weight_decay = decay if args.weight_decay is None else args.weight_decay
     for flag in ("timeout", "init_timeout"):  # torch waits in ns: 292 years overflow, at start
-        if not 0 < getattr(args, flag) <= 365 * 86400:
-            p.error(f"--{flag.replace('_', '-')} must be > 0 and at most 31536000 (a year, s)")
+        if not 1 <= getattr(args, flag) <= 365 * 86400:  # under a second: fails inside gloo
+            p.error(f"--{flag.replace('_', '-')} must be at least 1 and at most 31536000 (s)")
     args.data = args.data or ("folder" if args.data_dir else "synthetic")  # as the help says
     if not 0 <= args.warmup < 1:
         p.error("--warmup is a fraction of training: 0 <= warmup < 1")
@@ -392,6 +392,16 @@ def main(argv: list[str] | None = None) -> None:
                 busy = str(exc)
         if busy := kit.from_rank0(busy):  # no failed.json: the folder is the other job's
             fail(busy)
+        sizes = torch.tensor([len(data[0]), len(data[1])], device=device)
+        extremes = torch.stack([sizes, -sizes])  # the largest sizes, and the smallest
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # else: a hang at the first epoch's end
+        if bool((extremes[0] != -extremes[1]).any()):
+            (most_t, most_v), (least_t, least_v) = extremes[0].tolist(), (-extremes[1]).tolist()
+            raise kit.DataError(
+                f"the ranks' data sets differ in size (train {least_t} to "
+                f"{most_t} samples, val {least_v} to {most_v}): every rank "
+                "must build the same sets - is a node's copy out of date?"
+            )
         train(args, rank, world_size, device, data, why, attempt)
         dist.barrier()  # on success, nobody tears down a connection a peer still uses
     except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a line, no traceback
@@ -542,6 +552,8 @@ def train(
             held = json.loads((ckpt / "best.json").read_text())
         except ValueError:  # empty or cut short (a crash): the snapshot's best decides
             held = {}
+        if not isinstance(held, dict) or not held:  # [] or 3 is no record either (helper 150)
+            held = {}
             say("WARNING: best.json is damaged: the snapshot's best score decides over best.pt")
         if held.get("best_by", "val_accuracy") == args.best_by:  # older files: accuracy only
             best = max(best, held.get("score", held.get("val_accuracy", -math.inf)))
@@ -565,7 +577,7 @@ def train(
         kit.share_outcome(error, target)  # a broadcast: rank 0's error on every rank
 
     def save_snapshot() -> None:  # a collective: buffers averaged, RNG states gathered
-        verdict = checks.check(step, True, ddp.parameters())  # inf/nan: raises on every rank
+        verdict = checks.check(step, True, weights(ddp))  # inf/nan: raises on every rank
         if ckpt is not None:  # one model saved; each rank trains on with its own statistics
             own = kit.buffers_of(ddp)
             kit.average_buffers(ddp)
@@ -591,9 +603,11 @@ def train(
             checks.saved()
         if verdict.stop:  # preempted: the snapshot holds this step, the rerun resumes from it
             done = f"saved step {step}" if ckpt else "nothing saved (no --checkpoint-dir)"
+            launcher = "TORCHELASTIC_ERROR_FILE" in os.environ  # plain python: this exit is all
             say(
-                f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT} on every rank (torchrun, "
-                "signalled too, exits 1): rerun to resume"
+                f"{verdict.signal}: {done}, exit {kit.PREEMPTED_EXIT} on every rank"
+                + (" (torchrun, signalled too, exits 1)" if launcher else "")
+                + ": rerun to resume"
             )
             if hook:  # (records only, with --out)
                 hook.exiting(step, kit.PREEMPTED_EXIT)
@@ -601,7 +615,7 @@ def train(
 
     def evaluate() -> None:  # one model on every rank (buffers averaged), each sample once
         nonlocal best, owed
-        if checks.check(step, True, ddp.parameters()).stop:  # inf/nan raises: never scored
+        if checks.check(step, True, weights(ddp)).stop:  # inf/nan raises: never scored
             owed = True  # the rerun's first act
             save_snapshot()  # preempted: save (and exit) before a long evaluation
         mean = loss_sum.clone()
@@ -738,7 +752,8 @@ def train(
             pause(save_snapshot)
         # 10. The deliverable: the plain model (no "module." prefix), from global rank 0,
         #     atomically; inside the guard, as every save is: a failure stops the restarts
-        if ckpt and not (finished and kit.from_rank0((ckpt / "final.pt").is_file())):  # kept
+        current = finished and kit.from_rank0(rank == 0 and holds(ckpt, ddp.module.state_dict()))
+        if ckpt and not current:  # a finished run's rerun keeps its final.pt, if it is this model
             save(ddp.module.state_dict(), "final.pt")
     except (kit.DivergedError, kit.CheckpointError, kit.DataError) as exc:  # a restart would too
         stopped_for_good(exc, ckpt, rank, step)
@@ -755,6 +770,28 @@ def train(
     )
     if hook:
         hook.finish(step, history, global_batch, {"peak_lr": peak_lr, "config": vars(args)})
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    """What must stay finite: the parameters and the buffers (one bad batch can make
+    BatchNorm's running variance inf while the loss stays finite: helper 150)."""
+    return [*model.parameters(), *model.buffers()]
+
+
+def holds(ckpt: Path | None, state: dict[str, torch.Tensor]) -> bool:
+    """Whether ckpt/final.pt holds exactly these weights: not missing, damaged, or older (a
+    rerun stopped between its last snapshot and final.pt leaves the old one: helper 150)."""
+    try:
+        held = kit.load_checkpoint(ckpt / "final.pt") if ckpt else None
+    except kit.CheckpointError:
+        return False
+    return (
+        isinstance(held, dict)
+        and held.keys() == state.keys()
+        and all(
+            held[k].shape == v.shape and bool((held[k] == v.cpu()).all()) for k, v in state.items()
+        )
+    )
 
 
 def ranks(n: int) -> str:

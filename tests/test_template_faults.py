@@ -190,6 +190,21 @@ def test_the_weight_check_alone_stops_a_divergence(kit):
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
+def test_the_forced_check_sees_a_batchnorm_statistic_gone_inf(template, kit):
+    """Helper 150: one outlier sample made running_var inf with the loss finite, and every
+    saved file held it. The template checks its model's buffers with its weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    checks = kit.StopCheck(torch.device("cpu"))
+    try:
+        assert not checks.check(1, True, template.weights(model)).stop
+        model[1].running_var[0] = math.inf
+        with pytest.raises(kit.DivergedError, match="the buffers stopped being finite at step 2"):
+            checks.check(2, True, template.weights(model))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
 def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_path, one_rank,
                                                             capsys):  # fmt: skip
     argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "1",
@@ -204,6 +219,16 @@ def test_a_rerun_of_a_finished_max_steps_job_trains_nothing(template, kit, tmp_p
     assert (tmp_path / "final.pt").read_bytes() == final, "final.pt left as it was"
     now = (tmp_path / "final.pt").stat()  # the same bytes saved again: a new file renamed in
     assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns), "not rewritten"
+    # helper 150: a final.pt that is not this model (an older run's, left by a rerun stopped
+    # before it wrote its own; or cut short) is written again, not reported as saved
+    model = torch.load(tmp_path / "final.pt", weights_only=True)
+    for older in ({k: v + 1 if v.is_floating_point() else v for k, v in model.items()}, None):
+        if older is None:
+            (tmp_path / "final.pt").write_bytes(final[: len(final) // 2])
+        else:
+            torch.save(older, tmp_path / "final.pt")
+        template.main(argv)
+        assert (tmp_path / "final.pt").read_bytes() == final, "final.pt is the run's model again"
 
 
 def test_a_resume_refuses_another_optimizer_and_takes_a_new_weight_decay(
@@ -1484,6 +1509,10 @@ def test_a_damaged_best_json_is_warned_of_not_a_crash_on_every_restart(
     template.main([*argv, "--max-steps", "8"])
     (tmp_path / "best.json").write_text("")
     capsys.readouterr()
+    template.main([*argv, "--max-steps", "12"])
+    out = capsys.readouterr().out
+    assert "WARNING: best.json is damaged" in out and "done: 12 steps" in out, out
+    (tmp_path / "best.json").write_text("[]")  # JSON, not a record (helper 150: AttributeError)
     template.main(argv)
     out = capsys.readouterr().out
     assert "WARNING: best.json is damaged" in out and "done: 16 steps" in out, out

@@ -94,8 +94,9 @@ def run_main(template, monkeypatch, capsys, *argv):
         (["--num-workers", "-1"], "argument --num-workers: must be at least 0"),
         # helper 113: "no timeout" as a huge number failed every start in gloo (its ns overflow),
         # a nanosecond timestamp as a seed in torch's manual_seed
-        (["--timeout", "1e10"], "--timeout must be > 0 and at most 31536000"),
-        (["--init-timeout", "1e14"], "--init-timeout must be > 0 and at most 31536000"),
+        (["--timeout", "1e10"], "--timeout must be at least 1 and at most 31536000"),
+        (["--timeout", "0.001"], "--timeout must be at least 1"),  # helper 150: gloo's 1 ms
+        (["--init-timeout", "1e14"], "--init-timeout must be at least 1 and at most 31536000"),
         (["--seed", "20000000000000"], "argument --seed: must be at least 0 and below 2**32"),
     ],
 )
@@ -269,6 +270,23 @@ with process_group(backend="gloo") as info:
 """
 
 
+# the template run on a node whose copy of the data has one training sample less (helper 150:
+# the ranks hung until --timeout at the first epoch's end, then gloo's recv timeout)
+UNEQUAL = """
+import os, sys
+sys.path.insert(0, os.environ["TEMPLATE_DIR"])
+import torch, ddp_kit, train
+real = ddp_kit.build_datasets
+def build(args, rank=0, world_size=1):
+    train_set, val_set, classes = real(args, rank, world_size)
+    if rank == 1:
+        train_set = torch.utils.data.Subset(train_set, range(len(train_set) - 1))
+    return train_set, val_set, classes
+ddp_kit.build_datasets = build
+train.main()
+"""
+
+
 def file_size_limited(spec, limit):
     """Start ``spec`` with RLIMIT_FSIZE = ``limit`` bytes (inherited by torchrun and its ranks).
 
@@ -337,6 +355,10 @@ def runs(tmp_path_factory):
                          nproc=2, run_dir=tmp / name, echo=False, timeout=300, env=CPU)
         for name, args in argv.items()
     }  # fmt: skip
+    (tmp / "unequal.py").write_text(UNEQUAL)
+    specs["unequal data"] = LaunchSpec(tmp / "unequal.py", [*MLP_RUN, "--num-samples", "64"],
+                                       nproc=2, run_dir=tmp / "unequal", echo=False, timeout=300,
+                                       env={**CPU, "TEMPLATE_DIR": str(SCRIPTS)})  # fmt: skip
     (tmp / "buffers.py").write_text(BUFFERS)
     specs["buffers"] = LaunchSpec(tmp / "buffers.py", nproc=3, run_dir=tmp / "buffers",
                                   echo=False, timeout=300)  # fmt: skip
@@ -362,7 +384,7 @@ def runs(tmp_path_factory):
             late["ranks"][1].resume()
     results = {name: launch.wait() for name, launch in launches.items()}
     for name, result in results.items():
-        if name not in ("impossible", "failed save", "late rank"):
+        if name not in ("impossible", "failed save", "late rank", "unequal data"):
             assert result.ok, f"{name}:\n{result.output[-3000:]}"
     results["ended"], results["late"] = ended, late
     return results
@@ -382,6 +404,13 @@ def test_impossible_batch_fails_fast_on_every_rank(runs):
 
 
 @pytest.mark.torchrun
+def test_ranks_with_data_sets_of_different_sizes_stop_at_once(runs):
+    result = runs["unequal data"]
+    assert result.returncode == 1 and result.seconds < 120, result.output[-3000:]
+    said = "train.py: error: DataError: the ranks' data sets differ in size (train 63 to 64"
+    assert all(f"[rank{r}]: {said}" in result.output for r in (0, 1)), result.output[-3000:]
+
+
 def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(runs):
     run = runs["folder"].run_dir
     assert "global batch 8 = 4 per rank x 2 ranks x 1 accumulation" in runs["folder"].output
