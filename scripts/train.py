@@ -706,7 +706,9 @@ def train(
                     loss_sum += torch.stack([mean.detach().double() * counts[i], counts[i]])
                     done, consumed = done + 1, consumed + args.batch_size * world_size
                 into = min(1.0, consumed / per_epoch)  # of this epoch, after this step: any world
-                lr = kit.lr_at((epoch + into) / args.epochs, peak_lr, args.warmup)
+                half = 0.5 * args.grad_accum * args.batch_size * world_size / per_epoch
+                # the step's middle: neither the first step (warm-up) nor the last gets lr 0
+                lr = kit.lr_at((epoch + max(0.0, into - half)) / args.epochs, peak_lr, args.warmup)
                 kit.set_lr(optimizer, lr, peak_lr)
                 norm = None
                 if args.clip_grad:  # after all_reduce, so every rank clips the same gradients

@@ -1408,7 +1408,8 @@ def test_the_lr_reaches_zero_at_the_last_step_of_an_uneven_accumulated_run(
 ):
     """Helper 76: the schedule's length counted every sample, but an epoch trains whole
     accumulation windows of whole batches (1000 samples, 32 x 4: 896): the last step's LR was
-    14 % of the peak. It runs over the steps the loop takes now."""
+    14 % of the peak. It runs over the steps the loop takes now. And each step takes the LR
+    of its middle (helper 150): the last step's is small, not 0 (a step trained for nothing)."""
     argv = [*TINY, "--num-samples", "1000", "--batch-size", "32", "--grad-accum", "4",
             "--epochs", "2", "--log-every", "1", "--warmup", "0"]  # fmt: skip
     template.main(argv)
@@ -1416,7 +1417,7 @@ def test_the_lr_reaches_zero_at_the_last_step_of_an_uneven_accumulated_run(
         float(v)
         for v in re.findall(r"step \d+: loss [0-9.]+, lr ([0-9.e-]+)", capsys.readouterr().out)
     ]
-    assert len(lrs) == 14 and lrs[-1] < 1e-3 * lrs[0], lrs
+    assert len(lrs) == 14 and 0 < lrs[-1] < 5e-3 * lrs[0], lrs  # cos at 1 - 1/28: 0.3 %
 
 
 def test_fp16_switched_on_at_a_resume_starts_a_fresh_scaler(template, tmp_path, one_rank, capsys):

@@ -991,7 +991,7 @@ def test_a_timeout_of_zero_is_refused_by_its_own_name(template, capsys, flag):
         template.parse_args([flag, "0"])
     error = capsys.readouterr().err.strip().splitlines()[-1]  # after the usage lines
     other = ({"--timeout", "--init-timeout"} - {flag}).pop()
-    assert f"{flag} must be > 0" in error and other not in error, error
+    assert f"{flag} must be at least 1" in error and other not in error, error
 
 
 def test_make_deterministic_sets_every_switch(monkeypatch):
