@@ -15,7 +15,9 @@ Every DDP step is written out below, numbered, in the order it happens on every 
 with the same --checkpoint-dir to resume from the newest snapshot, on any number of ranks
 (a damaged one is renamed *.corrupt and the one before it used: --keep 2 or more).
 What a scheduler sees: on SIGTERM or SIGUSR1 (torchrun forwards SIGUSR1 only when
---signals-to-handle lists it) every rank saves the current step and exits 75, but torchrun,
+--signals-to-handle lists it) once training has begun (during start-up a signal ends the ranks
+as it would any process: nothing new to save) every rank saves the current step and exits 75,
+but torchrun,
 signalled too, re-raises the signal and exits 1: the job script requeues the job itself
 (slurm/train.sbatch: scontrol requeue in its USR1 trap). A crash restarts from the newest
 snapshot (torchrun --max-restarts); a loss gone inf/nan or a failed save stops every rank at
