@@ -23,6 +23,24 @@ CASES = register([
          edits=(("    # END YOUR CODE\n",
                  "    result = result[dist.get_rank() :] + result[: dist.get_rank()]\n"
                  "    # END YOUR CODE\n"),)),
+    # helper 147: padding trimmed by value only at the end passed (no tensor ended in it)
+    Case(GATHER, "trailing-zeros-stripped", "lost its 0s",
+         edits=((TRIM, "    result = [g[: int(g.nonzero().max()) + 1] for g in gathered]\n"),)),
+    Case(GATHER, "trailing-minus-ones-stripped", "gather every rank's length first",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+                 "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),
+                (TRIM, "    result = [g[: int((g != -1).nonzero().max()) + 1] for g in gathered]\n"))),  # noqa: E501
+    Case(GATHER, "right-values-and-a-mask-in-one-block", None,  # helper 147: "sent 6 values"
+         text="import torch\nimport torch.distributed as dist\n\n\ndef gather_uneven(tensor):\n"
+              "    world = dist.get_world_size()\n    # YOUR CODE\n"
+              "    longest = torch.tensor([tensor.numel()])\n"
+              "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"
+              "    block = torch.zeros(2, int(longest), dtype=tensor.dtype)\n"
+              "    block[0, : tensor.numel()] = tensor\n"
+              "    block[1, : tensor.numel()] = 1  # a mask: which slots are real\n"
+              "    blocks = [torch.empty_like(block) for _ in range(world)]\n"
+              "    dist.all_gather(blocks, block)\n"
+              "    # END YOUR CODE\n    return [b[0][b[1] == 1] for b in blocks]\n"),
     Case(GATHER, "one-buffer-for-every-rank", "held one tensor several times",
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
                  "    gathered = [torch.empty_like(padded)] * world"),)),
