@@ -89,6 +89,10 @@ CASES = register(
                      "        out[0] = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean()\n"
                      "    dist.broadcast(out, src=0)\n"
                      "    score = out.item()\n"),)),
+        Case(F1, "tp-once-in-the-denominator", "the denominator counts TP once",
+             edits=(("2 * tp / (2 * tp + fp + fn).clamp(min=1)", "2 * tp / (tp + fp + fn).clamp(min=1)"),)),  # noqa: E501
+        Case(F1, "integer-division", "integer division",
+             edits=(("2 * tp / (2 * tp + fp + fn).clamp(min=1)", "2 * tp // (2 * tp + fp + fn).clamp(min=1)"),)),  # noqa: E501
         Case(F1, "only-tp-added", "counts only partly added over the ranks (TP added",
              edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),
         # helper 139: a confusion matrix from a bincount without minlength (torch's raw error)

@@ -172,6 +172,12 @@ def _wrong_f1s(every: torch.Tensor, mean_of_own: float) -> list[tuple[float, str
         ((per_class * (tp + fn)).sum().item() / (tp + fn).sum().clamp(min=1).item(), "the F1s "
          "weighted by each class's support (TP + FN: sklearn's 'weighted'); macro F1 weighs "
          "every class alike - the plain mean of the per-class F1s"),
+        ((tp / (tp + fp + fn).clamp(min=1)).mean().item(), "the Jaccard index (IoU), TP / "
+         "(TP + FP + FN): F1 counts TP twice, 2·TP / (2·TP + FP + FN)"),  # helper 147
+        ((2 * tp / (tp + fp + fn).clamp(min=1)).mean().item(), "2·TP / (TP + FP + FN): the "
+         "denominator counts TP once; F1 = 2·TP / (2·TP + FP + FN)"),
+        ((2 * tp // (2 * tp + fp + fn).clamp(min=1)).float().mean().item(), "each class's F1 by "
+         "integer division (//: 0 unless perfect): divide with /, on floats"),
         (torch.where(2 * tp + fp + fn > 0, per_class, 1.0).mean().item(), "a class nobody "
          "predicted or labelled scored 1 (zero_division=1); this exercise scores it 0, as "
          "2·TP / (2·TP + FP + FN).clamp(min=1) does"),
