@@ -709,7 +709,7 @@ def train(
                     done, consumed = done + 1, consumed + args.batch_size * world_size
                 into = min(1.0, consumed / per_epoch)  # of this epoch, after this step: any world
                 half = 0.5 * args.grad_accum * args.batch_size * world_size / per_epoch
-                # the step's middle: neither the first step (warm-up) nor the last gets lr 0
+                # the step's middle: the last step does not train at lr 0 (a schedule's end)
                 lr = kit.lr_at((epoch + max(0.0, into - half)) / args.epochs, peak_lr, args.warmup)
                 kit.set_lr(optimizer, lr, peak_lr)
                 norm = None
@@ -777,9 +777,11 @@ def train(
 
 
 def weights(model: nn.Module) -> list[torch.Tensor]:
-    """What must stay finite: the parameters and the buffers (one bad batch can make
-    BatchNorm's running variance inf while the loss stays finite: helper 150)."""
-    return [*model.parameters(), *model.buffers()]
+    """What must stay finite: the parameters and the norm layers' statistics (one bad batch
+    can make BatchNorm's running variance inf while the loss stays finite: helper 150); not
+    every buffer, since some are rightly not finite (a causal mask of -inf)."""
+    stats = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in kit.NORM_STATISTICS]
+    return [*model.parameters(), *stats]
 
 
 def holds(ckpt: Path | None, state: dict[str, torch.Tensor]) -> bool:

@@ -41,6 +41,12 @@ CASES = register([
               "    blocks = [torch.empty_like(block) for _ in range(world)]\n"
               "    dist.all_gather(blocks, block)\n"
               "    # END YOUR CODE\n    return [b[0][b[1] == 1] for b in blocks]\n"),
+    Case(RING, "every-rank-receives-first", "every rank receives first, and nobody sends",
+         edits=((ISEND, ""),
+                ("        request.wait()\n",
+                 "        dist.send(send_buf, dst=(rank + 1) % world)\n"))),
+    Case(RING, "receives-from-where-it-sends", "receives from the rank it sends to",
+         edits=(("src=(rank - 1) % world", "src=(rank + 1) % world"),)),
     Case(GATHER, "one-buffer-for-every-rank", "held one tensor several times",
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]",
                  "    gathered = [torch.empty_like(padded)] * world"),)),

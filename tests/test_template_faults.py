@@ -197,9 +197,11 @@ def test_the_forced_check_sees_a_batchnorm_statistic_gone_inf(template, kit):
     checks = kit.StopCheck(torch.device("cpu"))
     try:
         assert not checks.check(1, True, template.weights(model)).stop
+        model.register_buffer("mask", torch.full((3,), -math.inf))  # rightly not finite
+        assert not checks.check(2, True, template.weights(model)).stop
         model[1].running_var[0] = math.inf
-        with pytest.raises(kit.DivergedError, match="the buffers stopped being finite at step 2"):
-            checks.check(2, True, template.weights(model))
+        with pytest.raises(kit.DivergedError, match="the buffers stopped being finite at step 3"):
+            checks.check(3, True, template.weights(model))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)

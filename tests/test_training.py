@@ -411,6 +411,7 @@ def test_ranks_with_data_sets_of_different_sizes_stop_at_once(runs):
     assert all(f"[rank{r}]: {said}" in result.output for r in (0, 1)), result.output[-3000:]
 
 
+@pytest.mark.torchrun
 def test_trains_on_an_image_folder_and_saves_the_model_it_evaluated(runs):
     run = runs["folder"].run_dir
     assert "global batch 8 = 4 per rank x 2 ranks x 1 accumulation" in runs["folder"].output

@@ -242,6 +242,7 @@ ERRORS = (
     ("device_ids and output_device arguments only work", _CPU_BRANCH),
     ("ProcessGroupNCCL is only supported with GPUs", _CPU_BRANCH),
     ("Found no NVIDIA driver", _CPU_BRANCH),
+    ("No CUDA GPUs are available", _CPU_BRANCH),  # a GPU machine: the check hides its GPUs
     ("model.pt.tmp", "two processes wrote model.pt at once (one renamed the other's temporary "
      "file away): only rank 0 must save (`if rank == 0`), with rank read from RANK in every "
      "process (a rank, world_size left at 0, 1 makes each process rank 0) - LOCAL_RANK is 0 "

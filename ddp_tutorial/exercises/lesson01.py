@@ -407,6 +407,14 @@ EXERCISES = [
         name="01_ring_average", lesson="01", nproc=3, run=run_ring, judge=judge_ring,
         title="the mean over ranks, from point-to-point sends around a ring",
         teaches='lesson 01, "send and recv"',
+        when_hung=(  # helper 147: both read as "every rank must call the same collectives"
+            (r"(?m)^( +)dist\.recv\([^\n]*\n\1dist\.send\(", "every rank receives first, "
+             "and nobody sends: a blocking recv waits for a send that never starts - let even "
+             "ranks send first and odd ranks receive first, or dist.isend first"),
+            (r"(?s)(?=.*dst=\(rank ([+-]) 1\))(?=.*src=\(rank \1 1\))", "each rank receives "
+             "from the rank it sends to: around a ring, send to (rank + 1) % world and "
+             "receive from (rank - 1) % world"),
+        ),
         proves=(
             "only send/recv, only to the ring's neighbours; every rank returned the mean of the 3"
             " ranks' tensors"

@@ -239,9 +239,11 @@ def run_hooks(module: ModuleType, ctx: Context) -> Record:
 def judge_start(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
         if any(e["kind"] == "reduce" for e in rec["events"]):  # helper 148: read as "no hook"
-            return ("dist.reduce leaves the sum on its dst rank alone, and every other rank "
-                    "steps with its own gradient: every rank needs the mean - "
-                    'dist.all_reduce (lesson 01, "The collectives")')  # fmt: skip
+            return (
+                "dist.reduce leaves the sum on its dst rank alone: every rank needs the "
+                "mean in its own p.grad before its step - dist.all_reduce, one collective "
+                '(not a reduce and a broadcast: two) (lesson 01, "The collectives")'
+            )
         if not rec["start_is_rank0"] and rec.get("start_from") not in (None, rank):
             return (f"every rank started from rank {rec['start_from']}'s weights, not rank 0's: "
                     "src is the rank that sends - dist.broadcast(p, src=0) "

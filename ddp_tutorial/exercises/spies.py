@@ -196,7 +196,7 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
             on_drop = None if dropped is None else (lambda: dropped.append(name))
             tensor = args[0] if args else kwargs.get("tensor")
             # AVG divides in the background, in place, before any wait: not the learner's change
-            avg = name == "all_reduce" and reduce_op(args, kwargs) == "AVG"
+            avg = any(str(a).endswith("AVG") for a in (*args[1:], kwargs.get("op")))  # reduce too
             if touched is None or not watchable(tensor) or avg:
                 return NotedWork(work, on_wait, on_drop)
             return NotedWork(work, on_wait, on_drop, tensor, lambda: touched.append(name))
