@@ -7,6 +7,7 @@ job's processes after the launcher was stopped.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import psutil
 
 from ddp_tutorial.harness.launch import Launch
-from ddp_tutorial.harness.processes import alive
+from ddp_tutorial.harness.processes import alive, run_command
 from ddp_tutorial.records import read_rank_records
 
 
@@ -61,3 +62,20 @@ def parent_of(pid: int) -> int | None:
         return psutil.Process(pid).ppid()
     except psutil.NoSuchProcess:
         return None
+
+
+# torchrun's LaunchConfig, built as torchrun builds it from flags left at their defaults
+_LAUNCH_CONFIG = (
+    "from torch.distributed.launcher.api import LaunchConfig as C; "
+    "print(C(min_nodes=1, max_nodes=1, nproc_per_node=2).shutdown_timeout)"
+)
+
+
+def launcher_shutdown_timeout(timeout_s: float = 60.0) -> int:
+    """torchrun's grace period (``--shutdown-timeout`` unset), read in a process of its own:
+    building a ``LaunchConfig`` asks ``torch.accelerator.is_available()`` (for NUMA binding),
+    the CUDA runtime on a CUDA build, and a lesson's kernel stays free of CUDA (lesson 01)."""
+    done = run_command([sys.executable, "-c", _LAUNCH_CONFIG], timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun's LaunchConfig could not be built:\n{done.output[-2000:]}")
+    return int(done.output.strip().splitlines()[-1])
