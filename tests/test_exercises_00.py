@@ -119,6 +119,15 @@ CASES = register([
                  'int(os.environ["LOCAL_RANK"]) == 0, model.module.state_dict()'),)),
     Case(EX, "set-epoch-plus-rank", "set_epoch(epoch + rank)",
          edits=(("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + rank)"),)),
+    # session 30: both were told "wrap the model in DDP" (the first one is wrapped)
+    Case(EX, "no-sync-every-step", "training alone on its own samples",
+         edits=(("            loss = nn.functional.cross_entropy(model(x), y)\n"
+                 "            optimizer.zero_grad()\n            loss.backward()\n",
+                 "            with model.no_sync():\n"
+                 "                loss = nn.functional.cross_entropy(model(x), y)\n"
+                 "                optimizer.zero_grad()\n                loss.backward()\n"),)),
+    Case(EX, "loss-summed-over-the-batch", "reduction='sum'",
+         edits=(("cross_entropy(model(x), y)", 'cross_entropy(model(x), y, reduction="sum")'),)),
 ])  # fmt: skip
 
 

@@ -17,7 +17,6 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
@@ -34,21 +33,24 @@ def order(epoch: int, seed: int = SEED) -> list[int]:
     return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def reference_weights(world_size: int, lr: float = LR) -> dict[str, torch.Tensor]:
-    """What one process trains with the global batch (lesson 00's proof: the same weights)."""
+def reference_weights(
+    world_size: int, lr: float = LR, orders: list[list[int]] | None = None
+) -> dict[str, torch.Tensor]:
+    """What one process trains with the global batch (lesson 00's proof: the same weights);
+    or, given ``orders`` (the samples of each epoch, in order), one process on those alone in
+    batches of BATCH: what rank 0 trains when its gradients are never averaged."""
     g = torch.Generator().manual_seed(SEED)
     x = torch.randn(SAMPLES, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=g)).argmax(dim=1)
-    generator = torch.Generator()
-    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH * world_size,
-                        sampler=RandomSampler(range(SAMPLES), generator=generator))  # fmt: skip
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for epoch in range(EPOCHS):
-        generator.manual_seed(SEED + epoch)
-        for xb, yb in loader:
-            loss = nn.functional.cross_entropy(model(xb), yb)
+        order_ = orders[epoch] if orders else order(epoch)
+        step = BATCH if orders else BATCH * world_size
+        for i in range(0, len(order_), step):
+            batch = torch.tensor(order_[i : i + step])
+            loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -83,7 +85,12 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
         others = {"batch_x_world": reference_weights(n * n),
                   "batch_over_world": reference_weights(1),
                   "lr_x_world": reference_weights(n, LR * n),
-                  "lr_over_world": reference_weights(n, LR / n)}  # fmt: skip
+                  "lr_over_world": reference_weights(n, LR / n),
+                  # a loss summed over the batch (reduction="sum"): gradients BATCH times the mean
+                  "loss_summed": reference_weights(n, LR * BATCH)}  # fmt: skip
+        zero = [r for r in reports if r.get("rank") == 0 and len(r.get("seen", [])) == EPOCHS]
+        if n > 1 and zero:  # rank 0 alone on its own samples: gradients never averaged
+            others["alone"] = reference_weights(1, orders=zero[0]["seen"])
         for name, other in others.items():
             record[f"gap_{name}"] = max((plain[k] - other[k]).abs().max().item() for k in other)
     return record
@@ -181,6 +188,17 @@ def _judge_saved(first: Record, n: int) -> str | None:
                 "--lr as it is, to train exactly what one process trains on the global batch; "
                 "a rate changes with a global batch that grows "
                 '(lesson 02, "The global batch and the learning rate")')  # fmt: skip
+    if first.get("gap_alone", 1.0) <= 1e-5:
+        return ("rank 0's weights are those of rank 0 training alone on its own samples: its "
+                "gradients were never averaged with the other processes' - wrap the model in "
+                "DDP, and run forward and backward outside `with model.no_sync():` except on "
+                "the micro-batches of an accumulation (lesson 04, \"`no_sync()`: gradient "
+                'accumulation without wasted all_reduces")')  # fmt: skip
+    if first.get("gap_loss_summed", 1.0) <= 1e-4:
+        return (f"the weights are those of gradients {BATCH} times too large, a loss summed over "
+                f"the batch of {BATCH} (reduction='sum'): keep cross_entropy's mean, as the "
+                "single-process loop has it - DDP averages the ranks' mean gradients into the "
+                "global batch's mean")  # fmt: skip
     if first["gap"] > 1e-5:
         return (f"the weights differ from one process on the global batch (by "
                 f"{first['gap']:.2g}): wrap the model in DDP, so that backward() averages the "
