@@ -201,7 +201,9 @@ def run_ring(module: ModuleType, ctx: Context) -> Record:
             got = module.ring_average(mine.clone())
     except Exception as exc:
         if dropped:  # named: the hang it causes would say only "a peer that never came"
-            raise RuntimeError(DROPPED.format(dropped[0])) from exc
+            # with the hang's traceback: "at" then names the learner's line that waited
+            hung = DROPPED.format(dropped[0]) + "; this rank then waited for ever"
+            raise RuntimeError(hung).with_traceback(exc.__traceback__) from exc
         raise
     return {"got": _values(got), "calls": calls, "dropped": dropped, "touched": touched}
 

@@ -11,7 +11,9 @@ reach it on every Python.
 
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -173,6 +175,20 @@ def reduce_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)).rsplit(".")[-1]
 
 
+def call_site(module: ModuleType | None) -> str:
+    """`` (your file, line N: code)`` of the innermost frame in ``module``'s file ("" if none):
+    a Work let go of unwaited is found when it is collected, far from the line that made it."""
+    path = getattr(module, "__file__", None)
+    path = os.path.realpath(path) if path else None
+    frame = sys._getframe(1)
+    while frame is not None and path is not None:
+        if os.path.realpath(frame.f_code.co_filename) == path:
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f" (your file, line {frame.f_lineno}: {code})"
+        frame = frame.f_back
+    return ""
+
+
 @contextmanager
 def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = None,
            also: Sequence[ModuleType] = (), source: ModuleType = dist,
@@ -193,7 +209,8 @@ def spying(names: Sequence[str], on_call: OnCall, module: ModuleType | None = No
             work = real(*args, **kwargs)
             if work is None or on_wait is None:
                 return work
-            on_drop = None if dropped is None else (lambda: dropped.append(name))
+            called = name + call_site(module)  # while the learner's frame is on the stack
+            on_drop = None if dropped is None else (lambda: dropped.append(called))
             tensor = args[0] if args else kwargs.get("tensor")
             # AVG divides in the background, in place, before any wait: not the learner's change
             avg = any(str(a).endswith("AVG") for a in (*args[1:], kwargs.get("op")))  # reduce too
