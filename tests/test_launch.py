@@ -503,6 +503,13 @@ def test_launches_run_one_after_another_on_exclusive_process_gpus(tmp_path, writ
                                          echo=False) for n in "ab")  # fmt: skip
     a, b = spans({"a": first.wait(), "b": second.wait()})
     assert a["end"] <= b["start"], "the second launch waited for the first"
+    # lesson 09's lab (every case gloo on the CPU): side by side all the same, or its
+    # 240 s hang would hold up every case started after it
+    from ddp_tutorial.lessons.debugging import start_cases
+
+    lab = start_cases(specs, run_dir=tmp_path / "lab")
+    assert not any(la.done for la in lab.values()), "start_cases waited for a launch"
+    assert all(r.ok for r in (la.wait() for la in lab.values()))
 
 
 STAMPS_PER_RANK = """
