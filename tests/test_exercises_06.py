@@ -174,6 +174,23 @@ CASES = register([
                  "    scaler.unscale_(optimizer)\n"),
                 ("    norm = torch.nn.utils.clip_grad_norm_(",
                  "    torch.nn.utils.clip_grad_norm_("))),
+    # helper 153: right by accident while the micro-batches held K samples each
+    Case(EX, "loss-divided-by-the-micro-batch-size", "divided by its size",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) / len(x)"),)),
+    # helper 153: named, not "return what clip_grad_norm_ returns" or "weights differ"
+    Case(EX, "optimizer-stepped-beside-the-scaler", "stepped 2 times",
+         edits=(("    scaler.step(optimizer)\n",
+                 "    scaler.step(optimizer)\n    optimizer.step()\n"),)),
+    Case(EX, "losses-added-one-backward", "one batch of all of them",
+         edits=((WITH + "            loss = nn.functional.cross_entropy(model(x), y) / k\n"
+                 + BACKWARD,
+                 "        loss = nn.functional.cross_entropy(model(x), y) / k\n"
+                 "        total = loss if i == 0 else total + loss\n"
+                 "    scaler.scale(total).backward()\n"),)),
+    Case(EX, "autocast-from-the-template", "ran under autocast",
+         edits=(("            loss = nn.functional.cross_entropy(model(x), y) / k\n",
+                 '            with torch.autocast("cpu", dtype=torch.bfloat16):\n'
+                 "                loss = nn.functional.cross_entropy(model(x), y) / k\n"),)),
 ])  # fmt: skip
 
 

@@ -37,8 +37,10 @@ def warmup(step: int) -> float:
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's batch of 20: K micro-batches of 5 (a loss divided by len(x), 4 with a batch
+    of 16, would be right by accident)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return 10 * torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    return 10 * torch.randn(20, 8, generator=g), torch.randint(0, 3, (20,), generator=g)
 
 
 def _net() -> nn.Module:
@@ -88,7 +90,9 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
-    model.register_forward_pre_hook(lambda *_: calls.append("forward"))  # each micro-batch's
+    model.register_forward_pre_hook(  # each micro-batch's; and whether under autocast
+        lambda *_: calls.extend(["forward", *["autocast"] * torch.is_autocast_enabled("cpu")])
+    )
     optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
     for owner in (optimizer, model):  # either zeroes the gradients
         owner.zero_grad = noted(owner.zero_grad, calls)  # type: ignore[method-assign]
@@ -167,6 +171,10 @@ def judge_clip(records: list[Record]) -> str | None:
         rows = [r["steps"][step] for r in records]
         if not rows[0]["moved"]:
             return _unmoved(rows[0]["calls"])
+        if "autocast" in rows[0]["calls"]:  # the template's loop has it; this check does not
+            return ("the forward ran under autocast: this check trains in float32 on the CPU "
+                    "and compares the numbers with float32's - leave autocast out here (the "
+                    "template's loop keeps it, lesson 11 times it)")  # fmt: skip
         if mistake := _accumulated(rows, step) or _rates(records, rows, step):
             return mistake
         if mistake := _call_order(rows[0]["calls"], step):
@@ -229,7 +237,9 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
     """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
     syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
     scaled = rows[0]["calls"].count("scaler.scale")
-    if 0 < scaled < K == rows[0]["calls"].count("forward") and stepped == 1:  # helper 142
+    norm, true = rows[0]["norm"], rows[0]["want_norm"]
+    summed = abs(norm - true) <= 1e-4 * true  # the true norm: one backward of the losses added
+    if 0 < scaled < K == rows[0]["calls"].count("forward") and stepped == 1 and not summed:
         return (f"step {step + 1} ran {K} micro-batches but only {scaled} backward(s) through "
                 "scaler.scale(loss): the others' backward ran on the loss itself, and "
                 f"unscale_ then divides their share of the gradients by the scale ({SCALE:g}) "
@@ -258,6 +268,11 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 "step once, after the last micro-batch's backward - until then the gradients "
                 'only add up (lesson 04, "`no_sync()`: gradient accumulation without wasted '
                 'all_reduces")')  # fmt: skip
+    if stepped == 1 and (opt := rows[0]["calls"].count("optimizer.step")) > 1:
+        return (f"the optimizer stepped {opt} times in step {step + 1}: scaler.step(optimizer) "
+                "calls optimizer.step() itself (and skips it when the gradients hold an inf or "
+                "a nan) - no optimizer.step() beside it "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     if syncs > 1:
         return (f"{syncs} all_reduces in step {step + 1} for {K} micro-batches: the weights may "
                 "be right, but all but one are wasted communication - the forward and backward "
@@ -273,10 +288,16 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 "inside no_sync() (`nullcontext() if i == k - 1 else model.no_sync()`) "
                 '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
                 'all_reduces")')  # fmt: skip
-    norm, true = rows[0]["norm"], rows[0]["want_norm"]
     if abs(norm - K * true) < 1e-4 * K * true:
         return (f"train_step returned {norm:.4g}, {K} times the true norm {true:.4g}: the {K} "
                 "micro-batches' gradients add up, so divide each micro-batch's loss by k "
+                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
+                'all_reduces")')  # fmt: skip
+    size = len(batch(0, 0)[1]) // K  # samples per micro-batch: not K (5, not 4)
+    if abs(norm - K / size * true) < 1e-4 * true:
+        return (f"train_step returned {norm:.4g}, {K}/{size} of the true norm {true:.4g}: each "
+                f"micro-batch's loss was divided by its size ({size} samples: cross_entropy's "
+                f"mean has done that already), not by k = {K}, the number of micro-batches "
                 '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
                 'all_reduces")')  # fmt: skip
     return None
