@@ -179,6 +179,16 @@ CASES = register([
     # monitored_barrier waited for peers that were not in the call)
     Case(SNAP, "monitored-barrier", None,
          edits=(("    dist.barrier()", "    dist.monitored_barrier()"),)),
+    # helper 153: the first line of torch's error named no key
+    Case(RESUME, "whole-snapshot-into-the-model", 'state["model"]',
+         edits=(('model.load_state_dict(state["model"])', "model.load_state_dict(state)"),)),
+    Case(SNAP, "loads-onto-a-cpu-device", "its tensors came back on cpu",
+         edits=(("map_location=device", 'map_location=torch.device("cpu")'),)),
+    Case(SNAP, "loads-with-the-old-lambda", "its tensors came back on cpu",
+         edits=(("map_location=device", "map_location=lambda storage, loc: storage"),)),
+    Case(SNAP, "loads-onto-cuda-local-rank", "map_location='cuda:0' is not `device`",
+         edits=(("map_location=device",
+                 "map_location=f\"cuda:{int(os.environ.get('LOCAL_RANK', 0))}\""),)),
 ])  # fmt: skip
 
 

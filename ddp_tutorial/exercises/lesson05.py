@@ -249,8 +249,13 @@ def _load_phase(
                 isinstance(mine[k], torch.Tensor) and mine[k].device.type == "cpu"
                 and torch.equal(mine[k], want[k]) for k in want),
         }  # fmt: skip
-    except Exception as exc:
-        record["load_error"] = _error(exc)
+        # asked for a device the file never saw: where its tensors land is the answer's choice
+        meta = module.load_snapshot(gpu_file, torch.device("meta"))
+        tensors = meta.get("model", {}).values() if isinstance(meta, dict) else []
+        record["meta"] = sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
+    except Exception as exc:  # on meta: an answer that reads the values (not judged on it)
+        if "loaded" not in record:
+            record["load_error"] = _error(exc)
     record["loads"] = loads
 
 
@@ -400,9 +405,11 @@ def _judge_loads(records: list[Record]) -> str | None:
     for r in records:
         if "load_error" in r:
             if "CUDA device" in r["load_error"]:
+                given = r["loads"][-1]["map_location"] if r["loads"] else "None"
+                passed = "" if given == "None" else f"map_location={given} is not `device`: "
                 return (
                     f"rank {r['rank']}: loading a snapshot saved from cuda:0 on a rank "
-                    f"without that GPU failed ({r['load_error'][:90]}...): pass "
+                    f"without that GPU failed ({r['load_error'][:90]}...): {passed}pass "
                     "map_location=device, so the tensors land on this rank's device (lesson "
                     '05, "6 · `map_location`")'
                 )
@@ -415,6 +422,11 @@ def _judge_loads(records: list[Record]) -> str | None:
             return (f"rank {r['rank']}: load_snapshot did not return the file's contents on "
                     "this rank's device: return torch.load(path, map_location=device, "
                     "weights_only=True)")  # fmt: skip
+        if r.get("meta", ["meta"]) not in ([], ["meta"]):
+            return (f"load_snapshot loads onto {'/'.join(r['meta'])} whatever `device` it is "
+                    f"given (asked for the meta device, its tensors came back on {r['meta'][0]}): "
+                    "map_location=device, so that a GPU rank's tensors land on its own GPU "
+                    '(lesson 05, "6 · `map_location`")')  # fmt: skip
     return None
 
 
@@ -429,12 +441,6 @@ EXERCISES = [
         title="a snapshot written by rank 0 alone, atomically, and read back anywhere",
         teaches='lesson 05, "The lines you write" and "2 · Killed in the middle of a save"',
         collective_timeout_s=6.0,
-        hidden=(
-            (r"""map_location\s*=\s*["']cpu["']|torch\.load\([^,()]+,\s*["']cpu["']""",
-             'load_snapshot loads onto the CPU whatever `device` it is given '
-             '(map_location="cpu"; this check\'s ranks have no GPU): map_location=device, so '
-             "that a GPU rank's tensors land on its own GPU"),
-        ),
         proves=(
             "rank 0 alone wrote, through a temporary file and a rename, and the others waited for"
             " it; the snapshot holds model (no 'module.'), optimizer, epoch and step, loads with "

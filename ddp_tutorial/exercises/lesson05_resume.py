@@ -178,7 +178,13 @@ EXERCISES = [
         name="05_exact_resume", lesson="05", kind="script", run=run_resume,
         judge=judge_resume, title="a second launch that carries on exactly where the first stopped",
         teaches='lesson 05, "7 · Resume, exactly"', collective_timeout_s=12.0,
-        around=saved_from_gpu, errors=(("deserialize object on a CUDA device", MAP_LOCATION),),
+        around=saved_from_gpu,
+        errors=(("deserialize object on a CUDA device", MAP_LOCATION),
+                (('Unexpected key(s) in state_dict: "model"', "Missing key(s)"),
+                 "the whole snapshot went into load_state_dict: it holds the weights under "
+                 "\"model\", beside the optimizer's state and the epoch - "
+                 "model.load_state_dict(state[\"model\"]) and "
+                 "optimizer.load_state_dict(state[\"optimizer\"])")),  # fmt: skip
         when_hung=(
             (r"(?m)^( *)if\b[^\n]*\b(?:rank|get_rank\(\))\s*==\s*0\b[^\n]*:[ \t]*"
              r"(?:[^\n]*torch\.load|\n(?:\1 +[^\n]*\n|[ \t]*\n)*?\1 +[^\n]*torch\.load)",
