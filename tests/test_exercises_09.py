@@ -55,6 +55,10 @@ CASES = register([
                  "from torch.distributed.algorithms import Join\n"),
                 ("        for x, y, index in loader:\n", "        with Join([model]):\n"
                  "          for x, y, index in loader:\n"))),
+    # helper 152: told "the same seed on every rank"
+    Case(EX, "labelled-kept-not-split", "the ranks' work is not split",
+         edits=((SHARD_FIX,
+                 "    shard = [i for i in range(len(train_set)) if labels[i] >= 0]\n"),)),
 ])  # fmt: skip
 
 

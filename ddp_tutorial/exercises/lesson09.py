@@ -91,6 +91,12 @@ def judge_hang(records: list[Record]) -> str | None:
             return (f"epoch {epoch} trained on unlabelled samples (label -1): keep only the "
                     "labelled ones, then split them")  # fmt: skip
         shared = set(reports[0]["seen"][epoch]).intersection(*(r["seen"][epoch] for r in reports))
+        if shared >= set(LABELLED):  # every rank trained on every labelled sample
+            return (f"in epoch {epoch} every rank trained on all {len(LABELLED)} labelled "
+                    "samples: the ranks' work is not split - after keeping the labelled "
+                    "ones, give each rank its own part, "
+                    "[labelled[j] for j in DistributedSampler(labelled)] "
+                    '(lesson 09, "7 · Uneven inputs")')  # fmt: skip
         if len(shared) >= n:  # padding repeats at most world_size - 1 samples
             return (f"in epoch {epoch} every rank trained on sample {min(shared)} ({len(shared)} "
                     "shared): the ranks' shards overlap - every rank must order the labelled "
