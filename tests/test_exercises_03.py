@@ -30,6 +30,9 @@ CASES = register(
                     (PHYSICAL, PHYSICAL + '\n    device = torch.device("cuda", physical)'))),
         Case(GPU, "ignores-cuda-visible-devices", "the LOCAL_RANK",
              edits=((PHYSICAL, "physical = local_rank"),)),
+        # helper 152: seed 000's dist.get_rank() was told "not os.environ"
+        Case(GPU, "dist-get-rank-as-device", "dist.get_rank() (seed 000's line)",
+             edits=((LOCAL, 'local_rank = __import__("torch").distributed.get_rank()'),)),
         Case(GPU, "reads-os-environ-not-env", "not os.environ",
              edits=((LOCAL, 'local_rank = int(__import__("os").environ["LOCAL_RANK"])'),)),
         Case(GPU, "rank-mod-local-world-size", "only when every node runs as many ranks",

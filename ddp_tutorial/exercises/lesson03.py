@@ -249,10 +249,12 @@ def _wrong_index(records: list[Record], rank: int, a: Record, index: int, physic
             "- read LOCAL_RANK, which torchrun sets on every node "
             '(lesson 03, "`LOCAL_RANK`, not `RANK`")'
         )
-    if _reads_own_rank(records, where):  # torchrun's LOCAL_RANK: rank = local
+    if _reads_own_rank(records, where):  # os.environ is judged before: dist.get_rank()?
         return (
-            f"{where}: you picked cuda:{rank}, this process's own LOCAL_RANK: read "
-            "the variables from `env`, the environment passed in, not os.environ"
+            f"{where}: you picked cuda:{rank}, the rank of the check's own process, whatever "
+            "`env` says - dist.get_rank() (seed 000's line) is the global rank of the group "
+            "this process is in, not the LOCAL_RANK of the environment asked about: read the "
+            'variables from `env` (lesson 03, "`LOCAL_RANK`, not `RANK`")'
         )
     if _constant(records) is not None:
         return (
