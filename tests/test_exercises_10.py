@@ -6,6 +6,10 @@ import pytest
 from exercise_cases import Case, assert_verdict, register
 
 EX = "10_resume_new_world"
+BLOCK = (
+    "    rest = order[consumed:]\n    padding = -len(rest) % world_size\n"
+    "    rest += (rest * padding)[:padding]\n    mine = rest[rank::world_size]\n"
+)
 CASES = register([
     Case(EX, "starts-over", "dealt out again",
          edits=(("    rest = order[consumed:]\n", "    rest = order\n"),)),
@@ -64,6 +68,21 @@ CASES = register([
                  "    from torch.utils.data.distributed import DistributedSampler\n\n"
                  "    mine = list(DistributedSampler(rest, num_replicas=world_size, rank=rank,\n"
                  "                                   shuffle=False))\n"),)),
+    # helper 152: each got "dealt out again ... skip the first `consumed` positions"
+    Case(EX, "padded-before-the-skip", "taken from the whole epoch's order, before the skip",
+         edits=((BLOCK,
+                 "    padding = -len(order) % world_size\n"
+                 "    rest = (order + order[:padding])[consumed:]\n"
+                 "    mine = rest[rank::world_size]\n"),)),
+    Case(EX, "own-shard-of-a-fresh-sampler", "skipped consumed // world_size of its own shard",
+         edits=((BLOCK,
+                 "    from torch.utils.data.distributed import DistributedSampler\n\n"
+                 "    sampler = DistributedSampler(range(num_samples), num_replicas=world_size,\n"
+                 "                                 rank=rank, seed=seed)\n"
+                 "    sampler.set_epoch(epoch)\n"
+                 "    mine = list(sampler)[consumed // world_size :]\n"),)),
+    Case(EX, "rest-from-consumed-minus-one", "order[consumed - 1]",
+         edits=(("rest = order[consumed:]", "rest = order[consumed - 1 :]"),)),
 ])  # fmt: skip
 
 

@@ -54,6 +54,13 @@ def run_rest(module: ModuleType, ctx: Context) -> Record:
     return {"rank": ctx.rank, "got": got, "torch": list(sampler)}
 
 
+def _dealt(rest: list[int], world: int) -> list[list[int]]:
+    """``rest`` padded with its own start to a multiple of ``world``, dealt out rank by rank."""
+    padding = -len(rest) % world
+    rest = rest + (rest * (padding + 1))[:padding]
+    return [rest[r::world] for r in range(world)]
+
+
 def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed: int,
                  again: list[int]) -> str:  # fmt: skip
     """Trained samples came back: which of the usual ways of skipping went wrong."""
@@ -73,12 +80,23 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
         return (f"{where}: the ranks got positions 0..{len(rest) - 1} of the rest, not sample "
                 "numbers: a DistributedSampler over `rest` yields indices into it - map them "
                 "back, [rest[i] for i in sampler]")  # fmt: skip
-    if consumed and lists == skipped:
+    whole = (order + order[: -len(order) % world])[consumed:]  # padded before the skip
+    if whole != rest and lists == [whole[r::world] for r in range(world)]:
+        return (f"{where}: the padding was taken from the whole epoch's order, before the "
+                "skip, so it repeats samples the job had trained: skip `consumed` positions "
+                "first, then pad what is left (rest + rest[:padding], repeated as often as "
+                "needed)")  # fmt: skip
+    if consumed and lists == _dealt(order[consumed - 1 :], world):
+        return (f"{where}: the rest started at order[consumed - 1], one position the job had "
+                "trained: the rest starts at order[consumed] - an off-by-one?")  # fmt: skip
+    padded = order + (order * world)[: -len(order) % world]  # a fresh DistributedSampler's
+    shards = [padded[r::world][consumed // world :] for r in range(world)]
+    if consumed and lists in (skipped, shards):
         return (f"{where}: each rank skipped consumed // world_size of its own shard; "
                 "the stopped job's shards were those of its own world size, not this "
                 "one's: skip the first `consumed` positions of the whole order, then deal "
                 f"out the rest ({len(again)} trained samples came back)")  # fmt: skip
-    return (f"{where}: {len(again)} samples the job had trained before it stopped were "
+    return (f"{where}: {len(again)} sample(s) the job had trained before it stopped were "
             f"dealt out again (e.g. sample {again[0]}): skip the first `consumed` "
             "positions of the epoch's order")  # fmt: skip
 
