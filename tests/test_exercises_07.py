@@ -20,6 +20,10 @@ CASES = register(
         Case(TIMING, "barriers-for-synchronize", "a dist.barrier() does not drain it",
              edits=(("        synchronize()  # start", "        dist.barrier()  #"),
                     ("        synchronize()  # the step's", "        dist.barrier()  #"))),
+        # helper 153: the barrier aside, printed where no barrier was called
+        Case(TIMING, "no-synchronize-after-the-step", "was still queued - call synchronize()",
+             edits=(("        synchronize()  # the step's work has run, not only been queued\n",
+                     ""),)),
         Case(TIMING, "clock-readings-appended", "the clock's readings themselves were added up",
              edits=(("times.append(time.perf_counter() - start)",
                      "times.append(time.perf_counter())"),)),
