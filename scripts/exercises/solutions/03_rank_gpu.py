@@ -6,7 +6,8 @@ import torch
 
 
 def rank_gpu(env: Mapping[str, str]) -> tuple[torch.device, int]:
-    """(this rank's torch device, the physical GPU id behind it), from ``env`` (os.environ)."""
+    """(this rank's torch device, the physical GPU id behind it), from ``env``: a script passes
+    os.environ, the check other ranks' environments - read ``env``, never os.environ."""
     device, physical = torch.device("cpu"), -1
     # YOUR CODE: the device from the right rank variable; the physical id from
     # CUDA_VISIBLE_DEVICES when it is set (env.get), else the same number.
