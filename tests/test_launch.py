@@ -639,18 +639,20 @@ def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, 
     import torch
 
     from ddp_tutorial.harness.gpu_plan import gpu_branch_note, launch_gpu_count
+    from ddp_tutorial.harness.launch import default_nproc
     from ddp_tutorial.harness.monitor import Monitor
 
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     nvml([fake_gpu(0), fake_gpu(1)], driver_cuda=12040)
     assert launch_gpu_count() == 0
+    assert default_nproc() == 2  # helper 154: 2 gloo ranks, not one per GPU torch cannot use
     assert "built for CUDA 13.0, the driver supports 12.4" in gpu_branch_note(2)
     monitor = Monitor(nproc=2)
     assert monitor._ranks_gpus([fake_gpu(0), fake_gpu(1)]) == [] and "13.0" in monitor.note
     monkeypatch.setattr(torch.version, "cuda", None)
     assert launch_gpu_count() == 0 and "CPU-only build" in gpu_branch_note(2)
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # a build the driver runs: counted
-    assert launch_gpu_count() == 2 and gpu_branch_note(2) == ""
+    assert launch_gpu_count() == 2 == default_nproc() and gpu_branch_note(2) == ""
 
 
 def test_the_ranks_number_gpus_as_nvml_does_unless_told_otherwise(monkeypatch):

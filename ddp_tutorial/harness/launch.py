@@ -47,7 +47,7 @@ from ddp_tutorial.harness.failures import (
     parse_failures,
     tail,
 )
-from ddp_tutorial.harness.gpu_plan import mig_fallback
+from ddp_tutorial.harness.gpu_plan import mig_fallback, torch_sees_no_gpu
 from ddp_tutorial.harness.runs import KEEP_RUNS, default_run_dir, prune_runs  # noqa: F401
 from ddp_tutorial.records import read_rank_records
 
@@ -80,12 +80,12 @@ class RunResult:
 
 
 def default_nproc(env: Mapping[str, str] | None = None) -> int:
-    """One process per visible GPU when there are GPUs, else 2 (also under MIG: the CPU plan)."""
+    """One per visible GPU this torch can use, else 2 (MIG, an old driver: the CPU plan)."""
     merged = {**os.environ, **(env or {})}
     if settings.backend(merged) == "gloo" or mig_fallback(merged)[0]:
         return 2
     gpus = visible_gpu_count(merged)
-    return gpus if gpus >= 1 else 2
+    return gpus if gpus >= 1 and not torch_sees_no_gpu() else 2
 
 
 @dataclass
