@@ -224,6 +224,9 @@ def check_run(args: argparse.Namespace, world_size: int, train_size: int | None)
     """What makes this run impossible, naming the flag (None: it can run). Before the data
     (``train_size`` None) and again after: a bad setting stops every rank in seconds."""
     # the built-in data's flags (yours instead of kit.build_datasets: drop this check with them)
+    if args.download and args.data != "cifar10":  # taken and ignored before: a mistyped --data?
+        kind = args.data or ("folder" if args.data_dir else "synthetic")
+        return f"--download fetches --data cifar10 only, not {kind} data: drop it, or add --data"
     if args.download and world_size > 1:  # every rank would download into the same files
         return (
             f"--download with {world_size} ranks: each would download into the same files "

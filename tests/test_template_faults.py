@@ -1664,10 +1664,15 @@ def test_a_resume_with_the_same_global_batch_warns_of_no_schedule_jump(
 
 def test_keep_1_and_an_evaluation_past_the_run_are_refused_before_training(template):
     """--keep 1 was taken though its help says 2 or more (a damaged newest snapshot then has
-    none to fall back to); --eval-every past the run's end was taken, --save-every refused."""
+    none to fall back to); --eval-every past the run's end was taken, --save-every refused;
+    --download without --data cifar10 was taken and ignored."""
     problem = template.check_run(template.parse_args(["--keep", "1"]), 1, None) or ""
     assert "--keep 1 leaves no snapshot to fall back to" in problem, problem
     short = ["--batch-size", "8", "--epochs", "1", "--max-steps", "3"]
     problem = template.check_run(template.parse_args([*short, "--eval-every", "1000"]), 1, 64)
     assert problem == "--eval-every 1000 is beyond the run's 3 steps (--max-steps): lower it, or 0"
     assert template.check_run(template.parse_args([*short, "--eval-every", "3"]), 1, 64) is None
+    problem = template.check_run(template.parse_args(["--download"]), 1, None)  # was ignored
+    assert problem.startswith("--download fetches --data cifar10 only, not synthetic"), problem
+    cifar = template.parse_args(["--data", "cifar10", "--download"])
+    assert template.check_run(cifar, 1, None) is None

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ddp_tutorial.exercises import noting
 from ddp_tutorial.exercises.core import Context, Exercise, Record, divided_by
 from ddp_tutorial.exercises.lesson04 import EVERY, counted
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
@@ -36,9 +37,7 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / WARMUP)
 
 
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank's batch of 20: K micro-batches of 5 (a loss divided by len(x), 4 with a batch
-    of 16, would be right by accident)."""
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # K micro-batches of 5
     g = torch.Generator().manual_seed(1000 * step + rank)
     return 10 * torch.randn(20, 8, generator=g), torch.randint(0, 3, (20,), generator=g)
 
@@ -90,9 +89,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     start = _flat(model.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls: list[str] = []  # this step's calls, in order
-    model.register_forward_pre_hook(  # each micro-batch's; and whether under autocast
-        lambda *_: calls.extend(["forward", *["autocast"] * torch.is_autocast_enabled("cpu")])
-    )
+    model.register_forward_pre_hook(noting.noted_forward(calls))  # each micro-batch's
     optimizer.register_step_pre_hook(lambda *_: calls.append("optimizer.step"))
     for owner in (optimizer, model):  # either zeroes the gradients
         owner.zero_grad = noted(owner.zero_grad, calls)  # type: ignore[method-assign]
@@ -233,9 +230,9 @@ def _unmoved(calls: list[str]) -> str:
             '(lesson 06, "Three things every real loop needs")')  # fmt: skip
 
 
-def _accumulated(rows: list[Record], step: int) -> str | None:
-    """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
-    syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
+def _backwards(rows: list[Record], step: int) -> str | None:
+    """A backward through the scaler for each of the K micro-batches."""
+    stepped = rows[0]["calls"].count("scaler.step")
     scaled = rows[0]["calls"].count("scaler.scale")
     norm, true = rows[0]["norm"], rows[0]["want_norm"]
     summed = abs(norm - true) <= 1e-4 * true  # the true norm: one backward of the losses added
@@ -251,6 +248,15 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 "memory --grad-accum exists to avoid - a forward and a backward per micro-batch, "
                 'the gradients adding up (lesson 04, "`no_sync()`: gradient accumulation '
                 'without wasted all_reduces")')  # fmt: skip
+    return None
+
+
+def _accumulated(rows: list[Record], step: int) -> str | None:
+    """One all_reduce and one optimizer step for the K micro-batches, each loss / K."""
+    if mistake := _backwards(rows, step):
+        return mistake
+    syncs, stepped = rows[0]["syncs"], rows[0]["calls"].count("scaler.step")
+    norm, true = rows[0]["norm"], rows[0]["want_norm"]
     if syncs == 0 and (own := rows[0].get("own", [])):
         return (f"step {step + 1}: every micro-batch ran under no_sync(), and {len(own)} "
                 f"collective(s) of your own ({own[0]}, ...) averaged the gradients instead: "
@@ -270,9 +276,8 @@ def _accumulated(rows: list[Record], step: int) -> str | None:
                 'all_reduces")')  # fmt: skip
     if stepped == 1 and (opt := rows[0]["calls"].count("optimizer.step")) > 1:
         return (f"the optimizer stepped {opt} times in step {step + 1}: scaler.step(optimizer) "
-                "calls optimizer.step() itself (and skips it when the gradients hold an inf or "
-                "a nan) - no optimizer.step() beside it "
-                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
+                "calls optimizer.step() itself (unless a gradient is inf or nan) - no "
+                "optimizer.step() beside it")  # fmt: skip
     if syncs > 1:
         return (f"{syncs} all_reduces in step {step + 1} for {K} micro-batches: the weights may "
                 "be right, but all but one are wasted communication - the forward and backward "

@@ -54,6 +54,11 @@ def noted(zero_grad: Any, calls: list[str]) -> Any:
     return noted
 
 
+def noted_forward(calls: list[str]) -> Any:
+    """A forward pre-hook noting "forward", then "autocast" if the forward runs under it."""
+    return lambda *_: calls.extend(["forward", *["autocast"] * torch.is_autocast_enabled("cpu")])
+
+
 def without(calls: list[str], theirs: list[str]) -> list[str]:
     """``calls`` less one of each of ``theirs`` (DDP's all_reduces, through its comm hook)."""
     left = list(calls)

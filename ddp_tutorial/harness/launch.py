@@ -150,8 +150,7 @@ class LaunchSpec:
             cmd += ["--log-dir", str(run_dir / "logs"), "--tee", "3"]
         cmd += list(self.torchrun_args)
         cmd += ["-m", str(self.script)] if self.module else [str(self.script)]
-        args = [str(a) for a in self.args]
-        cmd += args
+        cmd += (args := [str(a) for a in self.args])
         if self.out_flag and self.out_flag not in args:
             cmd += [self.out_flag, str(run_dir)]
         return cmd
@@ -344,12 +343,13 @@ def raise_for_failure(name: str, result: RunResult, timeout: float, before_kill:
 def start(script: str | os.PathLike[str], *args: object, **options: Any) -> Launch:
     """Start ``script`` under torchrun and return at once; ``.wait()`` gives the result.
 
-    ``options`` are the fields of :class:`LaunchSpec`. Bad input is refused
-    before anything starts. On GPUs that take one process at a time
-    (:func:`exclusive_gpus`) it first waits for the launches it started before.
+    ``options`` are the fields of :class:`LaunchSpec` (bad input is refused before anything
+    starts). On GPUs that take one process at a time (:func:`exclusive_gpus`) it first waits
+    for the launches it started before, unless ``gpus=False`` (its ranks never touch a GPU).
     """
+    gpus = options.pop("gpus", True)
     spec = LaunchSpec(script, args, **options)
-    if exclusive_gpus(spec.env):
+    if gpus and exclusive_gpus(spec.env):
         # EXCLUSIVE_PROCESS GPUs take one CUDA context each: a launch of this process that
         # still runs holds them, and a second one side by side would fail at its first CUDA
         # call. Lessons that start launches side by side run them one after another there.

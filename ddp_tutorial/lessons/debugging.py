@@ -28,7 +28,7 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from ddp_tutorial.harness.launch import (
     RunResult,
     run_together,
     shell_command,
+    start,
 )
 from ddp_tutorial.harness.processes import CommandResult, run_command
 
@@ -145,15 +146,18 @@ def start_cases(
 
     Each keeps its own hard timeout (the spec's). Failures are results, not
     exceptions. If one cannot start, the ones already started are killed. Side by side
-    on EXCLUSIVE_PROCESS GPUs too (``Launch``, not ``start``, which would run them one
-    after another there, the lab's 240 s hang first): every case is gloo on the CPU.
+    on EXCLUSIVE_PROCESS GPUs too (``gpus=False``; else one after another there, the lab's
+    240 s hang first): every case runs gloo on the CPU.
     """
     base = Path(run_dir) if run_dir is not None else None
     launches: dict[str, Launch] = {}
     try:
         for name, spec in cases.items():
             where = base / name if base is not None else spec.run_dir
-            launches[name] = Launch(replace(spec, echo=False, check=False, run_dir=where))
+            spec = replace(spec, echo=False, check=False, run_dir=where)
+            options = {f.name: getattr(spec, f.name) for f in fields(spec)}
+            script, args = options.pop("script"), options.pop("args")
+            launches[name] = start(script, *args, gpus=False, **options)
     except BaseException:
         for launch in launches.values():
             launch.kill()
