@@ -227,6 +227,20 @@ CASES = register(
              edits=(("            flat /= self.world_size\n",
                      "            flat = torch.cat([p.grad.flatten() for p in params])"
                      " / self.world_size\n"),)),
+        # helper 156: verdicts that named another mistake, wrong answers that passed
+        Case(HOOKS, "weights-averaged-at-construction", "all_reduced (summed or averaged)",
+             edits=(("            dist.broadcast(p, src=0)\n",
+                     "            dist.all_reduce(p)\n            p /= dist.get_world_size()\n"),)),
+        Case(HOOKS, "gradients-gathered-then-averaged", "without dist.all_reduce",
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        out = torch.empty(world * p.grad.numel())\n"
+                     "        dist.all_gather_into_tensor(out, p.grad.reshape(-1))\n"
+                     "        p.grad.copy_(out.view(world, -1).mean(0).view_as(p))\n"),)),
+        Case(BUCKETS, "last-listed-parameter-through-a-name", "its last-listed parameter",
+             edits=(("        if self.ready[i] == len(self.buckets[i]):",
+                     "        bucket = self.buckets[i]\n        if param is bucket[-1]:"),)),
+        Case(BUCKETS, "four-bytes-per-element", "a float32 model's (this check's)",
+             edits=(("size += p.numel() * p.element_size()", "size += p.numel() * 4"),)),
     ]
 )  # fmt: skip
 

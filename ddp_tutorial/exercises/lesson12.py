@@ -257,6 +257,11 @@ def judge_start(records: list[Record]) -> str | None:
                     "each Work before the first forward (or leave async_op out: broadcast "
                     'returns once the weights are there) (lesson 04, "1 · The broadcast at '
                     'construction")')  # fmt: skip
+        averaged = [e for e in rec["events"] if e["kind"] == "all_reduce" and e["step"] == -1]
+        if not rec["start_is_rank0"] and averaged:  # helper 156: called "its own weights"
+            return (f"rank {rank} started from the ranks' weights all_reduced (summed or "
+                    "averaged), not from rank 0's: broadcast copies rank 0's, dist.broadcast("
+                    'p, src=0) (lesson 04, "1 · The broadcast at construction")')  # fmt: skip
         if not rec["start_is_rank0"]:
             return (
                 f"rank {rank} started from its own random weights, not rank 0's: broadcast "
@@ -325,6 +330,12 @@ def judge_hooks(records: list[Record]) -> str | None:
         return mistake
     for rank, rec in enumerate(records):
         during = [e for e in rec["events"] if e["kind"] == "all_reduce"]
+        if not during and rec["from_ddp"] <= TOL:  # helper 156: all_gather, then a mean
+            return (
+                f"rank {rank} averaged the gradients right, without dist.all_reduce: this "
+                "exercise asks for one all_reduce per gradient, the collective DDP calls "
+                "(an all_gather sends every rank's copy to every rank, N times the memory)"
+            )
         if not during:
             return (
                 f"rank {rank} called no dist.all_reduce in backward: register the hook on "

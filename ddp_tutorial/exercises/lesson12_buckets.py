@@ -263,10 +263,15 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
                  "self.world_size"),
-                (r"\]\s*\[\s*-1\s*\]", "a bucket is sent when its last-listed parameter is "
+                # helper 156: also through a name, `bucket = self.buckets[i]; param is bucket[-1]`
+                (r"\]\s*\[\s*-1\s*\]|(?:\bis\b|==)\s*[\w.\[\]]*\[\s*-1\s*\]|\[\s*-1\s*\]\s*(?:\bis\b|==)",
+                 "a bucket is sent when its last-listed parameter is "
                  "ready, which holds only while autograd produces them in that order (this "
                  "check's MLP does; a layer used twice, or one registered out of the order it "
-                 "runs, does not) - count the bucket's ready gradients instead"),),
+                 "runs, does not) - count the bucket's ready gradients instead"),
+                (r"numel\(\)\s*\*\s*4\b", "the bucket's bytes count 4 per element, a float32 "
+                 "model's (this check's): a bf16 model's buckets would close at half of "
+                 "bucket_cap_mb - p.numel() * p.element_size()"),),
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',

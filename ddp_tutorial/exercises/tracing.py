@@ -64,8 +64,9 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
         tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
         if tensor is None:  # named here: the spy's own tensor.numel() would say less
             raise TypeError(
-                "dist.all_reduce(None): the gradient is not there yet - a hook "
-                "from register_hook is given the gradient, not the parameter; "
+                "dist.all_reduce(None): the gradient is not there yet - a hook that runs "
+                "before p.grad is set (a tensor's register_hook, a module's backward hook) "
+                "is given gradients, not the parameter with its .grad; "
                 "register_post_accumulate_grad_hook's runs once p.grad is set"
             )
         async_op = is_async(args, kwargs)
