@@ -239,6 +239,10 @@ CASES = register(
         Case(BUCKETS, "last-listed-parameter-through-a-name", "its last-listed parameter",
              edits=(("        if self.ready[i] == len(self.buckets[i]):",
                      "        bucket = self.buckets[i]\n        if param is bucket[-1]:"),)),
+        Case(BUCKETS, "divided-before-the-wait-on-a-view", "before its work.wait()",
+             edits=(("for p in self.buckets[i]])\n", "for p in self.buckets[i]]).view(-1)\n"),
+                    ("            work.wait()\n            flat /= self.world_size\n",
+                     "            flat /= self.world_size\n            work.wait()\n"))),
         Case(BUCKETS, "four-bytes-per-element", "a float32 model's (this check's)",
              edits=(("size += p.numel() * p.element_size()", "size += p.numel() * 4"),)),
     ]

@@ -158,9 +158,10 @@ def _futures_noted() -> Iterator[None]:
 
 def watchable(tensor: Any) -> bool:
     """Whether a change to ``tensor`` shows in its own version counter alone: a tensor that
-    owns all of its storage. Views of one buffer share one counter (a write to another slice
-    would look like a write to this one), and an inference tensor keeps none."""
-    if not isinstance(tensor, torch.Tensor) or tensor.is_inference() or tensor._base is not None:
+    spans all of its storage (a view of all of it too: ``torch.cat(...).view(-1)``, helper
+    156). Slices of one buffer share one counter (a write to another slice would look like a
+    write to this one), and an inference tensor keeps none."""
+    if not isinstance(tensor, torch.Tensor) or tensor.is_inference():
         return False
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
