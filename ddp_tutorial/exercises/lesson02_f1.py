@@ -65,7 +65,10 @@ def run_f1(module: ModuleType, ctx: Context) -> Record:
     start_late(ctx)
     with watched(calls, module, asyncs=asyncs):
         got = module.macro_f1(pred.clone(), target.clone(), CLASSES)
-    return {"got": _number(got), "calls": [name for name, _ in calls], "async": len(asyncs)}
+    # one class more, on no rank (helper 156: classes counted from the data passed)
+    wider = _number(module.macro_f1(pred.clone(), target.clone(), CLASSES + 1))
+    return {"got": _number(got), "calls": [name for name, _ in calls], "async": len(asyncs),
+            "wider": wider}  # fmt: skip
 
 
 def judge_f1(records: list[Record]) -> str | None:
@@ -115,6 +118,15 @@ def judge_f1(records: list[Record]) -> str | None:
             if abs(got - value) < F1_TOL:
                 return f"rank {rank} returned {got:.4f}, {what}; the macro F1 is {truth:.4f}"
         return f"rank {rank} returned {got}, expected the macro F1 of the whole set, {truth!r}"
+    wide = truth * CLASSES / (CLASSES + 1)  # the extra class scores 0 and counts in the mean
+    if any(not isinstance(w := rec.get("wider"), float) or abs(w - wide) >= F1_TOL
+           for rec in records):  # fmt: skip
+        w = records[0].get("wider")
+        w = f"{w:.4f}" if isinstance(w, float) else w
+        return (f"macro_f1(pred, target, num_classes={CLASSES + 1}) returned {w}, not "
+                f"{wide:.4f}: the classes are the num_classes given, not the ones the data "
+                f"shows - class {CLASSES} is on no rank, scores 0 and counts in the "
+                "mean")  # fmt: skip
     return None
 
 
