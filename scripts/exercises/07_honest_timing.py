@@ -8,8 +8,8 @@ rank's pace, so report the slowest rank's time, the same number on every rank. W
 slowest rank's total seconds. ``synchronize()`` waits until the device has run everything
 queued (on a GPU you would pass ``lambda: torch.cuda.synchronize(device)``).
 
-Check it (2 gloo ranks; each gets a device whose step only queues work, and rank 1's is
-slower than rank 0's):
+Check it (2 gloo ranks; each gets a device whose step only queues work, rank 1's is slower
+than rank 0's, and one timed step stalls, as a data loader can):
 
     ddp-tutorial check 07
 """
