@@ -242,6 +242,18 @@ CASES = register(
         Case(BUFFERS, "flat-with-the-counter", None,  # int64 promoted; the same counts copied back
              edits=(("for b in model.buffers() if b.is_floating_point()]",
                      "for b in model.buffers()]"),)),
+        # helper 155: named another mistake, or torch's raw error
+        Case(BUFFERS, "reduced-not-all-reduced", "dist.reduce leaves the sum on its dst",
+             edits=(("    dist.all_reduce(flat)  #", "    dist.reduce(flat, dst=0)  #"),)),
+        Case(ACCUM, "integer-count-averaged", "an integer count divided in place",
+             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
+                     "    dist.all_reduce(count)",
+                     "count = torch.tensor(sum(len(y) for _, y in micro_batches))\n"
+                     "    dist.all_reduce(count, op=dist.ReduceOp.AVG)"),)),
+        Case(ACCUM, "count-from-the-first-micro-batch", "a count of 30 where the step has 24",
+             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))",
+                     "count = torch.tensor(float(len(micro_batches)\n"
+                     "                                * len(micro_batches[0][1])))"),)),
     ]
 )  # fmt: skip
 

@@ -249,9 +249,12 @@ def _misscaled(step1: torch.Tensor, ref1: torch.Tensor, world: int) -> str | Non
     if abs(scale - 1) < 1e-3 or not torch.allclose(step1, scale * ref1, rtol=1e-3, atol=1e-6):
         return None
     factor = f"1/{1 / scale:.3g} of" if scale < 1 else f"{scale:.3g} times"
+    n = sum(sum(_sizes(0, r)) for r in range(world))  # the first step's samples, every rank's
     return (
         f"the first update is {factor} one process's on the global batch: the loss is scaled "
-        "wrong - sum each micro-batch's losses (reduction='sum'), divide by the step's sample "
+        f"wrong (with the lesson's loss, a count of {n / scale:.3g} where the step has {n} "
+        "samples: each micro-batch's len(y), added up) - sum each micro-batch's losses "
+        "(reduction='sum'), divide by the step's sample "
         "count over every rank, and multiply by the world size (DDP's average divides by it): "
         f"nothing else ({TOKENS_TEACHES})"
     )
@@ -342,7 +345,11 @@ EXERCISES = [
         teaches=ACCUM_TEACHES,
         errors=(("Expected parameter `tensor` of type torch.Tensor",
                  "dist.all_reduce takes a tensor, not a Python number: count = torch.tensor("
-                 f"float(n)), then dist.all_reduce(count) ({TOKENS_TEACHES})"),),
+                 f"float(n)), then dist.all_reduce(count) ({TOKENS_TEACHES})"),
+                ("can't be cast to the desired output type Long", "an integer count divided "
+                 "in place (by ReduceOp.AVG, or a /=): an int64 tensor cannot hold the "
+                 "quotient - count in a float tensor (torch.tensor(float(n))), added up with "
+                 f"SUM ({TOKENS_TEACHES})")),
         proves=(
             "one gradient all_reduce and one optimizer step per accumulation step, the sample "
             "count counted once; the weights equal one process's on every sample of every rank, "

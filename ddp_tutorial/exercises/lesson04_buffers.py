@@ -186,6 +186,10 @@ def judge_buffers(records: list[Record]) -> str | None:
     if differ:
         if alone := RANK_0_ALONE.get(_only_rank_0_averaged(records, differ)):
             return alone
+        if any("reduce" in r["calls"] for r in records):  # helper 155: read as "not looped"
+            return ("dist.reduce leaves the sum on its dst rank only, the other ranks' buffers "
+                    "keep what they held: dist.all_reduce, so that every rank gets the sum, "
+                    "then divide it by the world size")  # fmt: skip
         kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
         layers = sorted({k.rsplit(".", 1)[0] for k in differ})
         return (
