@@ -3,8 +3,9 @@
 A cluster that preempts a job sends SIGTERM, waits a grace period (30 s), then SIGKILL. Make
 this loop use that grace, in the lesson's three pieces: a handler that only sets a flag (it may
 run in the middle of anything, a collective included: no saving in it); at each step boundary
-one all_reduce of the flag (MAX), so that a signal that reached ANY rank stops EVERY rank at the
-same step - a rank that stopped alone would leave the others waiting in the next all_reduce;
+(or every few steps, well inside the grace) one all_reduce of the flag (MAX), so that a signal
+that reached ANY rank stops EVERY rank at the same step - a rank that stopped alone would leave
+the others waiting in the next all_reduce;
 then rank 0 saves a snapshot of that step (``save_snapshot``, atomic), every rank waits for it,
 and the loop ends with status 75 (EX_TEMPFAIL, "try again": the requeued job resumes there).
 
