@@ -184,20 +184,7 @@ def judge_buffers(records: list[Record]) -> str | None:
     if race := _raced(records):  # the numbers then depend on who won: a pass would be luck
         return race
     if differ:
-        if alone := RANK_0_ALONE.get(_only_rank_0_averaged(records, differ)):
-            return alone
-        if any("reduce" in r["calls"] for r in records):  # helper 155: read as "not looped"
-            return ("dist.reduce leaves the sum on its dst rank only, the other ranks' buffers "
-                    "keep what they held: dist.all_reduce, so that every rank gets the sum, "
-                    "then divide it by the world size")  # fmt: skip
-        kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
-        layers = sorted({k.rsplit(".", 1)[0] for k in differ})
-        return (
-            f"{' and '.join(kinds)} still differ{'s' if len(kinds) == 1 else ''} between the "
-            f"ranks (layer(s) {', '.join(layers)}): "
-            "every BatchNorm statistic of every layer must be made the same - running_mean "
-            "and running_var (loop over model.buffers() or named_buffers())"
-        )
+        return _still_differ(records, differ)
     mistake = _judge_means(records, stats)
     if mistake:
         return mistake
@@ -230,6 +217,24 @@ def _judge_sent(records: list[Record]) -> str | None:
                 "same ones; a ResNet-50 sends about 500x the bytes) - average model.buffers(), "
                 "the floating-point ones")  # fmt: skip
     return None
+
+
+def _still_differ(records: list[Record], differ: list[str]) -> str:
+    """Statistics that differ between the ranks after the learner's function: why."""
+    if alone := RANK_0_ALONE.get(_only_rank_0_averaged(records, differ)):
+        return alone
+    if any("reduce" in r["calls"] for r in records):  # helper 155: read as "not looped"
+        return ("dist.reduce leaves the sum on its dst rank only, the other ranks' buffers "
+                "keep what they held: dist.all_reduce, so that every rank gets the sum, "
+                "then divide it by the world size")  # fmt: skip
+    kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
+    layers = sorted({k.rsplit(".", 1)[0] for k in differ})
+    return (
+        f"{' and '.join(kinds)} still differ{'s' if len(kinds) == 1 else ''} between the "
+        f"ranks (layer(s) {', '.join(layers)}): "
+        "every BatchNorm statistic of every layer must be made the same - running_mean "
+        "and running_var (loop over model.buffers() or named_buffers())"
+    )
 
 
 _INT_DIVIDE = (

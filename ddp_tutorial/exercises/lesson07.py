@@ -148,6 +148,18 @@ def _judge_habits(records: list[Record]) -> str | None:
     return None
 
 
+def _estimated(value: float, slowest: float) -> str | None:
+    """STEPS times a typical step (the median's, the fastest's) instead of their sum."""
+    typical = (slowest - HICCUP_S) / STEPS  # a step without the stall
+    if abs(value - STEPS * typical) <= 0.03 * STEPS * typical:
+        return (f"{value * 1e3:.0f} ms: {STEPS} times a typical step, but one timed step took "
+                f"{HICCUP_S * 1e3:.0f} ms longer (a stall, as data loading or a garbage "
+                "collection makes): add up every timed step's time (or read the clock once "
+                "around them all) - steps x the median or the fastest step estimates the "
+                "total, it does not measure it")  # fmt: skip
+    return None
+
+
 def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) -> str | None:
     """The reported time against each rank's device work: what each habit skipped adds or
     removes (``mine``: each rank's timed work, at least; ``maxed``: every rank reduced MAX;
@@ -198,13 +210,8 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
             f"{slowest * 1e3:.0f} ms: report the max over the ranks (all_reduce with "
             "op=ReduceOp.MAX), not one rank's time"
         )
-    typical = (slowest - HICCUP_S) / STEPS  # a step without the stall
-    if maxed and abs(value - STEPS * typical) <= 0.03 * STEPS * typical:
-        return (f"{value * 1e3:.0f} ms: {STEPS} times a typical step, but one timed step took "
-                f"{HICCUP_S * 1e3:.0f} ms longer (a stall, as data loading or a garbage "
-                "collection makes): add up every timed step's time (or read the clock once "
-                "around them all) - steps x the median or the fastest step estimates the "
-                "total, it does not measure it")  # fmt: skip
+    if maxed and (mistake := _estimated(value, slowest)):
+        return mistake
     if value < 0.95 * slowest:  # the device's work only adds time: a right answer is >= it
         timed = value / (slowest / STEPS)
         return (
