@@ -245,6 +245,9 @@ CASES = register(
         # helper 155: named another mistake, or torch's raw error
         Case(BUFFERS, "reduced-not-all-reduced", "dist.reduce leaves the sum on its dst",
              edits=(("    dist.all_reduce(flat)  #", "    dist.reduce(flat, dst=0)  #"),)),
+        Case(BUFFERS, "reduced-then-broadcast", "2 collectives on each rank",  # helper 157
+             edits=(("    dist.all_reduce(flat)  #",
+                     "    dist.reduce(flat, dst=0)\n    dist.broadcast(flat, src=0)  #"),)),
         Case(ACCUM, "integer-count-averaged", "an integer count divided in place",
              edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
                      "    dist.all_reduce(count)",

@@ -182,9 +182,16 @@ CASES = register([
     # helper 153: the first line of torch's error named no key
     Case(RESUME, "whole-snapshot-into-the-model", 'state["model"]',
          edits=(('model.load_state_dict(state["model"])', "model.load_state_dict(state)"),)),
-    Case(SNAP, "loads-onto-a-cpu-device", "its tensors came back on cpu",
+    # helper 157: right answers refused by a probe on the meta device
+    Case(SNAP, "cpu-where-no-gpu-is-available", None,
+         edits=(("map_location=device",
+                 'map_location=device if torch.cuda.is_available() else "cpu"'),)),
+    Case(SNAP, "cpu-for-a-cpu-device", None,
+         edits=(("map_location=device",
+                 'map_location=device if device.type == "cuda" else "cpu"'),)),
+    Case(SNAP, "loads-onto-a-cpu-device", "its tensors came back on the cpu",
          edits=(("map_location=device", 'map_location=torch.device("cpu")'),)),
-    Case(SNAP, "loads-with-the-old-lambda", "its tensors came back on cpu",
+    Case(SNAP, "loads-with-the-old-lambda", "its tensors came back on the cpu",
          edits=(("map_location=device", "map_location=lambda storage, loc: storage"),)),
     Case(SNAP, "loads-onto-cuda-local-rank", "map_location='cuda:0' is not `device`",
          edits=(("map_location=device",

@@ -298,3 +298,16 @@ def test_a_busy_host_is_a_load_per_core_above_the_limit(monkeypatch):
     for per_minute, busy in ((1.5, False), (4.0, False), (4.1, True)):
         monkeypatch.setattr(lesson12, "machine_load", lambda x=per_minute: (x, 2))  # 2 cores
         assert lesson12.busy_host() is busy, per_minute
+
+
+def test_the_last_listed_pattern_spares_right_lines():
+    """Helper 157: the pattern widened for `param is bucket[-1]` matched right code too."""
+    import re
+
+    (ex,) = find(BUCKETS)
+    pattern = next(p for p, why in ex.hidden if "last-listed" in why)
+    wrong = ["if param is self.buckets[i][-1]:", "if param is bucket[-1]:", "if p == bucket[-1]:"]
+    right = ["if size >= bucket_cap_bytes or p is params[-1]:", "if sizes[-1] == 0:",
+             "assert offset == offsets[-1]", "self.buckets[-1].append(p)"]  # fmt: skip
+    assert all(re.search(pattern, line) for line in wrong)
+    assert not any(re.search(pattern, line) for line in right)

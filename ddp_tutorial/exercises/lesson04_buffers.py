@@ -223,7 +223,7 @@ def _still_differ(records: list[Record], differ: list[str]) -> str:
     """Statistics that differ between the ranks after the learner's function: why."""
     if alone := RANK_0_ALONE.get(_only_rank_0_averaged(records, differ)):
         return alone
-    if any("reduce" in r["calls"] for r in records):  # helper 155: read as "not looped"
+    if any("reduce" in r["calls"] and "broadcast" not in r["calls"] for r in records):
         return ("dist.reduce leaves the sum on its dst rank only, the other ranks' buffers "
                 "keep what they held: dist.all_reduce, so that every rank gets the sum, "
                 "then divide it by the world size")  # fmt: skip

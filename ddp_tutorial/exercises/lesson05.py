@@ -109,8 +109,7 @@ def _read(path: Path) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     if not isinstance(state, dict):
         return {"error": f"a {type(state).__name__}, not a dict"}
-    model = state.get("model")
-    optimizer = state.get("optimizer")
+    model, optimizer = state.get("model"), state.get("optimizer")
     return {"keys": sorted(map(str, state)), "epoch": state.get("epoch"),
             "step": state.get("step"),
             "model_keys": sorted(model) if isinstance(model, dict) else None,
@@ -249,11 +248,12 @@ def _load_phase(
                 isinstance(mine[k], torch.Tensor) and mine[k].device.type == "cpu"
                 and torch.equal(mine[k], want[k]) for k in want),
         }  # fmt: skip
-        # asked for a device the file never saw: where its tensors land is the answer's choice
-        meta = module.load_snapshot(gpu_file, torch.device("meta"))
-        tensors = meta.get("model", {}).values() if isinstance(meta, dict) else []
-        record["meta"] = sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
-    except Exception as exc:  # on meta: an answer that reads the values (not judged on it)
+        # cuda:0, unopenable here: a right answer fails trying, one ignoring `device` returns
+        with mock.patch.object(torch.cuda, "is_available", lambda: True):
+            gpu = module.load_snapshot(gpu_file, torch.device("cuda", 0))
+        tensors = gpu.get("model", {}).values() if isinstance(gpu, dict) else []
+        record["on_gpu"] = sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
+    except Exception as exc:  # asked for cuda:0, a right answer raises: not judged on it
         if "loaded" not in record:
             record["load_error"] = _error(exc)
     record["loads"] = loads
@@ -422,9 +422,9 @@ def _judge_loads(records: list[Record]) -> str | None:
             return (f"rank {r['rank']}: load_snapshot did not return the file's contents on "
                     "this rank's device: return torch.load(path, map_location=device, "
                     "weights_only=True)")  # fmt: skip
-        if r.get("meta", ["meta"]) not in ([], ["meta"]):
-            return (f"load_snapshot loads onto {'/'.join(r['meta'])} whatever `device` it is "
-                    f"given (asked for the meta device, its tensors came back on {r['meta'][0]}): "
+        if "cpu" in r.get("on_gpu", []):
+            return ("load_snapshot loads onto the CPU whatever `device` it is given (asked "
+                    "for cuda:0, its tensors came back on the cpu): "
                     "map_location=device, so that a GPU rank's tensors land on its own GPU "
                     '(lesson 05, "6 · `map_location`")')  # fmt: skip
     return None

@@ -264,7 +264,8 @@ EXERCISES = [
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
                  "self.world_size"),
                 # helper 156: also through a name, `bucket = self.buckets[i]; param is bucket[-1]`
-                (r"\]\s*\[\s*-1\s*\]|(?:\bis\b|==)\s*[\w.\[\]]*\[\s*-1\s*\]|\[\s*-1\s*\]\s*(?:\bis\b|==)",
+                # (helper 157: not `p is params[-1]` closing the last bucket at construction)
+                (r"\]\s*\[\s*-1\s*\]|\w\s+(?:is|==)\s+[\w.]*bucket\w*(?:\[[^\]]*\])*\[\s*-1\s*\]",
                  "a bucket is sent when its last-listed parameter is "
                  "ready, which holds only while autograd produces them in that order (this "
                  "check's MLP does; a layer used twice, or one registered out of the order it "
