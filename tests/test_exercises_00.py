@@ -128,6 +128,24 @@ CASES = register([
                  "                optimizer.zero_grad()\n                loss.backward()\n"),)),
     Case(EX, "loss-summed-over-the-batch", "reduction='sum'",
          edits=(("cross_entropy(model(x), y)", 'cross_entropy(model(x), y, reduction="sum")'),)),
+    # helper 158: named as something else, or passed
+    Case(EX, "forward-past-the-wrapper", "model.module(x), which bypasses DDP",
+         edits=(("cross_entropy(model(x), y)", "cross_entropy(model.module(x), y)"),)),
+    Case(EX, "lr-times-sqrt-world-size", "--lr x sqrt(2)",
+         edits=(("lr=args.lr, momentum", "lr=args.lr * world_size**0.5, momentum"),)),
+    Case(EX, "own-save-writer-false", "the template's `if writer:` block saves it",
+         edits=(("    writer, state = rank == 0, model.module.state_dict()\n",
+                 "    if dist.get_rank() == 0:\n"
+                 '        torch.save(model.module.state_dict(), out / "model.pt")\n'
+                 "    writer = False\n"),)),
+    Case(EX, "averaged-by-hand-with-the-right-weights", "never wrapped in DDP",
+         edits=(("    model = DDP(model)\n", ""),
+                ("writer, state = rank == 0, model.module.state_dict()",
+                 "writer, state = rank == 0, model.state_dict()"),
+                ("            loss.backward()\n",
+                 "            loss.backward()\n            for p in model.parameters():\n"
+                 "                dist.all_reduce(p.grad)\n"
+                 "                p.grad /= world_size\n"))),
 ])  # fmt: skip
 
 

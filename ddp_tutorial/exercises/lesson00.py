@@ -13,10 +13,12 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 from unittest import mock
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_tutorial.exercises.core import Context, Exercise, Record
 
@@ -62,7 +64,8 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
     if ctx.rank != 0:
         return {}
     reports = [json.loads(p.read_text()) for p in sorted(ctx.out.glob("report-*.json"))]
-    record: Record = {"reports": reports, "saved": None}
+    ddp = [json.loads(p.read_text()) for p in sorted(ctx.out.glob("ddp-*.json"))]
+    record: Record = {"reports": reports, "saved": None, "ddp": ddp}
     if not (ctx.out / "model.pt").is_file():
         return record
     try:
@@ -86,6 +89,7 @@ def run_convert(_: ModuleType | None, ctx: Context) -> Record:
                   "batch_over_world": reference_weights(1),
                   "lr_x_world": reference_weights(n, LR * n),
                   "lr_over_world": reference_weights(n, LR / n),
+                  "lr_sqrt_world": reference_weights(n, LR * n**0.5),
                   # a loss summed over the batch (reduction="sum"): gradients BATCH times the mean
                   "loss_summed": reference_weights(n, LR * BATCH)}  # fmt: skip
         zero = [r for r in reports if r.get("rank") == 0 and len(r.get("seen", [])) == EPOCHS]
@@ -189,11 +193,12 @@ def _judge_saved(first: Record, n: int) -> str | None:
                 "a rate changes with a global batch that grows "
                 '(lesson 02, "The global batch and the learning rate")')  # fmt: skip
     if first.get("gap_alone", 1.0) <= 1e-5:
-        return ("rank 0's weights are those of rank 0 training alone on its own samples: its "
-                "gradients were never averaged with the other processes' - wrap the model in "
-                "DDP, and run forward and backward outside `with model.no_sync():` except on "
-                "the micro-batches of an accumulation (lesson 04, \"`no_sync()`: gradient "
-                'accumulation without wasted all_reduces")')  # fmt: skip
+        return _alone(first.get("ddp", []))
+    if n > 1 and first.get("gap_lr_sqrt_world", 1.0) <= 1e-5:
+        return (f"the weights are those of --lr x sqrt({n}): a rule for a global batch that "
+                "grows on purpose (lesson 02, \"The global batch and the learning rate\"); "
+                "this lesson keeps --lr as it is, to train exactly what one process trains on "
+                "the global batch")  # fmt: skip
     if first.get("gap_loss_summed", 1.0) <= 1e-4:
         return (f"the weights are those of gradients {BATCH} times too large, a loss summed over "
                 f"the batch of {BATCH} (reduction='sum'): keep cross_entropy's mean, as the "
@@ -204,6 +209,23 @@ def _judge_saved(first: Record, n: int) -> str | None:
                 f"{first['gap']:.2g}): wrap the model in DDP, so that backward() averages the "
                 "gradients, and keep --batch-size per process")  # fmt: skip
     return None
+
+
+def _alone(ddp: list[Record]) -> str:
+    """Rank 0 trained as if alone: not wrapped, called past the wrapper, or under no_sync."""
+    said = "rank 0's weights are those of rank 0 training alone on its own samples"
+    if not any(d["built"] for d in ddp):
+        return (
+            f"{said}: its gradients were never averaged with the other processes' - wrap "
+            "the model in DDP, model = DDP(model), so that backward() averages them"
+        )
+    if not any(d["forwards"] for d in ddp):
+        return (f"{said}, though the model was wrapped: the forward went through "
+                "model.module(x), which bypasses DDP - its forward is what makes the next "
+                "backward average the gradients: call the wrapper, model(x)")  # fmt: skip
+    return (f"{said}: its gradients were never averaged - run forward and backward outside "
+            "`with model.no_sync():` except on the micro-batches of an accumulation (lesson "
+            '04, "`no_sync()`: gradient accumulation without wasted all_reduces")')  # fmt: skip
 
 
 def judge_convert(records: list[Record]) -> str | None:
@@ -223,10 +245,15 @@ def judge_convert(records: list[Record]) -> str | None:
     if mistake := _judge_orders(reports):
         return mistake
     writers = [r["rank"] for r in reports if r["wrote"]]
+    if not writers:  # helper 158: a save of the learner's own, the template's `writer` False
+        return ("no process said it wrote model.pt: the template's `if writer:` block saves it "
+                "(atomically) and the report says who wrote - set `writer, state = rank == 0, "
+                "model.module.state_dict()` rather than saving elsewhere")  # fmt: skip
     if len(writers) != 1:
         return (f"{len(writers)} processes wrote model.pt ({writers}): only rank 0 must save "
-                "(`if rank == 0`, with rank from RANK - LOCAL_RANK is 0 on every machine); "
-                "concurrent writers corrupt the file")  # fmt: skip
+                "(`writer = rank == 0`, the template's line that decides, with rank from RANK "
+                "- LOCAL_RANK is 0 on every machine); concurrent writers corrupt the "
+                "file")  # fmt: skip
     if writers != [0]:
         return (f"rank {writers[0]} wrote model.pt: rank 0 writes it (`if rank == 0`), the one "
                 "rank every job has, whatever its size")  # fmt: skip
@@ -234,6 +261,11 @@ def judge_convert(records: list[Record]) -> str | None:
         return "no model.pt was written"
     if mistake := _judge_saved(first, n):
         return mistake
+    if not any(d["built"] for d in first.get("ddp", [])):  # helper 158: averaged by hand
+        return ("the weights are right, but the model was never wrapped in DDP: gradients "
+                "averaged by hand cost one collective per tensor, after backward - this "
+                "conversion wraps it, model = DDP(model), which sends them in buckets during "
+                'backward (lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     open_ = [rank for rank, r in enumerate(records) if r.get("left_group_open")]
     if open_:
         return (f"rank {open_[0]} left the process group open: every rank ends with "
@@ -246,8 +278,25 @@ def one_machine_each(ctx: Context) -> Iterator[None]:
     """Each process as if on a machine of its own (LOCAL_RANK 0 of LOCAL_WORLD_SIZE 1): an
     answer that took its rank or world size from the LOCAL_ variables, the same as RANK and
     WORLD_SIZE on one machine, shows here as it would on two."""
-    with mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
-        yield
+    built: list[int] = []  # and whether the model was wrapped, and called through the wrapper
+    init, forward = DDP.__init__, DDP.forward
+
+    def noted_init(self: DDP, *args: Any, **kwargs: Any) -> None:
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    def noted_forward(self: DDP, *args: Any, **kwargs: Any) -> Any:
+        built.append(2)
+        return forward(self, *args, **kwargs)
+
+    with (mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}),
+          mock.patch.object(DDP, "__init__", noted_init),
+          mock.patch.object(DDP, "forward", noted_forward)):  # fmt: skip
+        try:
+            yield
+        finally:
+            use = {"built": built.count(1), "forwards": built.count(2)}
+            (ctx.out / f"ddp-{ctx.rank}.json").write_text(json.dumps(use))
 
 
 # the GPU lines of the lesson's snippet, copied onto this CPU check (helper 147)
