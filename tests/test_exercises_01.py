@@ -13,6 +13,24 @@ TRIM = "    result = [g[: int(n.item())] for g, n in zip(gathered, lengths, stri
 SOLUTION = Path(__file__).parents[1] / "scripts/exercises/solutions/01_ring_average.py"
 RING_LOOP = SOLUTION.read_text().split("    total = tensor.clone()\n")[1].split("    # END")[0]
 RING_LOOP = RING_LOOP[RING_LOOP.index("    send_buf, recv_buf") : RING_LOOP.index("    total /=")]
+CHUNKED = (  # a bandwidth-optimal ring, reduce-scatter then all-gather, over chunk()
+    "    chunks = list(total.chunk(world))  # views of total\n"
+    "    right, left = (rank + 1) % world, (rank - 1) % world\n"
+    "    for step in range(world - 1):  # reduce-scatter\n"
+    "        s, r = (rank - step) % world, (rank - step - 1) % world\n"
+    "        buf = torch.empty_like(chunks[r])\n"
+    "        req = dist.isend(chunks[s].clone(), dst=right)\n"
+    "        dist.recv(buf, src=left)\n"
+    "        req.wait()\n"
+    "        chunks[r] += buf\n"
+    "    for step in range(world - 1):  # all-gather\n"
+    "        s, r = (rank + 1 - step) % world, (rank - step) % world\n"
+    "        buf = torch.empty_like(chunks[r])\n"
+    "        req = dist.isend(chunks[s].clone(), dst=right)\n"
+    "        dist.recv(buf, src=left)\n"
+    "        req.wait()\n"
+    "        chunks[r].copy_(buf)\n"
+)
 CASES = register([
     # from an eighth learner review: one output tensor for every rank ([t] * world)
     # helper 147: output buffers of this rank's own length (gloo's raw error before)
@@ -117,6 +135,12 @@ CASES = register([
          edits=((ISEND, "        dist.isend(send_buf, dst=(rank + 1) % world)\n"),
                 ("        dist.recv(recv_buf, src=(rank - 1) % world)\n        request.wait()\n",
                  "        dist.irecv(recv_buf, src=(rank - 1) % world).wait()\n"))),
+    # helper 158: passed on the check's data (3 values on 3 ranks, int64 inputs only)
+    Case(RING, "chunked-by-the-world-size", "",
+         edits=((RING_LOOP, CHUNKED),)),
+    Case(GATHER, "padding-buffer-of-int64-always", "padding buffer with the input's dtype",
+         edits=(("torch.zeros(longest, dtype=tensor.dtype)",
+                 "torch.zeros(longest, dtype=torch.long)"),)),
     Case(GATHER, "padded-with-minus-one-trimmed-by-value", "trim by the lengths gathered",
          edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
                  "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),

@@ -188,7 +188,9 @@ DROPPED = (
 
 
 def ring_input(rank: int) -> torch.Tensor:
-    return torch.tensor([rank + 1.0, 10.0 * (rank + 1), -(rank**2)])
+    """Four values: a ring that chunks the tensor by the world size (3 ranks) meets a length
+    that does not divide (helper 158: three values hid a chunk() that drops a piece)."""
+    return torch.tensor([rank + 1.0, 10.0 * (rank + 1), -(rank**2), rank - 0.5])
 
 
 def run_ring(module: ModuleType, ctx: Context) -> Record:
@@ -322,6 +324,8 @@ def run_gather(module: ModuleType, ctx: Context) -> Record:
     calls: list[tuple[str, Any]] = []
     with watched(calls, module):
         got = module.gather_uneven(uneven_input(ctx.rank))
+    # and floats (losses, say): a padding buffer of a fixed integer dtype truncates them
+    floats = _values(module.gather_uneven(uneven_input(ctx.rank) + 0.25))
     dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
               for t in (got if isinstance(got, list | tuple) else [])]  # fmt: skip
     objects = [info for name, info in calls if name == "all_gather_object"]
@@ -332,7 +336,7 @@ def run_gather(module: ModuleType, ctx: Context) -> Record:
         if name in ("all_gather", "all_gather_into_tensor") and isinstance(info, int)
     ]
     return {"got": _values(got), "calls": [name for name, _ in calls], "dtypes": dtypes,
-            "objects": objects, "shared": shared, "sent": sent}  # fmt: skip
+            "objects": objects, "shared": shared, "sent": sent, "floats": floats}  # fmt: skip
 
 
 def judge_gather(records: list[Record]) -> str | None:
@@ -391,6 +395,11 @@ def judge_gather(records: list[Record]) -> str | None:
             return (f"rank {rank} gathered with {', '.join(sorted(set(rec['calls'])))}: one "
                     "dist.all_gather of the padded tensors does it in one collective (not "
                     "one broadcast per rank)")  # fmt: skip
+        floats = [(uneven_input(r) + 0.25).tolist() for r in range(n)]
+        if rec.get("floats") != floats:  # helper 158: a padding buffer of int64 always
+            return (f"with float inputs (each +0.25) rank {rank} got {rec.get('floats')}: make "
+                    "the padding buffer with the input's dtype (torch.zeros(longest, "
+                    "dtype=tensor.dtype)), not a fixed one")  # fmt: skip
     return None
 
 
