@@ -204,6 +204,9 @@ CASES = register([
                  "to_backward = scaler.scale(scaler.scale(loss))"),)),
     Case(AMP, "zero-grad-every-micro-batch", "zero_grad ran in every micro-batch",
          edits=(("        with sync:\n", "        optimizer.zero_grad()\n        with sync:\n"),)),
+    # helper 158: every tutorial's inline form, beside the stub's own backward line
+    Case(AMP, "scaled-backward-inline", "backward ran twice on one micro-batch's graph",
+         edits=(("to_backward = scaler.scale(loss)  # fp16", "scaler.scale(loss).backward()  #"),)),
 ])  # fmt: skip
 
 

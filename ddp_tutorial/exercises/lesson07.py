@@ -188,7 +188,7 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
         return (
             f"{value * 1e3:.0f} ms for {STEPS} steps of at most {slowest * 1e3:.0f} ms of work: "
             f"the {WARMUP} warm-up calls' work was timed: still queued when the clock started "
-            "(no synchronize() after them), or the clock started before them (helper 139) - "
+            "(no synchronize() after them), or the clock started before them - "
             "the warm-up calls first, then synchronize(), then start the clock"
         )
     if value > slowest + 0.5 * WARMUP_S[0]:  # one step more timed: + WARMUP_S[1]

@@ -340,7 +340,11 @@ EXERCISES = [
                  "casts only what runs on the CPU: on a GPU the forward stays in float32, no "
                  "mixed precision at all - name the tensors' device type, x.device.type"),),
         title="a mixed-precision step with accumulation: autocast, GradScaler, no_sync",
-        teaches='lesson 11, "1 · Mixed precision under DDP"', errors=AMP_ERRORS,
+        teaches='lesson 11, "1 · Mixed precision under DDP"',
+        errors=(*AMP_ERRORS, ("backward through the graph a second time", "backward ran twice "
+                "on one micro-batch's graph: a backward of your own and the stub's "
+                "`to_backward.backward()` - assign to_backward (scaler.scale(loss) for float16) "
+                "and let that line run it")),  # helper 158: torch's raw error  # fmt: skip
         proves=(
             "the forward in the dtype asked for (float16, then bfloat16), one all_reduce on the "
             "last micro-batch of 4 and of 2, the inf step skipped by "

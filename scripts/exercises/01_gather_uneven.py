@@ -7,7 +7,7 @@ tensor, in rank order, on every rank, each with its own length, in the dtype it 
 tensors through ``dist.all_gather`` (not ``all_gather_object``: it pickles on the CPU; a few
 lengths may go either way).
 
-Check it (2 gloo ranks; rank 0 has 2 values, rank 1 has 3):
+Check it (2 gloo ranks; rank 0 has 3 values, rank 1 has 4; int64, then floats):
 
     ddp-tutorial check 01
 """

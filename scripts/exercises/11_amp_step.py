@@ -7,7 +7,8 @@ last one only (`model.no_sync()` on the others); then the step through the scale
 unscales the gradients and skips the step if one is inf or nan, and the scaler's update. The
 check runs your `amp_step` on 2 gloo ranks with a GradScaler: a step of 4 micro-batches in
 float16, compared with float32 on the global batch, then one of 2 micro-batches in bfloat16
-with an inf in one rank's gradient: every rank must skip that step and halve its scale.
+with an inf in one rank's gradient: every rank must skip that step and halve its scale; then
+one of 3 in bfloat16, taken and compared with float32's.
 The scaler it hands you is enabled in both dtypes: go through it always (a scaler disabled
 for bfloat16, as the template makes it, passes the same calls through and skips nothing). DDP's
 all_reduces are counted in both.
