@@ -395,7 +395,13 @@ def judge_gather(records: list[Record]) -> str | None:
             return (f"rank {rank} gathered with {', '.join(sorted(set(rec['calls'])))}: one "
                     "dist.all_gather of the padded tensors does it in one collective (not "
                     "one broadcast per rank)")  # fmt: skip
-        floats = [(uneven_input(r) + 0.25).tolist() for r in range(n)]
+    return _judge_floats(records)
+
+
+def _judge_floats(records: list[Record]) -> str | None:
+    """The second gather, of floats: a padding buffer of a fixed integer dtype truncates."""
+    floats = [(uneven_input(r) + 0.25).tolist() for r in range(len(records))]
+    for rank, rec in enumerate(records):
         if rec.get("floats") != floats:  # helper 158: a padding buffer of int64 always
             return (f"with float inputs (each +0.25) rank {rank} got {rec.get('floats')}: make "
                     "the padding buffer with the input's dtype (torch.zeros(longest, "
