@@ -59,6 +59,10 @@ CASES = register([
     Case(EX, "labelled-kept-not-split", "the ranks' work is not split",
          edits=((SHARD_FIX,
                  "    shard = [i for i in range(len(train_set)) if labels[i] >= 0]\n"),)),
+    # helper 160: the buffer sync turned off in other spellings passed
+    Case(EX, "buffer-sync-turned-off-with-0", "broadcast_buffers=False stops the hang",
+         edits=(("    model = DDP(model)\n", "    model = DDP(model, broadcast_buffers=0)\n"),
+                (EVAL_FIX, ""))),
 ])  # fmt: skip
 
 

@@ -81,6 +81,19 @@ CASES = register([
                  "                                 rank=rank, seed=seed)\n"
                  "    sampler.set_epoch(epoch)\n"
                  "    mine = list(sampler)[consumed // world_size :]\n"),)),
+    # helper 160: named as shuffled, or the generic "dealt out again"
+    Case(EX, "dealt-by-position-in-the-whole-order", "the ranks got each other's shares",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    mine = [x for p, x in enumerate(rest, start=consumed)"
+                 " if p % world_size == rank]\n"),)),
+    Case(EX, "skip-of-the-padded-order-then-padded", "before the skip",
+         edits=(("    rest = order[consumed:]\n",
+                 "    full = order + (order * world_size)[: -len(order) % world_size]\n"
+                 "    rest = full[consumed:]\n"),)),
+    Case(EX, "padded-from-just-before-consumed", "from just before `consumed`",
+         edits=(("    rest += (rest * padding)[:padding]\n",
+                 "    rest += (order[consumed - padding : consumed] if consumed >= padding\n"
+                 "             else (rest * padding)[:padding])\n"),)),
     Case(EX, "rest-from-consumed-minus-one", "order[consumed - 1]",
          edits=(("rest = order[consumed:]", "rest = order[consumed - 1 :]"),)),
 ])  # fmt: skip

@@ -147,7 +147,8 @@ EXERCISES = [
         title="a training script that hangs: find it, fix it",
         teaches='lesson 09, "6 · Rank 0 evaluates alone" and "7 · Uneven inputs"',
         collective_timeout_s=8.0, errors=ERRORS, around=noting_join,
-        hidden=((r"broadcast_buffers\s*=\s*False", "broadcast_buffers=False stops the hang by "
+        hidden=((r"broadcast_buffers[\"']?\s*[=:]\s*(?:False|0)\b",  # helper 160: 0, a dict
+                 "broadcast_buffers=False stops the hang by "
                  "turning off DDP's buffer sync in forward, so the ranks' BatchNorm statistics "
                  "drift apart and rank 0 evaluates with its own (this check leaves the running "
                  "statistics out) - keep the sync, and let rank 0 evaluate model.module, which "

@@ -81,11 +81,16 @@ def _dealt_again(where: str, lists: list[list[int]], order: list[int], consumed:
                 "numbers: a DistributedSampler over `rest` yields indices into it - map them "
                 "back, [rest[i] for i in sampler]")  # fmt: skip
     whole = (order + order[: -len(order) % world])[consumed:]  # padded before the skip
-    if whole != rest and lists == [whole[r::world] for r in range(world)]:
+    if whole != rest and lists in ([whole[r::world] for r in range(world)], _dealt(whole, world)):
         return (f"{where}: the padding was taken from the whole epoch's order, before the "
                 "skip, so it repeats samples the job had trained: skip `consumed` positions "
                 "first, then pad what is left (rest + rest[:padding], repeated as often as "
                 "needed)")  # fmt: skip
+    if 0 < padding <= consumed and lists == _dealt(
+        rest + order[consumed - padding : consumed], world
+    ):
+        return (f"{where}: the padding was taken from just before `consumed`, samples the job "
+                "had trained: pad with the rest's own start, rest + rest[:padding]")  # fmt: skip
     if consumed and lists == _dealt(order[consumed - 1 :], world):
         return (f"{where}: the rest started at order[consumed - 1], one position the job had "
                 "trained: the rest starts at order[consumed] - an off-by-one?")  # fmt: skip
@@ -153,6 +158,10 @@ def _order(where: str, lists: list[list[int]], full: list[int], world: int) -> s
     (the whole rest, or each rank's share), rather than dealt out in blocks."""
     if [x for mine in lists for x in mine] == full:
         return None  # blocks of the rest, in order: "not strided"
+    shares = [full[r::world] for r in range(world)]
+    if lists != shares and sorted(lists) == sorted(shares):  # helper 160: rotated, swapped
+        return (f"{where}: the ranks got each other's shares: rank r takes positions r, "
+                "r + world_size, ... of the rest - start at the rank")  # fmt: skip
     if [sorted(mine) for mine in lists] == [sorted(full[r::world]) for r in range(world)]:
         return (f"{where}: each rank got the right samples, but in another order: keep the "
                 "epoch's order (a rank's k-th step trains positions consumed + k x batch x "
