@@ -63,6 +63,11 @@ CASES = register([
     Case(EX, "buffer-sync-turned-off-with-0", "broadcast_buffers=False stops the hang",
          edits=(("    model = DDP(model)\n", "    model = DDP(model, broadcast_buffers=0)\n"),
                 (EVAL_FIX, ""))),
+    Case(EX, "padded-to-whole-batches", "repeats - pad as DistributedSampler does",  # h. 160
+         edits=((SHARD_FIX,
+                 "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                 "    labelled += labelled[: -len(labelled) % (world_size * args.batch_size)]\n"
+                 "    shard = labelled[rank::world_size]\n"),)),
 ])  # fmt: skip
 
 

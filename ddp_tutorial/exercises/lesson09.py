@@ -97,6 +97,12 @@ def judge_hang(records: list[Record]) -> str | None:
                     "ones, give each rank its own part, "
                     "[labelled[j] for j in DistributedSampler(labelled)] "
                     '(lesson 09, "7 · Uneven inputs")')  # fmt: skip
+        extra = len(seen) - len(LABELLED)
+        if extra >= n:  # DistributedSampler repeats at most world_size - 1 samples
+            return (f"epoch {epoch} trained {len(seen)} samples for {len(LABELLED)} labelled "
+                    f"ones: {extra} repeats - pad as DistributedSampler does, the list of "
+                    "labelled samples to a multiple of world_size (at most world_size - 1 "
+                    'repeats), then deal it out (lesson 09, "7 · Uneven inputs")')  # fmt: skip
         if len(shared) >= n:  # padding repeats at most world_size - 1 samples
             return (f"in epoch {epoch} every rank trained on sample {min(shared)} ({len(shared)} "
                     "shared): the ranks' shards overlap - every rank must order the labelled "
@@ -108,12 +114,6 @@ def judge_hang(records: list[Record]) -> str | None:
                     "missed): cutting the shards to the same length (or drop_last=True) drops "
                     "samples; pad the short one instead, as DistributedSampler does with its "
                     'default drop_last=False (lesson 09, "7 · Uneven inputs")')  # fmt: skip
-        extra = len(seen) - len(LABELLED)
-        if extra >= n:  # DistributedSampler repeats at most world_size - 1 samples
-            return (f"epoch {epoch} trained {len(seen)} samples for {len(LABELLED)} labelled "
-                    f"ones: {extra} repeats - pad as DistributedSampler does, the list of "
-                    "labelled samples to a multiple of world_size (at most world_size - 1 "
-                    'repeats), then deal it out (lesson 09, "7 · Uneven inputs")')  # fmt: skip
     counts = [len(r["seen"][0]) for r in reports]
     if len(set(counts)) > 1 and not first["joined"]:
         return (f"the ranks trained {counts} samples an epoch: as many batches of 5 here by luck "
