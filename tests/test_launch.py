@@ -646,6 +646,10 @@ def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, 
     nvml([fake_gpu(0), fake_gpu(1)], driver_cuda=12040)
     assert launch_gpu_count() == 0
     assert default_nproc() == 2  # helper 154: 2 gloo ranks, not one per GPU torch cannot use
+    from ddp_tutorial.harness.environment import environment_report
+
+    plan = environment_report()["plan"]  # helper 159: lesson 00's plan said nccl on 2 GPUs
+    assert plan["backend"] == "gloo" and "built for CUDA 13.0" in plan["reason"], plan
     assert "built for CUDA 13.0, the driver supports 12.4" in gpu_branch_note(2)
     monitor = Monitor(nproc=2)
     assert monitor._ranks_gpus([fake_gpu(0), fake_gpu(1)]) == [] and "13.0" in monitor.note

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ddp_tutorial import settings
 from ddp_tutorial.devices import DeviceError, visible_gpus
 from ddp_tutorial.distributed import choose_backend
+from ddp_tutorial.harness.gpu_plan import torch_sees_no_gpu
 from ddp_tutorial.harness.launch import default_nproc
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV
 
@@ -53,7 +54,9 @@ def environment_report() -> dict[str, Any]:
     except DeviceError as exc:  # MIG: refused, with what to do; the CPU plan meanwhile
         gpus, gpu_error = [], str(exc)
         nproc = default_nproc({VISIBLE_DEVICES_ENV: ""})
-    backend, reason = choose_backend("auto", nproc, gpus=len(gpus))
+    blind = torch_sees_no_gpu()  # GPUs NVML lists that this torch cannot open: the CPU plan
+    backend, reason = choose_backend("auto", nproc, gpus=0 if blind else len(gpus))
+    reason = f"{blind}: {reason}" if blind else reason
     shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None
     return {
         "python": platform.python_version(),

@@ -345,8 +345,8 @@ def start(script: str | os.PathLike[str], *args: object, **options: Any) -> Laun
 
     ``options`` are the fields of :class:`LaunchSpec` (bad input is refused before anything
     starts). On GPUs that take one process at a time (:func:`exclusive_gpus`) it first waits
-    for the launches it started before, unless ``gpus=False`` (its ranks never touch a GPU).
-    """
+    for the launches it started before; ``gpus=False``: its ranks never touch a GPU, so it
+    waits for none, and none waits for it."""
     gpus = options.pop("gpus", True)
     spec = LaunchSpec(script, args, **options)
     if gpus and exclusive_gpus(spec.env):
@@ -359,7 +359,7 @@ def start(script: str | os.PathLike[str], *args: object, **options: Any) -> Laun
             while not other.done:
                 other.poll(block_s=0.5)
     launch = Launch(spec)
-    _STARTED.add(launch)
+    _STARTED.add(launch) if gpus else None  # what holds no GPU holds up no one
     return launch
 
 

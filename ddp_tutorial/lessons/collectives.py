@@ -283,9 +283,10 @@ def start_lesson_launches(nproc: int, timeout: float, demos: str = "../scripts/d
     return {
         "main": start(script, nproc=nproc, timeout=timeout),
         "one rank": start(script, nproc=1, **quiet),
-        "uneven": start(f"{demos}/uneven_gather.py", nproc=2, check=False, **quiet),
+        # gloo, and no torch at all: side by side on EXCLUSIVE_PROCESS GPUs too (gpus=False)
+        "uneven": start(f"{demos}/uneven_gather.py", nproc=2, check=False, gpus=False, **quiet),
         "torchrun, seed": start(
-            f"{demos}/legacy_local_rank.py", "--style", "seed", nproc=2, **quiet
+            f"{demos}/legacy_local_rank.py", "--style", "seed", nproc=2, gpus=False, **quiet
         ),  # fmt: skip
         "spawn": Background([*spawn, "--out", str(spawn_dir)], timeout, run_dir=spawn_dir),
         "legacy, seed": Background([*legacy, "--style", "seed"], timeout),
