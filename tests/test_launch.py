@@ -638,7 +638,7 @@ def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, 
     launches' count is 0, the lesson's note says why, the monitor samples the ranks."""
     import torch
 
-    from ddp_tutorial.harness.gpu_plan import gpu_branch_note, launch_gpu_count
+    from ddp_tutorial.harness.gpu_plan import gpu_branch_note, launch_gpu_count, torch_has_no_gpu
     from ddp_tutorial.harness.launch import default_nproc
     from ddp_tutorial.harness.monitor import Monitor
 
@@ -655,8 +655,10 @@ def test_gpus_this_torch_cannot_use_run_the_lessons_on_the_cpu_saying_why(nvml, 
     assert monitor._ranks_gpus([fake_gpu(0), fake_gpu(1)]) == [] and "13.0" in monitor.note
     monkeypatch.setattr(torch.version, "cuda", None)
     assert launch_gpu_count() == 0 and "CPU-only build" in gpu_branch_note(2)
+    assert torch_has_no_gpu(), "the lessons' in-kernel CUDA demos take their CPU branch"
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # a build the driver runs: counted
     assert launch_gpu_count() == 2 == default_nproc() and gpu_branch_note(2) == ""
+    assert not torch_has_no_gpu()
 
 
 def test_the_ranks_number_gpus_as_nvml_does_unless_told_otherwise(monkeypatch):

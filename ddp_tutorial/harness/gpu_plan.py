@@ -51,6 +51,16 @@ def torch_sees_no_gpu() -> str:
     return ""
 
 
+def torch_has_no_gpu() -> bool:
+    """Whether this torch can use no GPU at all: no NVIDIA driver, or GPUs it cannot open
+    (:func:`torch_sees_no_gpu`). The guard of the lessons' in-kernel CUDA demos: on a MIG
+    slice it is False (the kernel's torch sees the slice) while :func:`launch_gpu_count` is 0.
+    No CUDA call: safe in the notebook kernel."""
+    from ddp_tutorial.devices import driver_cuda_version
+
+    return driver_cuda_version() is None or bool(torch_sees_no_gpu())
+
+
 def launch_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """GPUs the lessons' launches compute on: what a lesson's GPU branch asks for.
 
