@@ -68,6 +68,12 @@ CASES = register([
                  "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
                  "    labelled += labelled[: -len(labelled) % (world_size * args.batch_size)]\n"
                  "    shard = labelled[rank::world_size]\n"),)),
+    # a pad written for this run's numbers: right here, wrong with 24 labelled or 3 ranks
+    Case(EX, "padded-on-a-fixed-rank", "padding that names a rank or a length",
+         edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                            "    shard = labelled[rank::world_size]\n"
+                            "    if rank == 1:\n"
+                            "        shard.append(labelled[0])\n"),)),
 ])  # fmt: skip
 
 

@@ -152,7 +152,13 @@ EXERCISES = [
                  "turning off DDP's buffer sync in forward, so the ranks' BatchNorm statistics "
                  "drift apart and rank 0 evaluates with its own (this check leaves the running "
                  "statistics out) - keep the sync, and let rank 0 evaluate model.module, which "
-                 "calls no collective"),),  # helper 139
+                 "calls no collective"),  # helper 139
+                (r"\brank\s*(?:==|!=)\s*\d|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9]",
+                 "padding that names a rank or a length (rank == 1, len(shard) < 13) fits "
+                 "this run's 25 labelled samples on 2 ranks only: with 24 (--num-samples 29) "
+                 "it adds a sample no rank needed, on 3 ranks it pads the wrong one - pad the "
+                 "labelled list to a multiple of world_size computed from len(labelled), as "
+                 'DistributedSampler does (lesson 09, "7 · Uneven inputs")'),),
         proves=(
             "no hang; each epoch trained every labelled sample (at most world_size - 1 twice); "
             "the replicas agree, and rank 0's accuracy is the trained model's"
