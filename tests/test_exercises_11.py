@@ -50,6 +50,15 @@ CASES = register([
     Case(EX, "then-returns-the-list", "returned f.value(), a list [tensor]",
          edits=(("    future = work.get_future().then(decompress)\n",
                  "    future = work.get_future().then(lambda f: f.value())\n"),)),
+    # torch's own hook called from the learner's: it passed (the exercise is writing it)
+    Case(EX, "torchs-own-hook-called", "torch's own hook did the work",
+         edits=(("import torch.distributed as dist\n", "import torch.distributed as dist\n"
+                 "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"),
+                ("    compressed = buffer.to(torch.bfloat16).div_(world_size)  # divide first: "
+                 "DDP averages\n", ""),
+                ("    work = dist.all_reduce(compressed, group=group, async_op=True)\n", ""),
+                ("    future = work.get_future().then(decompress)\n",
+                 "    future = default_hooks.bf16_compress_hook(group, bucket)\n"))),
     Case(EX, "hook-on-the-default-group", "the hook uses the default group",
          edits=(("dist.all_reduce(compressed, group=group, async_op=True)",
                  "dist.all_reduce(compressed, async_op=True)"),)),

@@ -241,7 +241,13 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by world_size "
                  "(the process group's size)"),
-                (r"get_world_size\(\)|WORLD_SIZE", DEFAULT_GROUP)),
+                (r"get_world_size\(\)|WORLD_SIZE", DEFAULT_GROUP),
+                (r"\bdefault_hooks\b|ddp_comm_hooks|\bbf16_compress_wrapper\b",
+                 "passed, but torch's own hook did the work, not yours (default_hooks): "
+                 "what a real script registers, but this exercise is writing it - the bfloat16 "
+                 "copy "
+                 "divided by world_size, dist.all_reduce(..., async_op=True), and "
+                 ".get_future().then(fn) copying the sum back into the bucket")),
         title="a comm hook that sends the gradients as bfloat16",
         teaches='lesson 11, "3 · Communication hooks: fewer bytes on the wire"', errors=ERRORS,
         proves=(
