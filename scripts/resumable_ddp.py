@@ -125,8 +125,8 @@ def main() -> None:
             torch.cuda.set_rng_state(gpu_rng[0].cpu())
         if rank == 0:  # every rank's sums in one: counted once, by the epoch's all_reduce
             resumed_sum = state["loss_sum"]
-        if rank == 0:
             print(f"resumed: epoch {start_epoch}, batch {start_batch}, step {step}", flush=True)
+        del state  # its weights are in the model now: not a second copy on the GPU all run
 
     flags = {k: getattr(args, k) for k in ("batch_size", "lr", "num_samples", "seed")}  # saved
 

@@ -552,6 +552,7 @@ def train(
         if extra["config"].get("best_by", "val_accuracy") != args.best_by:  # another score
             best = -math.inf
             say(f"WARNING: --best-by {args.best_by} now: the next evaluation replaces best.pt")
+        del found, state  # its tensors are in the model now: not a second copy on the GPU
     if ckpt and not rescored and (ckpt / "best.json").is_file():  # may be newer than snapshot
         try:
             held = json.loads((ckpt / "best.json").read_text())
