@@ -248,6 +248,17 @@ CASES = register(
         Case(BUFFERS, "reduced-then-broadcast", "2 collectives on each rank",  # helper 157
              edits=(("    dist.all_reduce(flat)  #",
                      "    dist.reduce(flat, dst=0)\n    dist.broadcast(flat, src=0)  #"),)),
+        # helper 161: collectives the check did not count passed; a read before the wait
+        Case(BUFFERS, "per-buffer-through-distributed-c10d", "through no torch.distributed",
+             edits=(("    dist.all_reduce(flat)  #",
+                     "    from torch.distributed import distributed_c10d as c10d\n\n"
+                     "    c10d.all_reduce(flat)  #"),)),
+        Case(BUFFERS, "copied-back-before-the-wait", "before its .wait()",
+             edits=(("    dist.all_reduce(flat)  # SUM over the ranks: one collective for every "
+                     "layer\n    flat /= world\n", "    work = dist.all_reduce(flat, "
+                     "async_op=True)\n"),
+                    ("        b.copy_(piece.view_as(b))  # back into the model's own tensor, in "
+                     "place\n", "        b.copy_(piece.view_as(b) / world)\n    work.wait()\n"))),
         Case(ACCUM, "integer-count-averaged", "an integer count divided in place",
              edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
                      "    dist.all_reduce(count)",

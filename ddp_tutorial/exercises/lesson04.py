@@ -12,6 +12,7 @@ The lesson's BatchNorm exercise is in ``lesson04_buffers``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -45,11 +46,13 @@ EVERY = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tenso
 @contextmanager
 def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
             asyncs: dict[str, int] | None = None, touched: list[str] | None = None,
-            sizes: list[tuple[str, int]] | None = None) -> Iterator[None]:  # fmt: skip
+            sizes: list[tuple[str, int]] | None = None,
+            late_s: float = 0.0) -> Iterator[None]:  # fmt: skip
     """Append the name of each ``dist.<name>`` call made inside the block to ``calls`` (and
     with ``asyncs``: count the calls with async_op=True and the waits on what they returned;
     ``touched``: those whose tensor the learner changed before the wait; ``sizes``: each
-    call's name and the number of elements of its tensor)."""
+    call's name and the number of elements of its tensor). ``late_s``: rank 1 starts each
+    async call this late, so rank 0's result cannot be there before rank 0 reads it early."""
 
     def note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         calls.append(name)
@@ -60,6 +63,8 @@ def counted(names: tuple[str, ...], calls: list[str], module: ModuleType,
             sizes.append((name, tensor.numel()))
         if asyncs is None or not is_async(args, kwargs):  # all_reduce's and broadcast's 4th
             return None
+        if late_s and torch.distributed.get_rank() == 1:
+            time.sleep(late_s)
         asyncs["sent"] += 1
         return lambda: asyncs.update(waited=asyncs["waited"] + 1)
 

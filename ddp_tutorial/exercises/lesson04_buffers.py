@@ -52,7 +52,7 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     params = copy.deepcopy(list(model.parameters()))
     calls: list[str] = []
     asyncs, touched, sizes = {"sent": 0, "waited": 0}, [], []
-    with counted(EVERY, calls, module, asyncs, touched, sizes):
+    with counted(EVERY, calls, module, asyncs, touched, sizes, late_s=0.2):
         module.average_buffers(model)
     model.eval()
     with torch.no_grad():
@@ -62,7 +62,8 @@ def run_buffers(module: ModuleType, ctx: Context) -> Record:
     sent = max((sum(n for kind, n in sizes if kind == name) for name, _ in sizes), default=0)
     return {"before": before, "after": _buffers(model), "probe": probe.tolist(),
             "calls": calls, "params_unchanged": same_params, "sent": sent,
-            "unwaited": asyncs["sent"] - asyncs["waited"], "touched": touched}  # fmt: skip
+            "unwaited": asyncs["sent"] - asyncs["waited"], "touched": touched,
+            "asyncs": asyncs["sent"]}  # fmt: skip
 
 
 RANK_0_ALONE = {  # what the other ranks hold when rank 0 alone holds the mean
@@ -197,6 +198,10 @@ def judge_buffers(records: list[Record]) -> str | None:
     if not all(torch.equal(p, probes[0]) for p in probes):
         return "the ranks' models still give different outputs in eval mode"
     calls = max(len(r["calls"]) for r in records)
+    if calls == 0:  # helper 161: distributed_c10d.all_reduce, functional collectives
+        return ("the buffers are averaged, but through no torch.distributed collective this "
+                "check counts (dist.all_reduce, dist.all_gather, dist.broadcast, ...): one "
+                "dist.all_reduce of every statistic, as lesson 04 shows")  # fmt: skip
     if calls > 1:
         return (f"{calls} collectives on each rank for {len(stats)} statistics: the values are "
                 "right, but every collective pays a fixed cost before each evaluation (a "
@@ -227,6 +232,21 @@ def _still_differ(records: list[Record], differ: list[str]) -> str:
         return ("dist.reduce leaves the sum on its dst rank only, the other ranks' buffers "
                 "keep what they held: dist.all_reduce, so that every rank gets the sum, "
                 "then divide it by the world size")  # fmt: skip
+    own_share = any(
+        all(
+            torch.allclose(
+                torch.tensor(r["after"][k]["values"]),
+                torch.tensor(r["before"][k]["values"]) / len(records),
+            )
+            for k in differ
+        )
+        for r in records
+    )  # rank 0: rank 1 calls it late
+    if own_share and any(r.get("asyncs") for r in records):  # helper 161: read, then wait
+        return ("a rank's buffers hold its own statistics divided by the world size: the "
+                "async all_reduce's tensor was read (copied into the buffers) before its "
+                ".wait(), while the sum was still on its way - wait on the Work first, then "
+                "divide and copy")  # fmt: skip
     kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
     layers = sorted({k.rsplit(".", 1)[0] for k in differ})
     return (
