@@ -101,9 +101,19 @@ CASES = register([
     Case(RESUME, "set-epoch-plus-one", "not the epoch's own order",
          edits=(("        sampler.set_epoch(epoch)\n",
                  "        sampler.set_epoch(epoch + 1)  # epochs counted from 1\n"),)),
-    Case(RESUME, "load-without-map-location", "pass map_location",
+    Case(RESUME, "load-without-map-location", "without map_location every tensor goes back",
          edits=(('torch.load(snapshot, map_location="cpu", weights_only=True)',
                  "torch.load(snapshot)"),)),
+    # helper 161: told "pass map_location" when it had (a GPU's, for a job on the CPU)
+    Case(RESUME, "load-onto-cuda-local-rank", "a map_location naming cuda is a GPU this job",
+         edits=(('torch.load(snapshot, map_location="cpu", weights_only=True)',
+                 'torch.load(snapshot, map_location=f"cuda:{os.environ[\'LOCAL_RANK\']}", '
+                 "weights_only=True)"),)),
+    # helper 161: told "restore everything" - the optimizer held the parameters of the old model
+    Case(RESUME, "model-built-again-in-the-resume", "the optimizer steps other parameters",
+         edits=(("        model.load_state_dict(state[\"model\"])\n",
+                 "        model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+                 "        model.load_state_dict(state[\"model\"])\n"),)),
     Case(RESUME, "load-not-weights-only", "weights_only=True",
          edits=(('torch.load(snapshot, map_location="cpu", weights_only=True)',
                  'torch.load(snapshot, map_location="cpu", weights_only=False)'),)),

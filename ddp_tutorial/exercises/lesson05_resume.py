@@ -26,9 +26,11 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 
 RUNS = ("straight", "job-1", "job-2")  # the three launches the learner's script makes
 SAMPLES, SEED = 64, 0  # the stub's --num-samples and --seed
-MAP_LOCATION = ("torch.load without map_location puts every tensor back on the device it was "
-                "saved from - cuda:0, rank 0's GPU - on every rank: pass map_location (\"cpu\", "
-                "or this rank's own device) "
+MAP_LOCATION = ("torch.load put the snapshot's tensors on a CUDA device, and this job's "
+                "model lives on the CPU (the check's machine has no GPU): without map_location "
+                "every tensor goes back where it was saved from - cuda:0, rank 0's GPU - on "
+                "every rank, and a map_location naming cuda is a GPU this job does not use: "
+                'map_location="cpu" here (in a GPU job, this rank\'s own device, cuda:LOCAL_RANK) '
                 '(lesson 05, "6 · `map_location`")')  # fmt: skip
 
 
@@ -165,6 +167,12 @@ def judge_resume(records: list[Record]) -> str | None:
         )
     if mistake := _judge_orders(rep):
         return mistake
+    job2 = rep[0]["job-2"]
+    if job2["epochs"] and all(e["weights"] == job2["start_weights"] for e in job2["epochs"]):
+        return ("the resumed job never changed its weights: the optimizer steps other "  # h. 161
+                "parameters than the model's - a model built again in the resume is not the one "
+                "the optimizer was made with: load the weights into the existing model "
+                "(model.load_state_dict(snapshot['model']))")  # fmt: skip
     if rep[0]["job-2"]["epochs"][-1]["weights"] != straight[-1]["weights"]:
         return ("the resumed job ended with other weights than the run that never stopped: "
                 "restore everything the snapshot holds (weights, optimizer, epoch)")  # fmt: skip
