@@ -23,6 +23,11 @@ CASES = register(
         Case(GPU, "first-listed-plus-local-rank", "the first listed id plus LOCAL_RANK",
              edits=(("int(listed.split(\",\")[local_rank])",
                      "int(listed.split(\",\")[0]) + local_rank"),)),
+        # helper 161: the one-node environments lacked GROUP_RANK (torchrun sets it): a
+        # KeyError, not the lesson's point
+        Case(GPU, "local-rank-from-group-rank", "that holds only when every node runs as many",
+             edits=((LOCAL, 'local_rank = int(env["RANK"]) - int(env["GROUP_RANK"]) * '
+                            'int(env["LOCAL_WORLD_SIZE"])'),)),
         Case(GPU, "global-rank-as-device", "the global RANK",
              edits=((LOCAL, 'local_rank = int(env["RANK"])'),)),
         Case(GPU, "physical-id-as-device", "the physical id",

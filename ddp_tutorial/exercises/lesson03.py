@@ -21,25 +21,29 @@ from ddp_tutorial.exercises.core import Context, Exercise, Record
 from ddp_tutorial.exercises.spies import spying
 from ddp_tutorial.settings import VISIBLE_DEVICES_ENV as CVD
 
-# (where, the environment a rank sees, as torchrun sets it); nodes have 4 GPUs unless
-# CUDA_VISIBLE_DEVICES says. The last: nodes that run different numbers of ranks (torchrun
-# allows it), where RANK % LOCAL_WORLD_SIZE is not the local rank.
+# (where, the environment a rank sees, as torchrun sets it: GROUP_RANK too, 0 on one node);
+# nodes have 4 GPUs unless CUDA_VISIBLE_DEVICES says. The last: nodes that run different
+# numbers of ranks (torchrun allows it), where RANK % LOCAL_WORLD_SIZE is not the local rank.
 SCENARIOS: tuple[tuple[str, dict[str, str]], ...] = (
     ("one node, rank 2", {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4",
-                          "LOCAL_WORLD_SIZE": "4"}),
+                          "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}),
     ("node 1 of 2, rank 3", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}),
     ("one node, CUDA_VISIBLE_DEVICES=5,6,7, rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", CVD: "5,6,7"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0",
+      CVD: "5,6,7"}),
     ("node 1 of 2, CUDA_VISIBLE_DEVICES=6,7, rank 3",
      {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
       "GROUP_RANK": "1", CVD: "6,7"}),
     ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 0",
-     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: "7,5"}),
+     {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+      CVD: "7,5"}),
     ("one node, CUDA_VISIBLE_DEVICES=7,5, rank 1",  # not the first listed + LOCAL_RANK (8)
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: "7,5"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+      CVD: "7,5"}),
     ("one node, CUDA_VISIBLE_DEVICES=' 2, 3', rank 1",
-     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", CVD: " 2, 3"}),
+     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+      CVD: " 2, 3"}),
     ("node 1 of 2 (3 ranks on node 0, 2 here), rank 3",
      {"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2",
       "GROUP_RANK": "1"}),
