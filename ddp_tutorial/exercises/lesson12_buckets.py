@@ -264,8 +264,11 @@ EXERCISES = [
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
                  "self.world_size"),
                 # helper 156: also through a name, `bucket = self.buckets[i]; param is bucket[-1]`
-                # (helper 157: not `p is params[-1]` closing the last bucket at construction)
-                (r"\]\s*\[\s*-1\s*\]|\w\s+(?:is|==)\s+[\w.]*bucket\w*(?:\[[^\]]*\])*\[\s*-1\s*\]",
+                # (helper 157: not `p is params[-1]` closing the last bucket at construction;
+                # helper 162: nor `torch.empty(self.offsets[i][-1])`, a size, not a test)
+                (r"(?:\bis|==)\s*(?:id\()?[\w.]+\[[^\]]*\]\s*\[\s*-1\s*\]|"
+                 r"\]\s*\[\s*-1\s*\]\)?\s*(?:is|==)|"
+                 r"\w\s+(?:is|==)\s+[\w.]*bucket\w*(?:\[[^\]]*\])*\[\s*-1\s*\]",
                  "a bucket is sent when its last-listed parameter is "
                  "ready, which holds only while autograd produces them in that order (this "
                  "check's MLP does; a layer used twice, or one registered out of the order it "
