@@ -113,6 +113,36 @@ CASES = register([
                  '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
                  "    signal.signal(signal.SIGTERM, on_term)"),
                 (SAVE, "                if False:\n                    save_snapshot("))),
+    # helper 162: rank 0's late SIGTERM came at dist.barrier only (a save in its handler passed
+    # with monitored_barrier); an os._exit in the handler read "failed before your code ran";
+    # three right answers failed or were told another mistake
+    Case(EX, "handler-saves-monitored-barrier", "rank 0 saved inside the signal handler",
+         edits=((HANDLER,
+                 "def on_term(signum, frame):\n"
+                 "        stop['signal'] = signum\n"
+                 "        if rank == 0:\n"
+                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
+                 "    signal.signal(signal.SIGTERM, on_term)"),
+                ("                dist.barrier()\n                status = PREEMPTED",
+                 "                dist.monitored_barrier()\n                status = PREEMPTED"))),
+    Case(EX, "os-exit-in-the-handler", "exited inside its SIGTERM handler",
+         edits=((HANDLER, "signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(75))"),)),
+    Case(EX, "local-rank-read-for-a-print", None,
+         edits=(("    rank = dist.get_rank()\n", "    rank = dist.get_rank()\n"
+                 '    local_rank = int(os.environ.get("LOCAL_RANK", 0))\n'
+                 '    print(f"rank {rank}, local rank {local_rank}")\n'),)),
+    Case(EX, "flag-waited-with-wait-all", None,
+         edits=(("            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n",
+                 "            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)\n"
+                 "            torch.futures.wait_all([work.get_future()])\n"),)),
+    Case(EX, "periodic-saves-and-the-preemptions", None,
+         edits=(("            flag = torch.tensor(float(stop[\"signal\"]))\n",
+                 "            if rank == 0 and step % 4 == 0:\n"
+                 '                save_snapshot(out / "snapshot.pt", {"model": '
+                 'model.module.state_dict(),\n'
+                 '                              "optimizer": optimizer.state_dict(), '
+                 '"step": step})\n'
+                 "            flag = torch.tensor(float(stop[\"signal\"]))\n"),)),
     Case(EX, "local-rank-through-a-variable", "where LOCAL_RANK is 0",
          edits=((SAVE, '                is_writer = int(os.environ["LOCAL_RANK"]) == 0\n'
                        "                if is_writer:\n                    save_snapshot("),)),

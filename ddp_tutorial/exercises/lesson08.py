@@ -60,6 +60,12 @@ def _refused(name: str) -> Any:
     return call
 
 
+def _exit_raises(code: int) -> None:
+    """os._exit inside the handler: a SystemExit there, named like sys.exit (it ended the rank
+    with no trace: "the launch failed before your code ran")."""
+    raise SystemExit(code)
+
+
 def _wrapped(handler: Any) -> Any:
     """The learner's SIGTERM handler, with an exit from inside it turned into a named error
     (its frame stays on the stack under the learner's, so the stub still sees a save in it),
@@ -71,6 +77,7 @@ def _wrapped(handler: Any) -> Any:
             with ExitStack() as stack:
                 for name in names:
                     stack.enter_context(mock.patch.object(dist, name, _refused(name)))
+                stack.enter_context(mock.patch.object(os, "_exit", _exit_raises))  # helper 162
                 return handler(signum, frame)
         except _CollectiveInHandler:
             raise
@@ -90,7 +97,8 @@ def preempt_watch(ctx: Context) -> Iterator[None]:
     handler (not in the middle of its own save: a handler's save there writes over the same
     temporary file): one that saves is then seen saving inside the handler (helper 117:
     signalled on rank 1 alone, a handler that saved on rank 0 passed)."""
-    real_save, real_signal, real_barrier = torch.save, signal.signal, dist.barrier
+    real_save, real_signal = torch.save, signal.signal
+    real_barrier, real_monitored = dist.barrier, dist.monitored_barrier
 
     held: list[int] = []
     late: list[int] = []
@@ -110,12 +118,18 @@ def preempt_watch(ctx: Context) -> Iterator[None]:
         signal_rank_0()
         return real_barrier(*args, **kwargs)
 
+    def monitored(*args: Any, **kwargs: Any) -> Any:  # helper 162: it waits too
+        signal_rank_0()
+        return real_monitored(*args, **kwargs)
+
     def install(signum: Any, handler: Any) -> Any:
         wrap = signum == signal.SIGTERM and callable(handler)
         return real_signal(signum, _wrapped(handler) if wrap else handler)
 
     with (mock.patch.object(torch, "save", save) if ctx.rank == 0 else nullcontext(),
           mock.patch.object(dist, "barrier", barrier) if ctx.rank == 0 else nullcontext(),
+          mock.patch.object(dist, "monitored_barrier", monitored) if ctx.rank == 0
+          else nullcontext(),
           mock.patch.object(signal, "signal", install)):  # fmt: skip
         yield
 
@@ -182,8 +196,8 @@ def _judge_saves(records: list[Record], stop: int) -> str | None:
     if writers != [0]:
         return (f"no snapshot of step {stop}: rank 0 must save (save_snapshot) before the "
                 "ranks exit, or the work since the last snapshot is lost")  # fmt: skip
-    saved = [s["step"] for s in reports[0]["saves"]]
-    if len(saved) > 1:
+    saved = [s["step"] for s in reports[0]["saves"] if s["step"] >= PREEMPT_AT]  # periodic
+    if len(saved) > 1:  # saves before the signal are no mistake (helper 162)
         unset = " - set status = PREEMPTED before the break: the epoch loop ends on it" if all(
             rep["status"] != PREEMPTED for rep in reports) else ""  # fmt: skip
         return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
@@ -288,7 +302,7 @@ ERRORS = (  # matched against each failing rank's error and the line of the file
 # an async all_reduce of the flag never waited on: a hang when the read comes first, a pass by
 # luck when the sum arrived in time (a fresh CI clone passed it once; a busy host hangs it)
 UNWAITED = (
-    r"(?s)\A(?!.*\.wait\().*async_op\s*=\s*True",
+    r"(?s)\A(?!.*(?:\.wait|\bwait_all)\().*async_op\s*=\s*True",  # helper 162: wait_all
     "a collective ran with async_op=True and was never waited on - the flag's all_reduce: "
     "flag.item() may read it before the sum arrives, and the ranks then disagree on stopping; "
     "the barrier: it holds no rank back, and one may exit while rank 0 still writes - call "
@@ -303,14 +317,28 @@ SLEPT = (
     "rank",
 )
 
+# the save under an `if` that reads LOCAL_RANK, itself or through a name set from it (helper 117);
+# not a local_rank read for a print beside a save under the global rank (helper 162)
+_UNDER = (
+    r"[^\n]*:[ \t]*(?:[^\n]*save_snapshot\(|\n(?:(?P=i) +[^\n]*\n|[ \t]*\n)*?(?P=i) +"
+    r"[^\n]*save_snapshot\()"
+)
+LOCAL_GUARDS = (
+    rf"(?m)^(?P<i> *)if\b[^\n]*(?:LOCAL_RANK|\blocal_rank\b){_UNDER}",
+    rf"(?ms)\b(?P<v>\w+)\s*=[^\n]*LOCAL_RANK.*^(?P<i> *)if\b[^\n]*\b(?P=v)\b{_UNDER}",
+)
+LOCAL_SAVER = (
+    "the snapshot is saved where LOCAL_RANK is 0: on several nodes each node's local "
+    "rank 0 writes the same file - global rank 0 saves (`rank == 0`, "
+    'dist.get_rank()) (lesson 10, "Who writes checkpoints: global rank 0, not local '
+    'rank 0")'
+)
+
 EXERCISES = [
     Exercise(
         name="08_preempt_save_exit", lesson="08", kind="script", run=run_preempt,
         # LOCAL_RANK read before the save (in the if, or through a variable: helper 117)
-        hidden=((r"(?s)(?:LOCAL_RANK|local_rank).*save_snapshot\(", "the snapshot is saved "
-                 "where LOCAL_RANK is 0: on several nodes each node's local rank 0 writes the same "
-                 "file - global rank 0 saves (`rank == 0`, dist.get_rank()) (lesson 10, \"Who "
-                 "writes checkpoints: global rank 0, not local rank 0\")"),
+        hidden=(*((g, LOCAL_SAVER) for g in LOCAL_GUARDS),
                 (r"broadcast\([^)\n]*src\s*=\s*(?:args\.preempt_rank|1\b)", "the flag is "
                  "broadcast from the rank this check signals: on a cluster any rank can get the "
                  "SIGTERM first, or only some of them - all_reduce the flag with op=MAX, so "
