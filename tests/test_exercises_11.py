@@ -50,6 +50,15 @@ CASES = register([
     Case(EX, "then-returns-the-list", "returned f.value(), a list [tensor]",
          edits=(("    future = work.get_future().then(decompress)\n",
                  "    future = work.get_future().then(lambda f: f.value())\n"),)),
+    # helper 162: told "float16 rounding" (the step was 1/1024), and "not updated" (unscale_
+    # after the step)
+    Case(AMP, "scaled-loss-not-kept", "backward ran on the unscaled loss",
+         edits=(("            to_backward = scaler.scale(loss)  # fp16: small gradients stay "
+                 "above 0\n", "            scaler.scale(loss)\n"),)),
+    Case(AMP, "unscale-after-the-step", "ran after a scaler.step(optimizer)",
+         edits=(("    scaler.update()  # after a skip: the scale halves\n",
+                 "    scaler.unscale_(optimizer)\n"
+                 "    scaler.update()  # after a skip: the scale halves\n"),)),
     # torch's own hook called from the learner's: it passed (the exercise is writing it)
     Case(EX, "torchs-own-hook-called", "torch's own hook did the work",
          edits=(("import torch.distributed as dist\n", "import torch.distributed as dist\n"

@@ -278,6 +278,10 @@ def _judge_step(rec: Record) -> str | None:
         return (f"the step was {rec['ratio']:.2g} times float32's on the global batch: the loss "
                 "was divided once too often - by accum only (DDP averages over the ranks "
                 "already: not by the world size too)")  # fmt: skip
+    if abs(rec["ratio"] * AMP_SCALE - 1) < 0.1:  # helper 162: scaler.scale(loss) not kept
+        return (f"the step was 1/{AMP_SCALE:g} of float32's on the global batch: backward ran on "
+                "the unscaled loss, and scaler.step divided the gradients by the scale all the "
+                "same - backward on the scaled loss: to_backward = scaler.scale(loss)")  # fmt: skip
     if rec["gap"] > AMP_TOL:
         return (f"the step differs from float32's on the global batch by {rec['gap']:.2g} of "
                 f"its largest element (float16 rounding stays below {AMP_TOL:g})")  # fmt: skip
@@ -325,9 +329,10 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
      "once, after the last micro-batch's scaler.scale(loss).backward()"),
     ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
      "without scaler.update() between: call scaler.update() after every scaler.step"),
-    ("unscale_() is being called after step()", "this rank's scaler was not updated after "
-     "its last scaler.step(optimizer): every step, on every rank, scaler.step(optimizer), then "
-     "scaler.update() - update() before step(), or on rank 0 only, leaves the step unfinished"),
+    ("unscale_() is being called after step()", "scaler.unscale_(optimizer) ran after a "
+     "scaler.step(optimizer) with no scaler.update() between: unscale_ comes before the step "
+     "(before clipping), and after every step comes scaler.update(), on every rank - "
+     "update() before step(), or on rank 0 only, leaves the step unfinished"),
     ("unscale_() has already been called on this optimizer since the last update()",
      "scaler.unscale_(optimizer) twice in one step, or a step without scaler.update(): call "
      "unscale_ once, before clipping, and scaler.update() after every scaler.step"),

@@ -10,8 +10,8 @@ float16, compared with float32 on the global batch, then one of 2 micro-batches 
 with an inf in one rank's gradient: every rank must skip that step and halve its scale; then
 one of 3 in bfloat16, taken and compared with float32's.
 The scaler it hands you is enabled in both dtypes: go through it always (a scaler disabled
-for bfloat16, as the template makes it, passes the same calls through and skips nothing). DDP's
-all_reduces are counted in both.
+for bfloat16, as the template scripts/train.py makes it, passes the same calls through and
+skips nothing). DDP's all_reduces are counted in both.
 
 Check it:
 
@@ -45,7 +45,7 @@ def amp_step(
                 loss = nn.functional.cross_entropy(model(x), y) / accum
             to_backward = loss
             # YOUR CODE: what backward() must run on, with a GradScaler
-            # (the scaler scales it itself: lesson 11's snippet)
+            # (to_backward = the loss as the scaler scales it: lesson 11's snippet)
             # END YOUR CODE
             to_backward.backward()
         total += loss.item()
