@@ -44,16 +44,20 @@ CASES = register([
     # helper 147: padding trimmed by value only at the end passed (no tensor ended in it)
     Case(GATHER, "trailing-zeros-stripped", "lost its 0s",
          edits=((TRIM, "    result = [g[: int(g.nonzero().max()) + 1] for g in gathered]\n"),)),
+    # lesson 01's "nccl takes CUDA tensors only", which the reference answers broke too
+    Case(GATHER, "lengths-made-on-the-cpu", "a tensor made without device= goes to a collective",
+         edits=(("torch.tensor([tensor.shape[0]], device=tensor.device)",
+                 "torch.tensor([tensor.shape[0]])"),)),
     Case(GATHER, "trailing-minus-ones-stripped", "gather every rank's length first",
-         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),
                 (TRIM, "    result = [g[: int((g != -1).nonzero().max()) + 1] for g in gathered]\n"))),  # noqa: E501
     Case(GATHER, "right-values-and-a-mask-in-one-block", None,  # helper 147: "sent 6 values"
          text="import torch\nimport torch.distributed as dist\n\n\ndef gather_uneven(tensor):\n"
               "    world = dist.get_world_size()\n    # YOUR CODE\n"
-              "    longest = torch.tensor([tensor.numel()])\n"
+              "    longest = torch.tensor([tensor.numel()], device=tensor.device)\n"
               "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"
-              "    block = torch.zeros(2, int(longest), dtype=tensor.dtype)\n"
+              "    block = torch.zeros(2, int(longest), dtype=tensor.dtype, device=tensor.device)\n"
               "    block[0, : tensor.numel()] = tensor\n"
               "    block[1, : tensor.numel()] = 1  # a mask: which slots are real\n"
               "    blocks = [torch.empty_like(block) for _ in range(world)]\n"
@@ -94,7 +98,7 @@ CASES = register([
                 ("        total += recv_buf\n",
                  "        total += recv_buf\n        total /= world\n"))),
     Case(GATHER, "float-padding", "came back as float32",
-         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "padded = torch.zeros(longest)"),)),
     Case(RING, "left-neighbour-negative", "is not a rank",
          edits=(("src=(rank - 1) % world", "src=rank - 1"),)),
@@ -139,10 +143,10 @@ CASES = register([
     Case(RING, "chunked-by-the-world-size", "",
          edits=((RING_LOOP, CHUNKED),)),
     Case(GATHER, "padding-buffer-of-int64-always", "padding buffer with the input's dtype",
-         edits=(("torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "torch.zeros(longest, dtype=torch.long)"),)),
     Case(GATHER, "padded-with-minus-one-trimmed-by-value", "trim by the lengths gathered",
-         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),
                 (TRIM, "    result = [g[g != -1] for g in gathered]\n"))),
     Case(GATHER, "rank-0s-length-for-all", "",
@@ -195,20 +199,22 @@ CASES = register([
                  "    lengths = [torch.tensor(n) for n in lengths]\n"),)),
     # from a twenty-fifth-session review: a fixed padding passed while every tensor fitted
     Case(GATHER, "padded-to-a-fixed-64", "pad to the longest length gathered",
-         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "padded = torch.zeros(64, dtype=tensor.dtype)"),)),
     Case(GATHER, "flat-buffer-padded-to-a-fixed-64", "not to a fixed size",
-         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype)",
+         edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "longest = 64\n    padded = torch.zeros(longest, dtype=tensor.dtype)"),
                 ("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
                  "    dist.all_gather(gathered, padded)\n",
-                 "    flat = torch.empty(world * longest, dtype=tensor.dtype)\n"
+                 "    flat = torch.empty(world * longest, dtype=tensor.dtype,\n"
+                 "                       device=tensor.device)\n"
                  "    dist.all_gather_into_tensor(flat, padded)\n"
                  "    gathered = list(flat.split(longest))\n"),)),
     Case(GATHER, "all-gather-into-tensor", None,  # right: one collective, one flat buffer
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
                  "    dist.all_gather(gathered, padded)\n",
-                 "    flat = torch.empty(world * longest, dtype=tensor.dtype)\n"
+                 "    flat = torch.empty(world * longest, dtype=tensor.dtype,\n"
+                 "                       device=tensor.device)\n"
                  "    dist.all_gather_into_tensor(flat, padded)\n"
                  "    gathered = list(flat.split(longest))\n"),)),
     # helper 129: a right answer failed ("a fixed size"), three wrong rings got the generic
@@ -217,9 +223,9 @@ CASES = register([
         "import torch\nimport torch.distributed as dist\n\n\n"
         "def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:\n"
         "    world = dist.get_world_size()\n"
-        "    longest = torch.tensor(tensor.numel())\n"
+        "    longest = torch.tensor(tensor.numel(), device=tensor.device)\n"
         "    dist.all_reduce(longest, op=dist.ReduceOp.MAX)\n"
-        "    padded = torch.zeros(int(longest) + 1, dtype=tensor.dtype)\n"
+        "    padded = torch.zeros(int(longest) + 1, dtype=tensor.dtype, device=tensor.device)\n"
         "    padded[0] = tensor.numel()  # the length travels with the data\n"
         "    padded[1 : tensor.numel() + 1] = tensor\n"
         "    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
@@ -238,3 +244,29 @@ CASES = register([
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_wrong_collectives_are_named(case, exercise_verdicts):
     assert_verdict(case, exercise_verdicts)
+
+
+def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
+    """Lesson 01's "nccl takes CUDA tensors only", as the checks read a passing answer: a tensor
+    made without device= that a collective later takes, not one made with it (on one line or
+    spread over three, as a formatter writes it), nor one no collective takes."""
+    import re
+
+    from ddp_tutorial.exercises.core import MADE_ON_THE_CPU, find
+
+    pattern = MADE_ON_THE_CPU[0]
+    wrong = [
+        "    n = torch.tensor([3])\n    dist.all_gather(out, n)\n",
+        "    buf = torch.zeros(total)\n    x = 1\n    dist.all_reduce(buf)\n",
+    ]
+    right = ["    n = torch.tensor([3], device=t.device)\n    dist.all_gather(out, n)\n",
+             "    n = torch.tensor(\n        [3],\n        device=t.device,\n    )\n"
+             "    dist.all_gather(out, n)\n",
+             "    n = torch.tensor([3])\n    print(n)\n"]  # fmt: skip
+    assert all(re.search(pattern, text) for text in wrong)
+    assert not any(re.search(pattern, text) for text in right)
+    (gather,) = find("01_gather_uneven")
+    (snapshot,) = find("05_atomic_snapshot")  # a function that gets no tensor to place its own
+    assert MADE_ON_THE_CPU in gather.tried_on_a_pass
+    assert MADE_ON_THE_CPU not in find("09_find_the_hang")[0].tried_on_a_pass  # a gloo script
+    assert snapshot.kind == "functions"

@@ -17,6 +17,7 @@ PADDED = (
 ALL_REDUCE = "    dist.all_reduce(sums)  # every rank: the totals, each sample counted once\n"
 REDUCE_COUNTS = "dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not"
 SCORE = "score = per_class.mean().item()"
+COUNTS = "counts = torch.zeros(3, num_classes, dtype=torch.float64, device=pred.device)"
 F1_FROM_ADDED = (
     REDUCE_COUNTS + "\n    tp, fp, fn = counts\n    per_class = 2 * tp / (2 * tp "
     "+ fp + fn).clamp(min=1)  # 0 for a class nobody has\n    " + SCORE
@@ -34,12 +35,14 @@ def exact_accuracy(model, dataset, batch_size=4):
     world = dist.get_world_size()
     # YOUR CODE
     sampler = DistributedSampler(dataset, shuffle=False)
-    index = torch.tensor(list(sampler))
+    device = next(model.parameters()).device
+    index = torch.tensor(list(sampler), device=device)
     model.eval()
     with torch.no_grad():
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
         ok = torch.cat([(model(x).argmax(dim=1) == y).long() for x, y in loader])
-    parts = [torch.empty(2, len(index), dtype=torch.int64) for _ in range(world)]
+    parts = [torch.empty(2, len(index), dtype=torch.int64, device=device)
+             for _ in range(world)]
     dist.all_gather(parts, torch.stack([index, ok]))
     first = {int(i): int(k) for i, k in torch.cat(parts, dim=1).T}
     # END YOUR CODE
@@ -83,7 +86,7 @@ CASES = register(
                      "    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)  # 0 for a class nobody has\n"  # noqa: E501
                      "    score = per_class.mean().item()\n",
                      "    dist.reduce(counts, dst=0)\n"
-                     "    out = torch.zeros(1, dtype=torch.float64)\n"
+                     "    out = torch.zeros(1, dtype=torch.float64, device=pred.device)\n"
                      "    if dist.get_rank() == 0:\n"
                      "        tp, fp, fn = counts\n"
                      "        out[0] = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean()\n"
@@ -97,7 +100,7 @@ CASES = register(
              edits=(("    dist.all_reduce(counts)  #", "    dist.all_reduce(counts[0])  #"),)),
         # helper 139: a confusion matrix from a bincount without minlength (torch's raw error)
         Case(F1, "bincount-without-minlength", "torch.bincount(..., minlength=k * k)",
-             edits=(("    counts = torch.zeros(3, num_classes, dtype=torch.float64)\n"
+             edits=(("    " + COUNTS + "\n"
                      "    for c in range(num_classes):\n"
                      "        counts[0, c] = ((pred == c) & (target == c)).sum()  # TP\n"
                      "        counts[1, c] = ((pred == c) & (target != c)).sum()  # FP\n"
@@ -156,7 +159,7 @@ CASES = register(
         Case(F1, "reduce-not-all-reduce", "dist.reduce leaves",
              edits=((REDUCE_COUNTS, "dist.reduce(counts, dst=0)"),)),
         Case(F1, "averaged-integer-counts", "with the default SUM",
-             edits=(("dtype=torch.float64)", "dtype=torch.int64)"),
+             edits=(("dtype=torch.float64, device=pred.device)", "dtype=torch.int64)"),
                     (REDUCE_COUNTS, "dist.all_reduce(counts, op=dist.ReduceOp.AVG)"))),
         Case(F1, "score-on-rank-0-only", "every rank must compute it",
              edits=((SCORE, "if dist.get_rank() == 0:\n        " + SCORE),)),
@@ -177,8 +180,8 @@ CASES = register(
              edits=(("    dist.all_reduce(sums)",
                      "    work = dist.all_reduce(sums, async_op=True)"),)),
         Case(F1, "int64-counts", None,  # right: float32 F1s from integer counts
-             edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
-                     "counts = torch.zeros(3, num_classes, dtype=torch.int64)"),)),
+             edits=((COUNTS,
+                     COUNTS.replace("float64", "int64")),)),
         Case(F1, "classes-nobody-has-left-out", "the mean over the classes that occur",
              edits=(("score = per_class.mean().item()",
                      "score = per_class[(2 * tp + fp + fn) > 0].mean().item()"),)),
@@ -201,7 +204,7 @@ CASES = register(
                      "    dist.reduce(sums, dst=0)\n    dist.broadcast(sums, src=0)\n"),)),
         Case(ACC, "all-gather-into-tensor", None,
              edits=((ALL_REDUCE,
-                     "    out = torch.empty(world * 2, dtype=sums.dtype)\n"
+                     "    out = torch.empty(world * 2, dtype=sums.dtype, device=sums.device)\n"
                      "    dist.all_gather_into_tensor(out, sums)\n"
                      "    sums = out.view(world, 2).sum(0)\n"),)),
         Case(ACC, "broadcast-only", "it adds nothing",
@@ -233,7 +236,7 @@ CASES = register(
         Case(F1, "last-class-left-out", "the loop must go over range(num_classes)",
              edits=(("    for c in range(num_classes):", "    for c in range(num_classes - 1):"),)),
         Case(F1, "counts-for-the-classes-seen", "only the classes a rank saw",
-             edits=(("counts = torch.zeros(3, num_classes, dtype=torch.float64)",
+             edits=((COUNTS,
                      "seen = int(max(pred.max(), target.max())) + 1  # the classes this rank saw\n"
                      "    counts = torch.zeros(3, seen, dtype=torch.float64)"),
                     ("    for c in range(num_classes):", "    for c in range(seen):"))),
@@ -248,11 +251,11 @@ CASES = register(
                      "    per_class = torch.where(denom > 0, 2 * tp / denom.clamp(min=1), 1.0)"),)),
         # helper 156: passed while the last class occurred in the data
         Case(F1, "classes-counted-from-the-data", "not the ones the data shows",
-             edits=(("    counts = torch.zeros(3, num_classes, dtype=torch.float64)\n",
+             edits=(("    " + COUNTS + "\n",
                      "    seen = torch.tensor(int(max(pred.max(), target.max())) + 1)\n"
                      "    dist.all_reduce(seen, op=dist.ReduceOp.MAX)\n"
                      "    num_classes = int(seen)\n"
-                     "    counts = torch.zeros(3, num_classes, dtype=torch.float64)\n"),)),
+                     "    " + COUNTS + "\n"),)),
     ]
 )  # fmt: skip
 

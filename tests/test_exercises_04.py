@@ -38,7 +38,7 @@ NO_SYNC = (
     "        with model.no_sync():  # forward and backward in here: the gradients add up, unsent\n"
 )
 COUNT = (
-    "    count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
+    "    count = torch.tensor(float(sum(len(y) for _, y in micro_batches)), device=device)\n"
     "    dist.all_reduce(count)  # the step's samples over every rank, before the forwards\n"
 )
 
@@ -137,7 +137,8 @@ CASES = register(
         Case(BUFFERS, "gathered-into-one-tensor-then-averaged", None,
              edits=(("    dist.all_reduce(flat)  # SUM over the ranks: one collective for every "
                      "layer\n    flat /= world\n",
-                     "    parts = torch.empty(world * flat.numel(), dtype=flat.dtype)\n"
+                     "    parts = torch.empty(world * flat.numel(), dtype=flat.dtype,\n"
+                     "                        device=flat.device)\n"
                      "    dist.all_gather_into_tensor(parts, flat)\n"
                      "    flat = parts.view(world, -1).mean(0)\n"),)),
         Case(BUFFERS, "state-dict-averaged-parameters-too", "the parameters too",
@@ -259,13 +260,17 @@ CASES = register(
                      "async_op=True)\n"),
                     ("        b.copy_(piece.view_as(b))  # back into the model's own tensor, in "
                      "place\n", "        b.copy_(piece.view_as(b) / world)\n    work.wait()\n"))),
+        Case(ACCUM, "count-made-on-the-cpu", "a tensor made without device= goes to a",
+             edits=((", device=device)\n    dist.all_reduce(count)",
+                     ")\n    dist.all_reduce(count)"),)),
         Case(ACCUM, "integer-count-averaged", "an integer count divided in place",
-             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))\n"
-                     "    dist.all_reduce(count)",
+             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)), "
+                     "device=device)\n    dist.all_reduce(count)",
                      "count = torch.tensor(sum(len(y) for _, y in micro_batches))\n"
                      "    dist.all_reduce(count, op=dist.ReduceOp.AVG)"),)),
         Case(ACCUM, "count-from-the-first-micro-batch", "a count of 30 where the step has 24",
-             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))",
+             edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)), "
+                     "device=device)",
                      "count = torch.tensor(float(len(micro_batches)\n"
                      "                                * len(micro_batches[0][1])))"),)),
     ]

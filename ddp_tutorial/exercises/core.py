@@ -42,6 +42,18 @@ def divided_by(n: int) -> str:
 # a division by 2, the checks' number of ranks, where the world size belongs
 DIVIDED_BY_2 = divided_by(2)
 
+# a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
+# checks' backend; under nccl "No backend type associated with device type cpu" (lesson 01)
+MADE_ON_THE_CPU = (
+    r"(?ms)^[ \t]*(?P<v>[\w.]+)\s*=\s*torch\.(?:zeros|empty|ones|full|tensor|arange)\("
+    r"(?![^\n]*device|[^\n]*\n[^\n]*device|[^\n]*\n[^\n]*\n[^\n]*device)"  # a call on 3 lines
+    r"[^\n]*\n.*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
+    "a tensor made without device= goes to a collective: right with gloo, this check's "
+    "backend, but under nccl (GPUs) a collective takes CUDA tensors only - 'No backend type "
+    "associated with device type cpu' on the first GPU run - make it on the device of the "
+    'tensors it meets (device=x.device) (lesson 01, "Backends: gloo and nccl")',
+)
+
 Record = dict[str, Any]
 # rank side: (the learner's module, this rank's context) -> what the judge reads
 RunFn = Callable[[ModuleType, "Context"], Record]
@@ -97,6 +109,12 @@ class Exercise:
     # (a regex over the code of the learner's blocks, the mistake): named when the ranks hang,
     # instead of the hang's general causes (05: the snapshot loaded under `if rank == 0`)
     when_hung: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tried_on_a_pass(self) -> tuple[tuple[str, str], ...]:
+        """``hidden``, and for the functions the check hands tensors to (which a GPU job holds
+        on its GPU): a tensor of the learner's made on the CPU for a collective."""
+        return (*self.hidden, *((MADE_ON_THE_CPU,) if self.kind == "functions" else ()))
 
     @property
     def stub(self) -> Path:

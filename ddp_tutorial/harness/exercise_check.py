@@ -207,7 +207,7 @@ def by_luck(ex: Exercise, path: Path) -> str | None:
     if found:
         return ex.hint(f"right on this check's model only: your file, line {found[0].line}: "
                        f"{found[0].message}")  # fmt: skip
-    for pattern, mistake in ex.hidden:
+    for pattern, mistake in ex.tried_on_a_pass:
         if re.search(pattern, _your_lines(ex, text)):
             said = "" if mistake.startswith("passed, but") else "right in this check's run only: "
             return ex.hint(said + mistake)

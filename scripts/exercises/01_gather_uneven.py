@@ -7,6 +7,10 @@ tensor, in rank order, on every rank, each with its own length, in the dtype it 
 tensors through ``dist.all_gather`` (not ``all_gather_object``: it pickles on the CPU; a few
 lengths may go either way).
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks; rank 0 has 3 values, rank 1 has 4; int64, then floats):
 
     ddp-tutorial check 01

@@ -5,6 +5,10 @@ average yourself with ``dist.send``/``dist.recv`` (or ``dist.isend``/``dist.irec
 only between neighbours: rank r sends to (r + 1) % world_size and receives from
 (r - 1) % world_size. After world_size - 1 steps every rank must hold the same mean.
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (3 gloo ranks; the check calls your function on every rank):
 
     ddp-tutorial check 01

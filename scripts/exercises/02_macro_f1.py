@@ -7,6 +7,10 @@ count TP, FP and FN per class on this rank, add the counts of every rank with
 ``dist.all_reduce``, then compute F1 once from the totals (a class with 2·TP + FP + FN = 0
 scores 0). Every rank must return the F1 of the whole set.
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks; the check calls your function on every rank):
 
     ddp-tutorial check 02

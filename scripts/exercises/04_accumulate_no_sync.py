@@ -10,6 +10,10 @@ then trains another step than one process on all 24 samples. Write the step so t
 one process's on every sample of every rank (lesson 04, "Tokens, not samples"), with exactly
 one all_reduce of the gradients per step.
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks; the check counts DDP's all_reduces and yours, and compares the weights
 with one process trained on the global batch):
 

@@ -11,6 +11,10 @@ training template of lesson 06 does. ``stats`` below holds the statistics
 (``num_batches_tracked``, an integer counter that is the same everywhere, is left out). Every
 rank calls this function.
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks, each with its own images; the check reads every buffer on every rank
 and counts the collectives):
 

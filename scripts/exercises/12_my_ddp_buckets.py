@@ -11,6 +11,10 @@ layers' gradients are computed while the later ones travel. Nothing is waited on
 before ``optimizer.step()``: there each bucket is waited on, divided by the world size and
 copied back into its parameters' ``.grad``.
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks; 3 buckets for the check's MLP; your 4 SGD steps are compared with
 DistributedDataParallel's, your all_reduce calls and waits are recorded, and your step is
 timed against DDP's):

@@ -9,6 +9,10 @@ replica takes the same step. Write both, with no DDP: ``broadcast_parameters`` c
 ``p.grad`` holds this backward's gradient, and the hook replaces it with the mean over the
 ranks (``dist.all_reduce`` sums; then divide by the world size).
 
+A tensor you make for a collective goes on the device of the ones you are given
+(device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
+gloo and nccl"), and the check reads your lines for it.
+
 Check it (2 gloo ranks, each starting from its own random weights; your 4 SGD steps are
 compared with DistributedDataParallel's on the same data):
 

@@ -9,12 +9,12 @@ def gather_uneven(tensor: torch.Tensor) -> list[torch.Tensor]:
     world = dist.get_world_size()
     result = [tensor] * world  # yours to replace: every rank's tensor, in rank order
     # YOUR CODE: 1. all_gather every rank's length (one number each: the same shape everywhere)
-    length = torch.tensor([tensor.shape[0]])
+    length = torch.tensor([tensor.shape[0]], device=tensor.device)  # nccl: CUDA tensors only
     lengths = [torch.zeros_like(length) for _ in range(world)]
     dist.all_gather(lengths, length)
     #            2. pad yours to the longest, all_gather the padded tensors
     longest = int(max(lengths).item())
-    padded = torch.zeros(longest, dtype=tensor.dtype)
+    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
     padded[: tensor.shape[0]] = tensor
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)

@@ -13,7 +13,8 @@ def exact_accuracy(model: nn.Module, dataset: Dataset, batch_size: int = 4) -> t
     class with the largest output.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    sums = torch.zeros(2, dtype=torch.int64)  # [correct, count]
+    device = next(model.parameters()).device  # nccl: a collective's tensors on the GPU
+    sums = torch.zeros(2, dtype=torch.int64, device=device)  # [correct, count]
     # YOUR CODE: this rank's samples without padding, counted into `sums`, then every rank's sums
     # added up.
     shard = Subset(dataset, range(rank, len(dataset), world))  # r, r + N, ...: no padding

@@ -9,7 +9,7 @@ def macro_f1(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> floa
     score = 0.0
     # YOUR CODE: a [3, num_classes] tensor of this rank's TP, FP, FN per class; add it up over
     # the ranks; then score = the mean over classes of 2·TP / (2·TP + FP + FN).
-    counts = torch.zeros(3, num_classes, dtype=torch.float64)
+    counts = torch.zeros(3, num_classes, dtype=torch.float64, device=pred.device)
     for c in range(num_classes):
         counts[0, c] = ((pred == c) & (target == c)).sum()  # TP
         counts[1, c] = ((pred == c) & (target != c)).sum()  # FP

@@ -17,7 +17,8 @@ def accumulation_step(
     world = dist.get_world_size()
     optimizer.zero_grad(set_to_none=True)
     # YOUR CODE: forward and backward for every (x, y); all but the last inside model.no_sync().
-    count = torch.tensor(float(sum(len(y) for _, y in micro_batches)))
+    device = micro_batches[0][1].device  # nccl's collectives take tensors on the GPU only
+    count = torch.tensor(float(sum(len(y) for _, y in micro_batches)), device=device)
     dist.all_reduce(count)  # the step's samples over every rank, before the forwards
     for x, y in micro_batches[:-1]:
         with model.no_sync():  # forward and backward in here: the gradients add up, unsent
