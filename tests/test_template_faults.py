@@ -265,8 +265,10 @@ def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     save is due at 84 s (step 21); the timer restarts there, so 124 s is only 40 s later: no
     save at step 31 (a mutation review: with a clock that jumped 61 s at every reading, a
     timer that never restarted saved at every check and passed). Then the epoch's end, 32.
-    Without --checkpoint-dir nothing could be saved: no timed save at all."""
-    made, now = [], [0.0]
+    Without --checkpoint-dir nothing could be saved: no timed save at all. The clock starts far
+    from 0, as time.monotonic() does (helper 165: a timer started at 0, not at the clock's
+    reading, saved at step 1 of every real run and passed on a clock that started at 0)."""
+    made, now = [], [10_000.0]
 
     class Clocked(kit.StopCheck):
         def __init__(self, device, every=10, save_minutes=0.0, clock=None, within_s=0.0):
