@@ -257,6 +257,39 @@ def test_a_resume_refuses_another_optimizer_and_takes_a_new_weight_decay(
                f"{kit.snapshot_path(tmp_path, 4)}: the given state does not fit")  # fmt: skip
 
 
+def test_weights_gone_non_finite_under_a_finite_loss_are_never_scored(
+    template, kit, tmp_path, one_rank, monkeypatch, capsys
+):
+    """A weight turned inf by the epoch's last step (4), whose loss was computed before it: no
+    loss check can see it, and the periodic check comes at steps 1 and 11. The evaluation's
+    own check reads the weights, so the model is never scored nor kept as best.pt (helper 165:
+    with that check reading the loss alone, the suite passed; this test then finds best.pt)."""
+    real, steps = kit.build_optimizer, []
+
+    def poisoned(*args, **kwargs):
+        optimizer = real(*args, **kwargs)
+        step = optimizer.step
+
+        def stepped(*a, **k):
+            done = step(*a, **k)
+            steps.append(1)
+            if len(steps) == 4:  # after the step: that step's loss was finite
+                with torch.no_grad():
+                    optimizer.param_groups[0]["params"][0].fill_(math.inf)
+            return done
+
+        optimizer.step = stepped
+        return optimizer
+
+    monkeypatch.setattr(kit, "build_optimizer", poisoned)
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "16", "--epochs", "1",
+            "--checkpoint-dir", str(tmp_path)]  # 4 steps, then the evaluation  # fmt: skip
+    stops_with(template, argv, capsys, "DivergedError", "stopped being finite at step 4")
+    assert len(steps) == 4, "the weights went inf after the epoch's last step"
+    assert not (tmp_path / "best.pt").exists(), "a model with an inf weight was scored and kept"
+    assert not snapshot_steps(kit, tmp_path)
+
+
 def test_a_timed_save_on_a_controllable_clock_and_none_without_a_folder(
     template, kit, tmp_path, one_rank, monkeypatch
 ):
