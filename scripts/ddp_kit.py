@@ -147,16 +147,30 @@ def atomic_save(obj: Any, path: PathLike, check_plain: bool = True) -> Path:
             f"that torch.load(weights_only=True) can read it back), but {'; '.join(problems[:5])}"
             f". Save the object's state instead (e.g. vars(args), model.state_dict())."
         )
+
+    def save_into(f: Any) -> None:  # its callers' rank test guards it (one writer: rank 0)
+        sink = _Sink(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError as exc:  # the OS's own error names the cause
+            raise sink.error or exc from None
+
+    return _atomically(path, save_into)
+
+
+def atomic_write_text(path: PathLike, text: str) -> Path:
+    """:func:`atomic_save` for a small text file (best.json, failed.json): the same steps."""
+    return _atomically(Path(path), lambda f: f.write(text.encode()))
+
+
+def _atomically(path: Path, write: Any) -> Path:
+    """``write(file)`` into a temp file beside ``path``, fsync, rename, fsync of the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # never someone else's file
     try:
         with os.fdopen(fd, "wb") as f:
-            sink = _Sink(f)
-            try:
-                torch.save(obj, sink)
-            except RuntimeError as exc:  # the OS's own error names the cause
-                raise sink.error or exc from None
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)

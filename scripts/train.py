@@ -822,12 +822,7 @@ def described(record: dict[str, Any]) -> str:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Written aside, then renamed over ``path``: a crash leaves the old file or the new one."""
-    temp = kit.temp_path_for(path)
-    with open(temp, "w") as f:
-        f.write(json.dumps(data))
-        f.flush()
-        os.fsync(f.fileno())  # the bytes on the disk before the name points at them
-    os.replace(temp, path)
+    kit.atomic_write_text(path, json.dumps(data))  # fsyncs: the file's, then the folder's
 
 
 def stopped_for_good(exc: Exception, ckpt: Path | None, rank: int, step: int) -> None:

@@ -977,7 +977,7 @@ def test_scores_with_the_classes_last_are_read_there_and_others_named(kit):
         kit.local_sums(same, [(torch.zeros(2, 3, 5), y[:, :4])], cpu, loss_fn=flat, class_dim=-1)
 
 
-def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
+def test_the_atomic_saves_fsyncs_come_in_order(template, kit, tmp_path, monkeypatch):
     """The file's bytes reach the disk before the name points at them; the rename reaches
     it after (the folder's fsync)."""
     events = []
@@ -998,6 +998,11 @@ def test_the_atomic_saves_fsyncs_come_in_order(kit, tmp_path, monkeypatch):
     kinds = [kind for kind, _ in events]
     assert kinds == ["fsync", "replace", "fsync"], events
     assert events[0][1].endswith(".tmp") and events[2][1] == str(tmp_path), events
+    events.clear()  # the template's best.json and failed.json (helper 165: not watched)
+    template.write_json(tmp_path / "best.json", {"score": 0.5})
+    assert [kind for kind, _ in events] == ["fsync", "replace", "fsync"], events
+    assert events[0][1].endswith(".tmp") and events[2][1] == str(tmp_path), events
+    assert json.loads((tmp_path / "best.json").read_text()) == {"score": 0.5}
 
 
 def test_each_rank_opens_its_share_of_the_image_headers(kit, tmp_path, monkeypatch):
