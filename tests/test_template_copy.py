@@ -109,11 +109,14 @@ def test_a_rank_exits_75_after_a_real_sigterm_and_a_real_sigusr1(tmp_path):
         assert sent and procs[sig].returncode == 75, (sig, procs[sig].returncode, out[-3000:])
         saved = re.search(rf"{sig.name}: saved step (\d+), exit 75", out)
         assert saved and (tmp_path / sig.name / f"snapshot-{int(saved[1]):09d}.pt").is_file(), out
-        # the evaluation due at the stop step (--eval-every 10; a stop is checked before it)
-        # must not run before the snapshot; which step that is depends on when the signal
-        # lands (about 50 steps/s here: on a busy host, after step 10's evaluation)
-        evaluated = re.search(rf"step {saved[1]}, loss [^\n]*val accuracy", out)
-        assert not evaluated, "an evaluation ran inside the grace period, first"
+        # the stop comes at the ranks' next agreement after the signal: 10 or 20 (an
+        # evaluation's own check) on most runs, 11 or 21 (the every-10 check), or sooner on a
+        # host so busy that step 1 took seconds. Where an evaluation is due, it must not run
+        # before the snapshot; elsewhere nothing is (helper 165: the assert read nothing then;
+        # test_template_faults' signal before a due evaluation holds it on every run)
+        stop = int(saved[1])
+        evaluated = re.search(rf"step {stop}, loss [^\n]*val accuracy", out)
+        assert not (stop % 10 == 0 and evaluated), "an evaluation ran inside the grace period"
 
 
 @pytest.mark.torchrun
