@@ -71,6 +71,17 @@ CASES = register(
                                                  "    sums[1] = len(dataset)\n"))),
         Case(ACC, "counts-divided-by-the-world-size", "divided by the world size after",
              edits=((ALL_REDUCE, "    dist.all_reduce(sums)\n    sums //= world\n"),)),
+        # helper 164: the ranks' accuracies averaged, rounded back to a count, passed (6.97
+        # rounds to 7); the check's 2 ranks written as `% 2` passed
+        Case(ACC, "mean-of-the-ranks-accuracies", "the ranks' accuracies averaged",
+             edits=((ALL_REDUCE,
+                     "    acc = torch.tensor([float(sums[0]) / float(sums[1])], "
+                     "dtype=torch.float64, device=device)\n"
+                     "    dist.all_reduce(acc, op=dist.ReduceOp.AVG)\n"
+                     "    sums[0], sums[1] = round(acc.item() * len(dataset)), len(dataset)\n"),)),
+        Case(ACC, "ranks-written-as-modulo-2", "the number of ranks is written as 2",
+             edits=((SPLIT, "shard = Subset(dataset, [i for i in range(len(dataset)) "
+                            "if i % 2 == rank])"),)),
         Case(ACC, "averaged-integer-counts", "with the default SUM",
              edits=(("dist.all_reduce(sums)", "dist.all_reduce(sums, op=dist.ReduceOp.AVG)"),)),
         # helper 109: the stub's hints, model.eval() and torch.no_grad(), never checked

@@ -11,6 +11,10 @@ BLOCK = (
     "    rest += (rest * padding)[:padding]\n    mine = rest[rank::world_size]\n"
 )
 CASES = register([
+    # helper 164: the check's 3 ranks written in passed
+    Case(EX, "three-ranks-written-in", "the number of ranks is written as 3",
+         edits=(("    padding = -len(rest) % world_size\n", "    padding = -len(rest) % 3\n"),
+                ("    mine = rest[rank::world_size]\n", "    mine = rest[rank::3]\n"))),
     Case(EX, "starts-over", "dealt out again",
          edits=(("    rest = order[consumed:]\n", "    rest = order\n"),)),
     Case(EX, "skips-own-shard", "skipped consumed // world_size of its own shard",

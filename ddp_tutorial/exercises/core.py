@@ -42,6 +42,16 @@ def divided_by(n: int) -> str:
 # a division by 2, the checks' number of ranks, where the world size belongs
 DIVIDED_BY_2 = divided_by(2)
 
+
+def ranks_written_as(n: int) -> str:
+    """A regex of the check's number of ranks written where the world size belongs: a stride
+    (``range(r, len, n)``, ``[r::n]``, ``i % n == rank``), ``num_replicas=n``, ``world = n``."""
+    return (
+        rf"range\(.*,\s*{n}\s*\)|::\s*{n}\s*\]|%\s*{n}\b(?!\.)|num_replicas\s*=\s*{n}\b|"
+        rf"\bworld(?:_size)?\s*=\s*{n}\b"
+    )
+
+
 # a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
 # checks' backend; under nccl "No backend type associated with device type cpu" (lesson 01)
 MADE_ON_THE_CPU = (

@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record, ranks_written_as
 
 # (what happened, num_samples, seed, epoch, consumed)
 SCENARIOS = (
@@ -222,6 +222,9 @@ def judge_rest(records: list[Record]) -> str | None:
 EXERCISES = [
     Exercise(
         name="10_resume_new_world", lesson="10", run=run_rest, judge=judge_rest, nproc=3,
+        hidden=((ranks_written_as(3), "the number of ranks is written as 3, this check's "  # h. 164
+                 "(the new world): the job resumed on 2 or 8 would deal the rest wrongly - use "
+                 "dist.get_world_size()"),),
         title="the rest of an interrupted epoch, dealt out to a new number of ranks",
         teaches='lesson 10, "Resuming on another number of ranks"',
         proves=(
