@@ -275,3 +275,28 @@ CASES = register(
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_wrong_answers_are_named(case, exercise_verdicts):
     assert_verdict(case, exercise_verdicts)
+
+
+def test_the_ranks_written_as_the_checks_number_are_told_apart():
+    """The check runs 2 ranks (lesson 10's, 3): that number written for the world size passes
+    its runs; each way of writing it is named, not a 2 that means something else."""
+    import re
+
+    from ddp_tutorial.exercises.core import ranks_written_as
+
+    pattern = ranks_written_as(2)
+    wrong = [
+        "range(rank, len(dataset), 2)",
+        "order[rank::2]",
+        "if i % 2 == rank",
+        "DistributedSampler(ds, num_replicas=2)",
+        "world = 2",
+        "world_size=2",
+    ]
+    right = ["range(rank, len(dataset), world)", "x.view(2, -1)", "torch.zeros(2)",
+             "round(acc, 2)", "x % 2.5", "batch_size=2"]  # fmt: skip
+    assert all(re.search(pattern, text) for text in wrong)
+    assert not any(re.search(pattern, text) for text in right)
+    assert re.search(ranks_written_as(3), "rest[rank::3]") and not re.search(
+        ranks_written_as(3), "rest[rank::world_size]"
+    )
