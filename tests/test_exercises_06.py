@@ -63,6 +63,18 @@ CASES = register([
     Case(EX, "scaled-clip-scaled-norm-returned", "the norm to log is the true one",
          edits=(("    scaler.unscale_(optimizer)\n", ""),
                 (CLIP, "clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())"))),
+    # helper 164: told "the weights differ", "the norm was summed", "call scheduler.step()"
+    Case(EX, "clip-before-unscale-norm-divided", "clip_grad_norm_ ran before scaler.unscale_",
+         edits=(("    scaler.unscale_(optimizer)\n", ""),
+                ("    scaler.step(optimizer)\n", "    scaler.unscale_(optimizer)\n"
+                 "    norm = norm / scaler.get_scale()\n    scaler.step(optimizer)\n"))),
+    Case(EX, "loss-times-the-world-size", "with no collective of yours",
+         edits=(("cross_entropy(model(x), y) / k", "cross_entropy(model(x), y) * "
+                 "dist.get_world_size() / k"),)),
+    Case(EX, "lr-times-the-world-size-after-the-schedule", "set param_groups' lr nowhere else",
+         edits=(("    scheduler.step()\n", "    scheduler.step()\n"
+                 "    for group in optimizer.param_groups:\n"
+                 "        group[\"lr\"] *= dist.get_world_size()\n"),)),
     Case(EX, "scheduler-before-the-step", "scheduler.step() ran before the optimizer's step",
          edits=(("    scheduler.step()\n", ""),
                 ("    scaler.step(optimizer)\n",

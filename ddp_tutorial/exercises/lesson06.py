@@ -26,6 +26,7 @@ from ddp_tutorial.exercises.lesson04 import EVERY, counted
 from ddp_tutorial.exercises.lesson11 import AMP_ERRORS
 from ddp_tutorial.exercises.noting import NotingScaler, NotingSchedule, noted, without
 from ddp_tutorial.exercises.spies import spying
+from ddp_tutorial.exercises.step_calls import call_order
 
 # the limit is not 1.0: the lesson's own line (max_norm=1.0) copied with the number in it
 # would pass unseen with the argument ignored
@@ -119,7 +120,7 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
         w = _flat(model.module)
         steps.append({
             "norm": float(norm), "want_norm": want[step]["norm"],
-            "lr": scheduler.get_last_lr()[0], "want_lr": want[step]["lr"],
+            "lr": optimizer.param_groups[0]["lr"], "want_lr": want[step]["lr"],  # h. 164
             "moved": not torch.equal(w, start),
             "gap": (w - want[step]["w"]).abs().max().item(),
             "gap_unclipped": (w - unclipped[step]["w"]).abs().max().item(),
@@ -130,13 +131,18 @@ def run_clip(module: ModuleType, ctx: Context) -> Record:
     return {"rank": ctx.rank, "steps": steps}
 
 
-def _returned_norm(norm: float, true: float, world: int) -> str | None:
+def _returned_norm(norm: float, true: float, world: int, own: bool = True) -> str | None:
     """train_step's norm against the true one: / world, x world, / k twice, some parameters."""
     said = f"train_step returned {norm:.4g}"
     if abs(norm * world - true) < 1e-4 * true:
         return (f"{said}, 1/{world} of the true gradient norm {true:.4g}: the loss was divided "
                 "by the world size - DDP averages the gradients over the ranks already; divide "
                 "each micro-batch's loss by k only "
+                '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
+    if world > 1 and abs(norm - world * true) < 1e-4 * true and not own:  # helper 164
+        return (f"{said}, {world} times the true gradient norm {true:.4g}, with no collective "
+                "of yours: the loss was multiplied by the world size (clipping hid it in the "
+                "weights) - DDP averages over the ranks already: each micro-batch's loss / k "
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if world > 1 and abs(norm - world * true) < 1e-4 * true:
         return (f"{said}, {world} times the true gradient norm {true:.4g}: the norm was summed "
@@ -174,7 +180,7 @@ def judge_clip(records: list[Record]) -> str | None:
                     "template's loop keeps it, lesson 11 times it)")  # fmt: skip
         if mistake := _accumulated(rows, step) or _rates(records, rows, step):
             return mistake
-        if mistake := _call_order(rows[0]["calls"], step):
+        if mistake := call_order(rows[0]["calls"], step):
             return mistake
         if mistake := _clip_arguments(rows[0].get("clips", []), len(records), step):
             return mistake
@@ -193,7 +199,8 @@ def judge_clip(records: list[Record]) -> str | None:
             return (f"the ranks' weights differ after step {step + 1}: every rank must take the "
                     "same step (clip, step and schedule on every rank) "
                     '(lesson 06, "Rank 0 alone: fine, slow, or wrong")')  # fmt: skip
-        if mistake := _returned_norm(norm, true, len(records)):
+        own = any(row.get("own") for row in rows)
+        if mistake := _returned_norm(norm, true, len(records), own):
             return mistake
         if rows[0]["gap"] > 1e-5:
             if rows[0]["gap_unclipped"] < 1e-5:
@@ -334,6 +341,12 @@ def _scaled_norm(norm: float, true: float, clips: list[list[float]],
             "before clipping, or the limit and the step are off by the scale (lesson 06, "
             '"Three things every real loop needs")'
         )
+    unscaled = [i for i, c in enumerate(calls) if c == "scaler.unscale_"]
+    if "clip" in calls and unscaled and calls.index("clip") < unscaled[0] and not scaled_limit:
+        return ("clip_grad_norm_ ran before scaler.unscale_(optimizer): it measured and "  # h. 164
+                "clipped the scaled gradients, at a limit off by the scale (a norm divided by "
+                "the scale afterwards does not undo the clip) - unscale_ first, then clip "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     return None
 
 
@@ -381,54 +394,11 @@ def _rates(records: list[Record], rows: list[Record], step: int) -> str | None:
         )
     if stuck:
         return (
-            f"after step {step + 1} the learning rate was {rows[0]['lr']:.4g}, not "
-            f"{want_lr:.4g}: call scheduler.step() once after each optimizer step "
+            f"after step {step + 1} the optimizer's learning rate was {rows[0]['lr']:.4g}, not "
+            f"{want_lr:.4g}: call scheduler.step() once after each optimizer step, and set "
+            "param_groups' lr nowhere else (the schedule holds the peak, scaled once) "
             '(lesson 06, "Three things every real loop needs")'
         )
-    return None
-
-
-def _call_order(calls: list[str], step: int) -> str | None:
-    """The mistakes no number shows on a CPU in float32: the step past the scaler, the
-    schedule advanced before the step it sets the rate for."""
-    if "scaler.scale" not in calls:
-        return (f"in step {step + 1} backward() ran on the loss itself: "
-                "scaler.scale(loss).backward() - with float16, small gradients round to 0 "
-                "without the scale (on this CPU in float32 no number shows it) "
-                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
-    if "scaler.step" not in calls:
-        return (f"in step {step + 1} the optimizer stepped past the scaler: "
-                "scaler.step(optimizer), not optimizer.step() - it skips a step whose "
-                "gradients hold an inf or nan (an fp16 overflow) "
-                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
-    last_backward = len(calls) - 1 - calls[::-1].index("scaler.scale")
-    if "zero_grad" in calls[calls.index("scaler.scale") : last_backward]:
-        return (f"in step {step + 1} the gradients were zeroed between micro-batches: "
-                "zero_grad() throws away what the earlier micro-batches accumulated - once a "
-                "step, before the first micro-batch or after the optimizer's step "
-                '(lesson 04, "`no_sync()`: gradient accumulation without wasted '
-                'all_reduces")')  # fmt: skip
-    if "clip" in calls and calls.index("scaler.scale") < calls.index("clip") < last_backward:
-        return (f"in step {step + 1} clip_grad_norm_ ran before the last micro-batch's "
-                "backward: the gradients were neither all there nor averaged over the ranks "
-                "yet - clip once, after the last backward (and scaler.unscale_ once, before it) "
-                "(lesson 06, \"Three things every real loop needs\")")  # fmt: skip
-    if "clip" in calls and calls.index("clip") < calls.index("scaler.scale"):
-        return (f"in step {step + 1} clip_grad_norm_ ran before backward(): the gradients it "
-                "clipped were not this step's yet - backward, scaler.unscale_(optimizer), then "
-                "clip (lesson 06, \"Three things every real loop needs\")")  # fmt: skip
-    if "scaler.update" not in calls:
-        return (
-            f"step {step + 1} never called scaler.update(): after scaler.step(optimizer), "
-            "every step - it halves the scale after an overflow and grows it back "
-            '(lesson 06, "Three things every real loop needs")'
-        )
-    ran = [c for c in calls if c in ("optimizer.step", "scheduler.step")]
-    if ran and ran[0] == "scheduler.step":
-        return (f"in step {step + 1} scheduler.step() ran before the optimizer's step, so the "
-                "step used the schedule's next rate: call scheduler.step() after "
-                "scaler.step(optimizer) "
-                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     return None
 
 
