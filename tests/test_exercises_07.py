@@ -8,10 +8,23 @@ from exercise_cases import BY_NAME, Case, assert_verdict, register
 
 TIMING = "07_honest_timing"
 REDUCE = "    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"
+APP = "            times.append(time.perf_counter() - start)\n"
+OWN_SYNC = "        if torch.cuda.is_available():\n            torch.cuda.synchronize()\n"
 
 CASES = register(
     [
         # helper 148: named as something else before
+        # helper 164: "the slowest rank's time" read as the slowest step; the lesson's own
+        # GPU-guarded synchronize on the check's device (told "call synchronize()")
+        Case(TIMING, "the-longest-step", "longest timed step, not its total",
+             edits=((APP, APP + "    times = [max(times)]\n"),)),
+        Case(TIMING, "the-longest-step-times-steps", "longest step x 5, not its total",
+             edits=((APP, APP + "    times = [max(times)] * steps\n"),)),
+        Case(TIMING, "own-cuda-synchronize-guarded", "a torch.cuda call of yours",
+             edits=(("        synchronize()  # start with nothing queued\n",
+                     OWN_SYNC),
+                    ("        synchronize()  # the step's work has run, not only been queued\n",
+                     OWN_SYNC))),
         Case(TIMING, "mean-of-gathered-times", "max() of the gathered times",
              edits=((REDUCE,
                      "    gathered = [torch.zeros_like(slowest) for _ in range(dist.get_world_size())]\n"  # noqa: E501

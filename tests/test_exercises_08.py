@@ -9,6 +9,13 @@ EX = "08_preempt_save_exit"
 HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))"
 SAVE = """                if rank == 0:
                     save_snapshot("""
+# a handler that saves on rank 0 (helper 117): it runs between any two bytecodes
+SAVING_HANDLER = (
+    "def on_term(signum, frame):\n        stop['signal'] = signum\n"
+    "        if rank == 0:\n"
+    '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
+    "    signal.signal(signal.SIGTERM, on_term)"
+)
 CASES = register([
     # helper 146: named, as lesson 05 names its barrier (it read "for a peer that never came")
     Case(EX, "barrier-under-rank-0", "dist.barrier() is under `if rank == 0`",
@@ -99,30 +106,15 @@ CASES = register([
                  "lambda signum, frame: print('SIGTERM: will stop soon'))"),)),
     # helper 117: the check signalled rank 1 alone, so a handler that saved on rank 0 passed
     Case(EX, "handler-saves-on-rank-0", "rank 0 saved inside the signal handler",
-         edits=((HANDLER,
-                 "def on_term(signum, frame):\n"
-                 "        stop['signal'] = signum\n"
-                 "        if rank == 0:\n"
-                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
-                 "    signal.signal(signal.SIGTERM, on_term)"),)),
+         edits=((HANDLER, SAVING_HANDLER),)),
     Case(EX, "handler-alone-saves-on-rank-0", "rank 0 saved inside the signal handler",
-         edits=((HANDLER,
-                 "def on_term(signum, frame):\n"
-                 "        stop['signal'] = signum\n"
-                 "        if rank == 0:\n"
-                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
-                 "    signal.signal(signal.SIGTERM, on_term)"),
+         edits=((HANDLER, SAVING_HANDLER),
                 (SAVE, "                if False:\n                    save_snapshot("))),
     # helper 162: rank 0's late SIGTERM came at dist.barrier only (a save in its handler passed
     # with monitored_barrier); an os._exit in the handler read "failed before your code ran";
     # three right answers failed or were told another mistake
     Case(EX, "handler-saves-monitored-barrier", "rank 0 saved inside the signal handler",
-         edits=((HANDLER,
-                 "def on_term(signum, frame):\n"
-                 "        stop['signal'] = signum\n"
-                 "        if rank == 0:\n"
-                 '            save_snapshot(out / "snapshot.pt", {"step": 0})\n\n'
-                 "    signal.signal(signal.SIGTERM, on_term)"),
+         edits=((HANDLER, SAVING_HANDLER),
                 ("                dist.barrier()\n                status = PREEMPTED",
                  "                dist.monitored_barrier()\n                status = PREEMPTED"))),
     Case(EX, "os-exit-in-the-handler", "exited inside its SIGTERM handler",

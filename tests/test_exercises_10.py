@@ -15,6 +15,11 @@ CASES = register([
     Case(EX, "three-ranks-written-in", "the number of ranks is written as 3",
          edits=(("    padding = -len(rest) % world_size\n", "    padding = -len(rest) % 3\n"),
                 ("    mine = rest[rank::world_size]\n", "    mine = rest[rank::3]\n"))),
+    # helper 164: a sampler of the learner's own, never given its epoch (told "skip consumed")
+    Case(EX, "order-of-epoch-0", "the rest of epoch 0's order, not of epoch 1's",
+         edits=(("    rest = order[consumed:]\n",
+                 "    g = torch.Generator().manual_seed(seed)  # the epoch forgotten\n"
+                 "    rest = torch.randperm(num_samples, generator=g).tolist()[consumed:]\n"),)),
     Case(EX, "starts-over", "dealt out again",
          edits=(("    rest = order[consumed:]\n", "    rest = order\n"),)),
     Case(EX, "skips-own-shard", "skipped consumed // world_size of its own shard",

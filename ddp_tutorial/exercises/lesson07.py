@@ -160,6 +160,17 @@ def _estimated(value: float, slowest: float) -> str | None:
     return None
 
 
+def _longest(value: float, slowest: float) -> str | None:
+    """The slowest rank's longest step (the stalled one), alone or times the steps."""
+    longest = (slowest - HICCUP_S) / STEPS + HICCUP_S
+    for times, said in ((1, "longest timed step"), (STEPS, f"longest step x {STEPS}")):
+        if -0.03 <= value / (times * longest) - 1 <= 0.2:  # a host's delays only add
+            return (f"{value * 1e3:.0f} ms: the slowest rank's {said}, not its total - each "
+                    f"rank adds up its own {STEPS} timed steps, and the largest of those totals "
+                    "(MAX over the ranks) is the job's time")  # fmt: skip
+    return None
+
+
 def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) -> str | None:
     """The reported time against each rank's device work: what each habit skipped adds or
     removes (``mine``: each rank's timed work, at least; ``maxed``: every rank reduced MAX;
@@ -174,7 +185,8 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
         return (
             f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
             f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued - "
-            "call synchronize() before each clock reading"
+            "call synchronize() before each clock reading (the one time_steps is given: it "
+            "waits for the device the steps run on, which a torch.cuda call of yours does not)"
         )
     if value > 2.5 * everything:  # readings added up from one start: 3.5 s here; the warm-up
         # timed (0.78 s) stays below even with a CPU-bound job delaying every wake-up
@@ -184,6 +196,8 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
             "one start? Read the clock at the start of each timed step (after synchronize()), "
             "or once around all the timed steps"
         )
+    if maxed and (mistake := _longest(value, slowest)):  # helper 164: "the slowest" misread
+        return mistake
     if value > slowest + 0.5 * WARMUP_S[0] and not drained:  # the clock untouched by it
         return (
             f"{value * 1e3:.0f} ms for {STEPS} steps of at most {slowest * 1e3:.0f} ms of work: "
@@ -269,7 +283,9 @@ def _judge_records(records: list[Record], values: list[float], mine: list[float]
                 "work was still queued"
                 + (" (a dist.barrier() does not drain it either: it waits for the ranks, not "
                    "for the device)" if barrier else "")
-                + " - call synchronize() before each clock reading")  # fmt: skip
+                + " - call synchronize() before each clock reading (the one time_steps "
+                "is given: a torch.cuda call of yours does not wait for the check's "
+                "device)")  # fmt: skip
     return None
 
 

@@ -183,6 +183,10 @@ def judge_rest(records: list[Record]) -> str | None:
         if lists == want:
             continue
         where = f"{what}, resumed on {world} ranks"
+        if epoch and lists == _expected(n, seed, 0, consumed, world):  # helper 164
+            return (f"{where}: the rest of epoch 0's order, not of epoch {epoch}'s: the order "
+                    "is drawn with seed + epoch - a sampler of your own needs its set_epoch("
+                    "epoch) called before it is iterated, as DistributedSampler does")  # fmt: skip
         if not any(lists):
             return (f"{where}: every rank got no samples, though {len(rest)} are left - return "
                     "this rank's share of the rest (skip exactly `consumed` positions: it counts "

@@ -5,7 +5,8 @@ choice, DDP's bucket building, compilation) are not timed; on a GPU, a call retu
 work is *queued*, so synchronise before each clock reading; and a DDP job moves at its slowest
 rank's pace, so report the slowest rank's time, the same number on every rank. Write
 ``time_steps``: ``warmup`` untimed calls of ``step()``, then ``steps`` timed ones, and the
-slowest rank's total seconds. ``synchronize()`` waits until the device has run everything
+slowest rank's total seconds (each rank adds up its own timed steps; the largest of those
+totals, not the longest single step). ``synchronize()`` waits until the device has run everything
 queued (on a GPU you would pass ``lambda: torch.cuda.synchronize(device)``).
 
 Check it (2 gloo ranks; each gets a device whose step only queues work, rank 1's is slower
