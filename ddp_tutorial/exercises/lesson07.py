@@ -182,12 +182,11 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
             return (f"{value:.4g} for {STEPS} steps of at least {slowest:.2f} s of work: that "
                     f"is {unit} - time_steps returns seconds (time.perf_counter())")  # fmt: skip
     if value < 0.4 * min(mine):
-        return (
-            f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
-            f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued - "
-            "call synchronize() before each clock reading (the one time_steps is given: it "
-            "waits for the device the steps run on, which a torch.cuda call of yours does not)"
-        )
+        return (f"{value * 1e3:.1f} ms for {STEPS} steps whose work takes at least "
+                f"{min(mine) * 1e3:.0f} ms: the clock was read while the work was still queued "
+                "- call synchronize() before each clock reading (the one time_steps is given: "
+                "it waits for the device the steps run on, a torch.cuda call of yours does "
+                "not)")  # fmt: skip
     if value > 2.5 * everything:  # readings added up from one start: 3.5 s here; the warm-up
         # timed (0.78 s) stays below even with a CPU-bound job delaying every wake-up
         return (
@@ -196,8 +195,6 @@ def _judge_value(value: float, mine: list[float], maxed: bool, drained: bool) ->
             "one start? Read the clock at the start of each timed step (after synchronize()), "
             "or once around all the timed steps"
         )
-    if maxed and (mistake := _longest(value, slowest)):  # helper 164: "the slowest" misread
-        return mistake
     if value > slowest + 0.5 * WARMUP_S[0] and not drained:  # the clock untouched by it
         return (
             f"{value * 1e3:.0f} ms for {STEPS} steps of at most {slowest * 1e3:.0f} ms of work: "
@@ -340,6 +337,8 @@ def judge_timing(records: list[Record]) -> str | None:
                 "start of each timed step (after synchronize()), or once around all the timed "
                 "steps")  # fmt: skip
     drained = all(rec["synced_after_warmup"] for rec in records)
+    if maxed and (mistake := _longest(values[0], slowest)):  # h. 164: "the slowest" misread
+        return mistake
     return _judge_value(values[0], mine, maxed, drained)
 
 
