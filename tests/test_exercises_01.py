@@ -48,6 +48,10 @@ CASES = register([
     Case(GATHER, "lengths-made-on-the-cpu", "a tensor made without device= goes to a collective",
          edits=(("torch.tensor([tensor.shape[0]], device=tensor.device)",
                  "torch.tensor([tensor.shape[0]])"),)),
+    Case(GATHER, "device-on-the-fourth-line", None,  # helper 166: a formatter's layout
+         edits=(("torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
+                 "torch.zeros(\n        longest,\n        dtype=tensor.dtype,\n"
+                 "        device=tensor.device,\n    )"),)),
     Case(GATHER, "trailing-minus-ones-stripped", "gather every rank's length first",
          edits=(("padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)",
                  "padded = torch.full((longest,), -1, dtype=tensor.dtype)"),

@@ -82,6 +82,13 @@ CASES = register(
         Case(ACC, "ranks-written-as-modulo-2", "the number of ranks is written as 2",
              edits=((SPLIT, "shard = Subset(dataset, [i for i in range(len(dataset)) "
                             "if i % 2 == rank])"),)),
+        Case(ACC, "contiguous-blocks-by-floor-division", None,  # helper 166: `// world`
+             edits=((SPLIT, "n = len(dataset)\n"
+                            "    shard = Subset(dataset, range(rank * n // world, (rank + 1) * n "
+                            "// world))"),)),
+        Case(F1, "counts-made-under-a-device-context", None,  # helper 166
+             edits=(("    " + COUNTS + "\n", "    with torch.device(pred.device):\n"
+                     "        counts = torch.zeros(3, num_classes, dtype=torch.float64)\n"),)),
         Case(ACC, "averaged-integer-counts", "with the default SUM",
              edits=(("dist.all_reduce(sums)", "dist.all_reduce(sums, op=dist.ReduceOp.AVG)"),)),
         # helper 109: the stub's hints, model.eval() and torch.no_grad(), never checked

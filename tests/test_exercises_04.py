@@ -263,6 +263,12 @@ CASES = register(
         Case(ACCUM, "count-made-on-the-cpu", "a tensor made without device= goes to a",
              edits=((", device=device)\n    dist.all_reduce(count)",
                      ")\n    dist.all_reduce(count)"),)),
+        Case(ACCUM, "count-moved-with-to", None,  # helper 166: .to(a tensor), no "device"
+             edits=((", device=device)\n    dist.all_reduce(count)",
+                     ")\n    count = count.to(micro_batches[0][0])\n    dist.all_reduce(count)"),)),
+        Case(BUFFERS, "reduced-a-clone-async-waited", "was handed a new tensor",  # helper 166
+             edits=(("    dist.all_reduce(flat)  #",
+                     "    dist.all_reduce(flat.clone(), async_op=True).wait()  #"),)),
         Case(ACCUM, "integer-count-averaged", "an integer count divided in place",
              edits=(("count = torch.tensor(float(sum(len(y) for _, y in micro_batches)), "
                      "device=device)\n    dist.all_reduce(count)",

@@ -25,6 +25,9 @@ CASES = register(
                      OWN_SYNC),
                     ("        synchronize()  # the step's work has run, not only been queued\n",
                      OWN_SYNC))),
+        Case(TIMING, "own-cpu-tensor-like-the-stubs", None,  # helper 166: 07 gets no tensor
+             edits=((REDUCE, "    mine = torch.tensor([sum(times)], dtype=torch.float64)\n"
+                     "    dist.all_reduce(mine, op=dist.ReduceOp.MAX)\n    slowest = mine"),)),
         Case(TIMING, "mean-of-gathered-times", "max() of the gathered times",
              edits=((REDUCE,
                      "    gathered = [torch.zeros_like(slowest) for _ in range(dist.get_world_size())]\n"  # noqa: E501

@@ -135,6 +135,21 @@ CASES = register([
                  '                              "optimizer": optimizer.state_dict(), '
                  '"step": step})\n'
                  "            flag = torch.tensor(float(stop[\"signal\"]))\n"),)),
+    # helper 166: `rank=` inside a print's f-string read as a name set from LOCAL_RANK; a
+    # periodic save at the stop step told "trained on after the preemption"
+    Case(EX, "rank-and-local-rank-printed", None,
+         edits=(("                dist.barrier()\n                status = PREEMPTED",
+                 "                print(f\"stopping at step {step}: {rank=}, LOCAL_RANK="
+                 "{os.environ.get('LOCAL_RANK')}\")\n"
+                 "                dist.barrier()\n                status = PREEMPTED"),)),
+    Case(EX, "periodic-save-at-the-stop-step", "saved step 5 2 times",
+         edits=(("            flag = torch.tensor(float(stop[\"signal\"]))\n",
+                 "            if rank == 0 and step % 5 == 0:\n"
+                 '                save_snapshot(out / "snapshot.pt", {"model": '
+                 "model.module.state_dict(),\n"
+                 '                              "optimizer": optimizer.state_dict(), '
+                 '"step": step})\n'
+                 "            flag = torch.tensor(float(stop[\"signal\"]))\n"),)),
     Case(EX, "local-rank-through-a-variable", "where LOCAL_RANK is 0",
          edits=((SAVE, '                is_writer = int(os.environ["LOCAL_RANK"]) == 0\n'
                        "                if is_writer:\n                    save_snapshot("),)),

@@ -68,6 +68,9 @@ CASES = register([
                  "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
                  "    labelled += labelled[: -len(labelled) % (world_size * args.batch_size)]\n"
                  "    shard = labelled[rank::world_size]\n"),)),
+    Case(EX, "rank-0-prints-the-shards", None,  # helper 166: an `if rank == 0` that pads nothing
+         edits=((SHARD_FIX, SHARD_FIX + "    if rank == 0:\n        print(f\"{len(labelled)} "
+                 "labelled samples, {len(shard)} per rank\", flush=True)\n"),)),
     # a pad written for this run's numbers: right here, wrong with 24 labelled or 3 ranks
     Case(EX, "padded-on-a-fixed-rank", "padding that names a rank or a length",
          edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"

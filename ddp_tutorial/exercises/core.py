@@ -54,10 +54,12 @@ def ranks_written_as(n: int) -> str:
 
 # a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
 # checks' backend; under nccl "No backend type associated with device type cpu" (lesson 01)
+# (no device named, nor a move, between the tensor's making and the collective; not under a
+# `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a with)
 MADE_ON_THE_CPU = (
-    r"(?ms)^[ \t]*(?P<v>[\w.]+)\s*=\s*torch\.(?:zeros|empty|ones|full|tensor|arange)\("
-    r"(?![^\n]*device|[^\n]*\n[^\n]*device|[^\n]*\n[^\n]*\n[^\n]*device)"  # a call on 3 lines
-    r"[^\n]*\n.*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
+    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*torch\."
+    r"(?:zeros|empty|ones|full|tensor|arange)\((?:(?!device|\.to\(|\.cuda\().)*?"
+    r"\bdist\.\w+\([^\n]*\b(?P=v)\b",
     "a tensor made without device= goes to a collective: right with gloo, this check's "
     "backend, but under nccl (GPUs) a collective takes CUDA tensors only - 'No backend type "
     "associated with device type cpu' on the first GPU run - make it on the device of the "
@@ -124,7 +126,10 @@ class Exercise:
     def tried_on_a_pass(self) -> tuple[tuple[str, str], ...]:
         """``hidden``, and for the functions the check hands tensors to (which a GPU job holds
         on its GPU): a tensor of the learner's made on the CPU for a collective."""
-        return (*self.hidden, *((MADE_ON_THE_CPU,) if self.kind == "functions" else ()))
+        held = self.kind == "functions" and not re.search(  # 07's stub makes a CPU tensor
+            MADE_ON_THE_CPU[0], self.solution.read_text()
+        )
+        return (*self.hidden, *((MADE_ON_THE_CPU,) if held else ()))
 
     @property
     def stub(self) -> Path:

@@ -291,9 +291,10 @@ EXERCISES = [
             (ranks_written_as(2), "the number of ranks is written as 2, this "
              "check's: on 4 or 8 GPUs the ranks' shares overlap (samples counted twice or more) "
              "or a sampler refuses rank 2 - use dist.get_world_size() (`world`)"),
-            (r"ReduceOp\.AVG|/\s*world\b", "the ranks' accuracies averaged: a rank "  # h. 164
-             "of 5 samples weighs like one of 6, and the mean is right here only after "
-             "rounding - add up the counts (SUM), then divide once, by the whole set's count"),
+            (r"ReduceOp\.AVG|(?<!/)/(?!/)\s*world\b",  # helper 164; not `// world` (166)
+             "the ranks' accuracies averaged: a rank of 5 samples weighs like one of 6, and "
+             "the mean is right here only after rounding - add up the counts (SUM), then "
+             "divide once, by the whole set's count"),
         ),
         proves=(
             "a set that does not divide by the ranks: every sample counted once (none twice, "

@@ -244,9 +244,9 @@ def _still_differ(records: list[Record], differ: list[str]) -> str:
     )  # rank 0: rank 1 calls it late
     if own_share and any(r.get("asyncs") for r in records):  # helper 161: read, then wait
         return ("a rank's buffers hold its own statistics divided by the world size: the "
-                "async all_reduce's tensor was read (copied into the buffers) before its "
+                "async all_reduce's tensor was read (into the buffers) before its "
                 ".wait(), while the sum was still on its way - wait on the Work first, then "
-                "divide and copy")  # fmt: skip
+                "divide and write the buffers")  # fmt: skip
     kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})
     layers = sorted({k.rsplit(".", 1)[0] for k in differ})
     return (

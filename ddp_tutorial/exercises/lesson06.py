@@ -141,8 +141,9 @@ def _returned_norm(norm: float, true: float, world: int, own: bool = True) -> st
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if world > 1 and abs(norm - world * true) < 1e-4 * true and not own:  # helper 164
         return (f"{said}, {world} times the true gradient norm {true:.4g}, with no collective "
-                "of yours: the loss was multiplied by the world size (clipping hid it in the "
-                "weights) - DDP averages over the ranks already: each micro-batch's loss / k "
+                "of yours: the loss (clipping hid it in the weights) or the norm was multiplied "
+                "by the world size - DDP averages over the ranks already: each micro-batch's "
+                "loss / k, and return what clip_grad_norm_ returns "
                 '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     if world > 1 and abs(norm - world * true) < 1e-4 * true:
         return (f"{said}, {world} times the true gradient norm {true:.4g}: the norm was summed "

@@ -200,6 +200,10 @@ def _judge_saves(records: list[Record], stop: int) -> str | None:
     if len(saved) > 1:  # saves before the signal are no mistake (helper 162)
         unset = " - set status = PREEMPTED before the break: the epoch loop ends on it" if all(
             rep["status"] != PREEMPTED for rep in reports) else ""  # fmt: skip
+        if len(set(saved)) == 1:  # helper 166: a periodic save and the preemption's
+            return (f"rank 0 saved step {saved[0]} {len(saved)} times: a periodic save and the "
+                    "preemption's at the same step - save once (the periodic save only when "
+                    "the flag does not already stop the loop)")  # fmt: skip
         return (f"rank 0 saved {len(saved)} snapshots (steps {saved[0]} to {saved[-1]}): the "
                 "loop trained on after the preemption - break out of it right after the "
                 f"save, with status PREEMPTED{unset}")  # fmt: skip
@@ -325,7 +329,7 @@ _UNDER = (
 )
 LOCAL_GUARDS = (
     rf"(?m)^(?P<i> *)if\b[^\n]*(?:LOCAL_RANK|\blocal_rank\b){_UNDER}",
-    rf"(?ms)\b(?P<v>\w+)\s*=[^\n]*LOCAL_RANK.*^(?P<i> *)if\b[^\n]*\b(?P=v)\b{_UNDER}",
+    rf"(?ms)^[ \t]*(?P<v>\w+)\s*=(?!=)[^\n]*LOCAL_RANK.*^(?P<i> *)if\b[^\n]*\b(?P=v)\b{_UNDER}",
 )
 LOCAL_SAVER = (
     "the snapshot is saved where LOCAL_RANK is 0: on several nodes each node's local "

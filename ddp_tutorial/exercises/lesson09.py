@@ -153,7 +153,8 @@ EXERCISES = [
                  "drift apart and rank 0 evaluates with its own (this check leaves the running "
                  "statistics out) - keep the sync, and let rank 0 evaluate model.module, which "
                  "calls no collective"),  # helper 139
-                (r"\brank\s*(?:==|!=)\s*\d|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9]",
+                (r"(?:\brank\s*(?:==|!=)\s*\d|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9])"
+                 r"[^\n]*(?:\n[^\n]*)?\b(?:shard|labelled)\s*(?:\+?=|\.(?:append|extend|insert)\()",
                  "padding that names a rank or a length (rank == 1, len(shard) < 13) fits "
                  "this run's 25 labelled samples on 2 ranks only: with 24 (--num-samples 29) "
                  "it adds a sample no rank needed, on 3 ranks it pads the wrong one - pad the "

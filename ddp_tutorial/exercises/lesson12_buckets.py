@@ -266,8 +266,10 @@ EXERCISES = [
                 # helper 156: also through a name, `bucket = self.buckets[i]; param is bucket[-1]`
                 # (helper 157: not `p is params[-1]` closing the last bucket at construction;
                 # helper 162: nor `torch.empty(self.offsets[i][-1])`, a size, not a test)
-                (r"(?:\bis|==)\s*(?:id\()?[\w.]+\[[^\]]*\]\s*\[\s*-1\s*\]|"
-                 r"\]\s*\[\s*-1\s*\]\)?\s*(?:is|==)|"
+                # (a parameter compared, not a count: `self.ready[i] == self.offsets[i][-1]`
+                # counts elements, helper 166)
+                (r"(?:\bis\s+|(?:\bid\([^()]*\)|(?<![\w\]).])\b\w+)\s*==\s*)(?:id\()?[\w.]+"
+                 r"\[[^\]]*\]\s*\[\s*-1\s*\]|\]\s*\[\s*-1\s*\]\)?\s*(?:is\b|==\s*\w+\s*(?::|$|\)))|"
                  r"\w\s+(?:is|==)\s+[\w.]*bucket\w*(?:\[[^\]]*\])*\[\s*-1\s*\]",
                  "a bucket is sent when its last-listed parameter is "
                  "ready, which holds only while autograd produces them in that order (this "
