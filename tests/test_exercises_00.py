@@ -8,6 +8,12 @@ from exercise_cases import Case, assert_verdict, register
 EX = "00_convert_loop"
 IDS = 'int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])'
 CASES = register([
+    # helper 167: the gradients averaged again after DDP's backward passed (equal weights)
+    Case(EX, "grads-averaged-again-after-ddp", "all_reduced again after DDP's backward",
+         edits=(("            loss.backward()\n", "            loss.backward()\n"
+                 "            for p in model.parameters():\n"
+                 "                dist.all_reduce(p.grad)\n"
+                 "                p.grad /= world_size\n"),)),
     # helper 73: a loss divided by the world size got "wrap the model in DDP"
     Case(EX, "loss-divided-by-the-world-size", "divided by the world size",
          edits=(("            loss = nn.functional.cross_entropy(model(x), y)\n",

@@ -236,6 +236,19 @@ CASES = register(
                      "        out = torch.empty(world * p.grad.numel())\n"
                      "        dist.all_gather_into_tensor(out, p.grad.reshape(-1))\n"
                      "        p.grad.copy_(out.view(world, -1).mean(0).view_as(p))\n"),)),
+        # helper 167: a reseed passed as "rank 0's weights broadcast first"; a hook that
+        # reduced twice was told "registered more than once"
+        Case(HOOKS, "reseeded-not-broadcast", "with no collective to copy them",
+             edits=(("    with torch.no_grad():\n        for p in model.parameters():\n"
+                     "            dist.broadcast(p, src=0)\n",
+                     "    torch.manual_seed(0)  # the same seed on every rank\n"
+                     "    for m in model.modules():\n"
+                     "        if hasattr(m, \"reset_parameters\"):\n"
+                     "            m.reset_parameters()\n"),)),
+        Case(HOOKS, "one-hook-reduces-twice", "by the one hook it has",
+             edits=(("        p.grad /= world\n",
+                     "        p.grad /= world\n        dist.all_reduce(p.grad)\n"
+                     "        p.grad /= world\n"),)),
         Case(BUCKETS, "last-listed-parameter-through-a-name", "its last-listed parameter",
              edits=(("        if self.ready[i] == len(self.buckets[i]):",
                      "        bucket = self.buckets[i]\n        if param is bucket[-1]:"),)),

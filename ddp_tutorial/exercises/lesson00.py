@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -266,6 +267,11 @@ def judge_convert(records: list[Record]) -> str | None:
                 "averaged by hand cost one collective per tensor, after backward - this "
                 "conversion wraps it, model = DDP(model), which sends them in buckets during "
                 'backward (lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
+    if any(d.get("grads_reduced") for d in first.get("ddp", [])):  # helper 167
+        return ("the weights are right, but each .grad was all_reduced again after DDP's "
+                "backward, which had averaged them already: the mean of equal numbers is the "
+                "same numbers, at the cost of one more collective per tensor and step - drop "
+                'it (lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
     open_ = [rank for rank, r in enumerate(records) if r.get("left_group_open")]
     if open_:
         return (f"rank {open_[0]} left the process group open: every rank ends with "
@@ -279,11 +285,18 @@ def one_machine_each(ctx: Context) -> Iterator[None]:
     answer that took its rank or world size from the LOCAL_ variables, the same as RANK and
     WORLD_SIZE on one machine, shows here as it would on two."""
     built: list[int] = []  # and whether the model was wrapped, and called through the wrapper
-    init, forward = DDP.__init__, DDP.forward
+    init, forward, reduce = DDP.__init__, DDP.forward, dist.all_reduce
+    wrapped: list[DDP] = []
 
     def noted_init(self: DDP, *args: Any, **kwargs: Any) -> None:
         built.append(1)
         init(self, *args, **kwargs)
+        wrapped.append(self)
+
+    def noted_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:  # a wrapped model's grad?
+        grads = [p.grad for m in wrapped for p in m.parameters() if p.grad is not None]
+        built.extend([3] if any(tensor is g for g in grads) else [])
+        return reduce(tensor, *args, **kwargs)
 
     def noted_forward(self: DDP, *args: Any, **kwargs: Any) -> Any:
         built.append(2)
@@ -291,11 +304,13 @@ def one_machine_each(ctx: Context) -> Iterator[None]:
 
     with (mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}),
           mock.patch.object(DDP, "__init__", noted_init),
-          mock.patch.object(DDP, "forward", noted_forward)):  # fmt: skip
+          mock.patch.object(DDP, "forward", noted_forward),
+          mock.patch.object(dist, "all_reduce", noted_reduce)):  # fmt: skip
         try:
             yield
         finally:
-            use = {"built": built.count(1), "forwards": built.count(2)}
+            use = {"built": built.count(1), "forwards": built.count(2),
+                   "grads_reduced": built.count(3)}  # fmt: skip
             (ctx.out / f"ddp-{ctx.rank}.json").write_text(json.dumps(use))
 
 

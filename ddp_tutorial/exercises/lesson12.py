@@ -163,6 +163,9 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             timed = finish
         start = _flat(model)
         unwaited_broadcasts = trace.broadcasts_waited.count(False)  # when training begins
+        copies = trace.copies  # at construction: what copied rank 0's weights, if anything
+        hooks = [len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
+                 + len(getattr(p, "_backward_hooks", None) or ()) for p in params]  # fmt: skip
         for p in params:  # after the learner's hooks: these run once theirs have
             p.register_post_accumulate_grad_hook(
                 lambda _p: setattr(trace, "grads", trace.grads + 1)
@@ -186,6 +189,8 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "touched": list(trace.touched),
         "same_front": trace.same_front,
         "unwaited_broadcasts": unwaited_broadcasts,
+        "copies_at_start": copies,
+        "hooks_per_param": max(hooks, default=0),
         "moved_weights": trace.moved_weights,
         "ops": sorted({e["op"] for e in trace.events if e["kind"] == "all_reduce"}),
         "from_ddp": far(ref["ddp"]),
@@ -270,6 +275,15 @@ def judge_start(records: list[Record]) -> str | None:
                 "not into a copy such as p.clone() - or the replicas train apart from step 0 "
                 '(lesson 04, "1 · The broadcast at construction")'
             )
+    copied = any(rec.get("copies_at_start", 1) for rec in records) or any(
+        e["kind"] == "all_reduce" and e["step"] == -1 for rec in records for e in rec["events"]
+    )
+    if not copied:  # every rank started from rank 0's weights: the check's seeds did (h. 167)
+        return ("every rank started from rank 0's weights with no collective to copy them: "
+                "here only because this check builds the ranks' models alike from a seed (a "
+                "model loaded, or initialised otherwise, starts apart) - dist.broadcast(p, "
+                "src=0) for every parameter, what DDP(model) does "
+                '(lesson 04, "1 · The broadcast at construction")')  # fmt: skip
     return None
 
 
@@ -358,7 +372,7 @@ def judge_hooks(records: list[Record]) -> str | None:
                 "given (def hook(param): ... param.grad) "
                 '(lesson 12, "Your turn")'
             )
-        if mistake := coverage(targets, rec["nparams"]):
+        if mistake := coverage(targets, rec["nparams"], rec.get("hooks_per_param", 0)):
             return f'rank {rank}: {mistake} (lesson 12, "Your turn")'
         if len(targets) > rec["nparams"]:
             return (f"rank {rank} called all_reduce {len(targets)} times in one backward for "
