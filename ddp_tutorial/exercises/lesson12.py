@@ -144,6 +144,13 @@ def busy_host() -> bool:
     return load > BUSY_LOAD_PER_CORE * cores
 
 
+def hooks_on(params: list[torch.Tensor], post_only: bool = False) -> int:
+    """The most hooks any one parameter has: post-accumulate ones (and tensor hooks)."""
+    return max((len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
+                + (0 if post_only else len(getattr(p, "_backward_hooks", None) or ()))
+                for p in params), default=0)  # fmt: skip
+
+
 def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     """Build the learner's DDP on this rank's own model, train it, compare with the references."""
     model = make_model(ctx.rank)
@@ -153,9 +160,8 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         if bucketed:
             mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
             timed, finish = mine.finish_gradient_sync, _finish_and_look(mine, trace)
-            hooked = [len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) for p in params]
-            if max(hooked, default=0) > 1:  # each would count the gradient again: named here
-                raise RuntimeError(f"{HOOKED_TWICE}: {max(hooked)} on one parameter")
+            if (hooked := hooks_on(params, post_only=True)) > 1:  # each counts a grad again
+                raise RuntimeError(f"{HOOKED_TWICE}: {hooked} on one parameter")
         else:
             module.broadcast_parameters(model)
             module.add_gradient_hooks(model)
@@ -164,8 +170,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         start = _flat(model)
         unwaited_broadcasts = trace.broadcasts_waited.count(False)  # when training begins
         copies = trace.copies  # at construction: what copied rank 0's weights, if anything
-        hooks = [len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
-                 + len(getattr(p, "_backward_hooks", None) or ()) for p in params]  # fmt: skip
+        hooks = hooks_on(params)
         for p in params:  # after the learner's hooks: these run once theirs have
             p.register_post_accumulate_grad_hook(
                 lambda _p: setattr(trace, "grads", trace.grads + 1)
@@ -190,7 +195,7 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
         "same_front": trace.same_front,
         "unwaited_broadcasts": unwaited_broadcasts,
         "copies_at_start": copies,
-        "hooks_per_param": max(hooks, default=0),
+        "hooks_per_param": hooks,
         "moved_weights": trace.moved_weights,
         "ops": sorted({e["op"] for e in trace.events if e["kind"] == "all_reduce"}),
         "from_ddp": far(ref["ddp"]),
