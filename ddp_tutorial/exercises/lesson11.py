@@ -330,9 +330,10 @@ AMP_ERRORS = (  # GradScaler's own errors, for both scaler exercises (06 and 11)
     ("step() has already been called since the last update()", "scaler.step(optimizer) twice "
      "without scaler.update() between: call scaler.update() after every scaler.step"),
     ("unscale_() is being called after step()", "scaler.unscale_(optimizer) ran after a "
-     "scaler.step(optimizer) with no scaler.update() between: unscale_ comes before the step "
-     "(before clipping), and after every step comes scaler.update(), on every rank - "
-     "update() before step(), or on rank 0 only, leaves the step unfinished"),
+     "scaler.step(optimizer) with no scaler.update() between: the scaler was not updated after "
+     "its last step (update() before step(), or on rank 0 only), or unscale_ came after the "
+     "step - every step, on every rank, scaler.step(optimizer), then scaler.update(), and "
+     "unscale_ only before the step (before clipping)"),
     ("unscale_() has already been called on this optimizer since the last update()",
      "scaler.unscale_(optimizer) twice in one step, or a step without scaler.update(): call "
      "unscale_ once, before clipping, and scaler.update() after every scaler.step"),
