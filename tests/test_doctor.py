@@ -440,3 +440,17 @@ def test_host_name_warns_when_other_nodes_could_not_reach_it(monkeypatch):
     monkeypatch.setattr(host_checks.socket, "getaddrinfo", lambda *a, **k: routed)
     reachable = host_checks.check_host_name("node-0.cluster")
     assert reachable.status == "ok" and "10.0.0.5" in reachable.detail
+
+
+def test_the_checks_that_fail_by_design_are_those_of_gpus_the_course_cannot_train_on(monkeypatch):
+    """Lesson 00 accepts exactly these FAILs: a MIG slice (gpus), a driver too old for this
+    torch (cuda); on a machine whose GPUs train (or that has none), none."""
+    from ddp_tutorial.harness import gpu_plan
+
+    monkeypatch.setattr(gpu_plan, "mig_fallback", lambda env=None: ({}, ""))
+    monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "")
+    assert doctor.fails_by_design() == set()
+    monkeypatch.setattr(gpu_plan, "mig_fallback", lambda env=None: ({"X": "1"}, "MIG is on"))
+    assert doctor.fails_by_design() == {"gpus"}
+    monkeypatch.setattr(gpu_plan, "torch_sees_no_gpu", lambda: "built for CUDA 13.0, driver 12.4")
+    assert doctor.fails_by_design() == {"gpus", "cuda"}

@@ -193,6 +193,16 @@ def run_checks(
     return findings
 
 
+def fails_by_design() -> set[str]:
+    """The checks that FAIL on this machine although the course runs here: GPUs it cannot train
+    on (``gpus``: a MIG slice, torch sees one device; ``cuda``: a driver too old for this
+    torch). They FAIL for GPU training; the lessons then plan CPU ranks over gloo."""
+    from ddp_tutorial.harness.gpu_plan import mig_fallback, torch_sees_no_gpu
+
+    why = {"gpus": mig_fallback()[0], "cuda": torch_sees_no_gpu()}
+    return {name for name, reason in why.items() if reason}
+
+
 def blocking(findings: list[Finding]) -> list[Finding]:
     """The findings that stop training (status ``fail``)."""
     return [f for f in findings if f.status == "fail"]
