@@ -7,13 +7,15 @@ from exercise_cases import Case, assert_verdict, register
 
 EX = "00_convert_loop"
 IDS = 'int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])'
+BACKWARD = "            loss.backward()\n"
+# each .grad all_reduced by hand after backward (the summed form; + a division: the mean)
+REDUCED = (
+    BACKWARD + "            for p in model.parameters():\n                dist.all_reduce(p.grad)\n"
+)
 CASES = register([
     # helper 167: the gradients averaged again after DDP's backward passed (equal weights)
     Case(EX, "grads-averaged-again-after-ddp", "all_reduced again after DDP's backward",
-         edits=(("            loss.backward()\n", "            loss.backward()\n"
-                 "            for p in model.parameters():\n"
-                 "                dist.all_reduce(p.grad)\n"
-                 "                p.grad /= world_size\n"),)),
+         edits=((BACKWARD, REDUCED + "                p.grad /= world_size\n"),)),
     # helper 73: a loss divided by the world size got "wrap the model in DDP"
     Case(EX, "loss-divided-by-the-world-size", "divided by the world size",
          edits=(("            loss = nn.functional.cross_entropy(model(x), y)\n",
@@ -105,17 +107,13 @@ CASES = register([
                  'dist.init_process_group("gloo", rank=int(os.environ["RANK"]),\n'
                  '                            world_size=int(os.environ["WORLD_SIZE"]))'),)),
     Case(EX, "gradients-reduced-again", "on top of DDP's backward, which averaged them already",
-         edits=(("            loss.backward()\n",
-                 "            loss.backward()\n            for p in model.parameters():\n"
-                 "                dist.all_reduce(p.grad)\n"),)),
+         edits=((BACKWARD, REDUCED),)),
     # helper 139: no DDP, the gradients all_reduced by hand and never divided
     Case(EX, "summed-by-hand-without-ddp", "instead of DDP, without dividing by the world size",
          edits=(("    model = DDP(model)\n", ""),
                 ("writer, state = rank == 0, model.module.state_dict()",
                  "writer, state = rank == 0, model.state_dict()"),
-                ("            loss.backward()\n",
-                 "            loss.backward()\n            for p in model.parameters():\n"
-                 "                dist.all_reduce(p.grad)\n"))),
+                (BACKWARD, REDUCED))),
     Case(EX, "sampler-replicas-from-local-world-size", "not LOCAL_WORLD_SIZE",
          edits=(("(train_set, seed=args.seed)",
                  '(train_set, num_replicas=int(os.environ["LOCAL_WORLD_SIZE"]), rank=rank,\n'
@@ -148,10 +146,7 @@ CASES = register([
          edits=(("    model = DDP(model)\n", ""),
                 ("writer, state = rank == 0, model.module.state_dict()",
                  "writer, state = rank == 0, model.state_dict()"),
-                ("            loss.backward()\n",
-                 "            loss.backward()\n            for p in model.parameters():\n"
-                 "                dist.all_reduce(p.grad)\n"
-                 "                p.grad /= world_size\n"))),
+                (BACKWARD, REDUCED + "                p.grad /= world_size\n"))),
 ])  # fmt: skip
 
 
