@@ -339,7 +339,7 @@ def test_a_save_due_at_an_epochs_end_writes_its_snapshot_once(template, kit, tmp
         "--epochs",
         "2",
         "--keep",
-        "9",
+        "3",
         "--save-every",
         "4",
         "--checkpoint-dir",
@@ -348,7 +348,8 @@ def test_a_save_due_at_an_epochs_end_writes_its_snapshot_once(template, kit, tmp
     template.main(argv)
     snapshots = [n for n in written if n.startswith("snapshot-")]
     assert len(snapshots) == len(set(snapshots)) == 4, snapshots  # 4, 8, 12, 16
-    assert snapshot_steps(kit, tmp_path) == [4, 8, 12, 16]
+    # --keep 3: the three newest (helper 170: keep + 1 passed while every test kept 9)
+    assert snapshot_steps(kit, tmp_path) == [8, 12, 16]
     second = torch.load(kit.snapshot_path(tmp_path, 8), weights_only=True)
     assert (second["epoch"], second["extra"]["consumed"]) == (1, 0), "the epoch-end form"
 
@@ -515,6 +516,49 @@ def test_an_exact_resume_of_a_model_with_dropout(template, kit, tmp_path, one_ra
     assert all(torch.equal(a[k], b[k]) for k in a), "bitwise, dropout included"
 
 
+def test_an_epoch_boundary_resume_with_workers_that_augment_is_exact(
+    template, kit, tmp_path, one_rank, monkeypatch
+):
+    """Workers draw their augmentation from the seeds the loader's generator hands them at each
+    epoch's start: the loop reseeds it per epoch, so a rerun starting at epoch 1 gives them
+    the same seeds (helper 170: without that line every test passed - no test's workers drew)."""
+    from test_training import NoisyImages  # a module's class: the workers receive it pickled
+
+    real = kit.build_datasets
+
+    def noisy(args, rank=0, world_size=1):
+        train, val, classes = real(args, rank, world_size)
+        return NoisyImages(len(train), args.image_size, classes), val, classes
+
+    monkeypatch.setattr(kit, "build_datasets", noisy)
+    argv = [*TINY, "--num-samples", "64", "--batch-size", "8", "--epochs", "2", "--warmup", "0",
+            "--num-workers", "1"]  # fmt: skip
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "straight")])
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "cut"), "--max-steps", "8"])
+    template.main([*argv, "--checkpoint-dir", str(tmp_path / "cut")])  # from epoch 1's start
+    a, b = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("straight", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "bitwise, the workers' draws included"
+
+
+def test_the_wrapped_model_broadcasts_no_buffers_in_its_forward(template, tmp_path, one_rank,
+                                                                  monkeypatch):  # fmt: skip
+    """Each rank keeps its own BatchNorm statistics (averaged at saves and evaluations): no
+    broadcast of rank 0's buffers before every forward, a collective per step (helper 170:
+    broadcast_buffers = True passed every test, the ranks' statistics differing anyway)."""
+    wrapped = []
+
+    class Recorded(template.DDP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            wrapped.append(self)
+
+    monkeypatch.setattr(template, "DDP", Recorded)
+    template.main([*TINY, "--model", "cnn", "--num-samples", "16", "--batch-size", "8",
+                   "--epochs", "1", "--checkpoint-dir", str(tmp_path)])  # fmt: skip
+    [ddp] = wrapped
+    assert not ddp.will_sync_module_buffers() and ddp.modules_buffers, "buffers, not broadcast"
+
+
 @pytest.mark.parametrize("written_by", ["this template", "a template before --best-by"])
 def test_best_json_keeps_a_better_best_pt_from_an_older_snapshot(template, kit, tmp_path,
                                                                 one_rank, written_by,
@@ -560,6 +604,10 @@ def test_best_by_val_loss_keeps_the_lowest_loss_for_a_regression(template, kit, 
         capsys.readouterr().out
     )
     assert json.loads((tmp_path / "best.json").read_text())["best_by"] == "val_accuracy"
+    # and back: a loss's score (negative) never beats an accuracy's, so without the reset to
+    # -inf best.pt would stay the accuracy's (helper 170: only this direction shows it)
+    template.main([*argv, "--epochs", "4", "--best-by", "val_loss"])
+    assert json.loads((tmp_path / "best.json").read_text())["best_by"] == "val_loss"
 
 
 REGRESSION_DATA = """
