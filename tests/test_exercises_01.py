@@ -32,6 +32,30 @@ CHUNKED = (  # a bandwidth-optimal ring, reduce-scatter then all-gather, over ch
     "        chunks[r].copy_(buf)\n"
 )
 CASES = register([
+    # helper 168: wrong answers that passed on the check's ranks, numbers or backend
+    Case(RING, "three-ranks-written-in", "the ring's 3 ranks are written in",
+         edits=(("    for _ in range(world - 1):\n", "    for _ in range(2):\n"),
+                ("    total /= world", "    total /= 3"))),
+    Case(RING, "recv-from-any-rank", "a recv without src= takes a message from any rank",
+         edits=(("dist.recv(recv_buf, src=(rank - 1) % world)", "dist.recv(recv_buf)"),)),
+    Case(RING, "buffer-cast-not-moved", "a tensor made without device= goes to a collective",
+         edits=(("send_buf, recv_buf = tensor.clone(), torch.empty_like(tensor)",
+                 "send_buf = tensor.clone()\n"
+                 "    recv_buf = torch.zeros(tensor.shape).to(tensor.dtype)"),)),
+    Case(GATHER, "two-ranks-written-in", "the number of ranks is written as 2",
+         edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]",
+                 "    lengths = [torch.zeros_like(length) for _ in range(2)]"),
+                ("    gathered = [torch.empty_like(padded) for _ in range(world)]",
+                 "    gathered = [torch.empty_like(padded) for _ in range(2)]"))),
+    Case(GATHER, "padded-to-the-mean-rounded-up", "longer than its padding buffer",
+         edits=(("    longest = int(max(lengths).item())",
+                 "    longest = -(-int(sum(lengths).item()) // world)  # a sampler's share"),)),
+    Case(GATHER, "cpu-lengths-beside-device-buffers", "a tensor made without device=",
+         edits=(("torch.tensor([tensor.shape[0]], device=tensor.device)",
+                 "torch.as_tensor([tensor.shape[0]])"),)),
+    Case(GATHER, "cpu-output-list", "a tensor made without device=",
+         edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]",
+                 "    lengths = [torch.zeros(1, dtype=torch.long) for _ in range(world)]"),)),
     # from an eighth learner review: one output tensor for every rank ([t] * world)
     # helper 147: output buffers of this rank's own length (gloo's raw error before)
     Case(GATHER, "buffers-of-its-own-length", "the output list's tensors must have the shape",
@@ -184,6 +208,8 @@ CASES = register([
                  "        send_buf = recv_buf.clone()",
                  "        total += recv_buf\n        send_buf.copy_(recv_buf)\n"
                  "        request.wait()"),)),
+    Case(RING, "received-into-the-tensor-being-sent", "received into the tensor an isend is",
+         edits=(("        send_buf = recv_buf.clone()", "        send_buf = recv_buf"),)),
     Case(GATHER, "values-as-a-list-through-all-gather-object", "all_gather_object sent a list",
          edits=(("    gathered = [torch.empty_like(padded) for _ in range(world)]\n"
                  "    dist.all_gather(gathered, padded)\n",
@@ -262,11 +288,25 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
     wrong = [
         "    n = torch.tensor([3])\n    dist.all_gather(out, n)\n",
         "    buf = torch.zeros(total)\n    x = 1\n    dist.all_reduce(buf)\n",
+        # helper 168: a dtype is not a device; a device= on a line between; a list of them
+        "    buf = torch.zeros(t.shape).to(t.dtype)\n    dist.recv(buf, src=1)\n",
+        "    n = torch.tensor([3])\n    out = [torch.zeros(1, device=t.device)]\n"
+        "    dist.all_gather(out, n)\n",
+        "    out = [torch.zeros(1, dtype=torch.long) for _ in range(w)]\n"
+        "    dist.all_gather(out, n)\n",
+        "    n = torch.as_tensor([t.numel()])\n    dist.all_gather(out, n)\n",
     ]
     right = ["    n = torch.tensor([3], device=t.device)\n    dist.all_gather(out, n)\n",
              "    n = torch.tensor(\n        [3],\n        device=t.device,\n    )\n"
              "    dist.all_gather(out, n)\n",
-             "    n = torch.tensor([3])\n    print(n)\n"]  # fmt: skip
+             "    n = torch.tensor([3])\n    print(n)\n",
+             "    n = torch.tensor([3]).to(t)\n    dist.all_gather(out, n)\n",
+             "    n = torch.tensor([3])\n    n = n.cuda()\n    dist.all_gather(out, n)\n",
+             "    with torch.device(t.device):\n        n = torch.tensor([3])\n"
+             "    dist.all_gather(out, n)\n",
+             "    out = [torch.zeros_like(n) for _ in range(w)]\n    dist.all_gather(out, n)\n",
+             "    buf = torch.zeros(n, dtype=torch.float32).to(dev)\n"
+             "    dist.all_reduce(buf)\n"]  # fmt: skip
     assert all(re.search(pattern, text) for text in wrong)
     assert not any(re.search(pattern, text) for text in right)
     (gather,) = find("01_gather_uneven")

@@ -12,9 +12,16 @@ BLOCK = (
 )
 CASES = register([
     # helper 164: the check's 3 ranks written in passed
-    Case(EX, "three-ranks-written-in", "the number of ranks is written as 3",
+    Case(EX, "three-ranks-written-in", "rest_of_epoch(..., r, 2) for each rank r of 2",
          edits=(("    padding = -len(rest) % world_size\n", "    padding = -len(rest) % 3\n"),
                 ("    mine = rest[rank::world_size]\n", "    mine = rest[rank::3]\n"))),
+    # helper 168: the same under another name passed the regex; rank 0 now also calls the
+    # function for 2 and 4 ranks
+    Case(EX, "three-ranks-by-another-name", "rest_of_epoch(..., r, 2) for each rank r of 2",
+         edits=(("    padding = -len(rest) % world_size\n",
+                 "    new_world = 3  # the world we resume on\n"
+                 "    padding = -len(rest) % new_world\n"),
+                ("    mine = rest[rank::world_size]\n", "    mine = rest[rank::new_world]\n"))),
     # helper 164: a sampler of the learner's own, never given its epoch (told "skip consumed")
     Case(EX, "order-of-epoch-0", "the rest of epoch 0's order, not of epoch 1's",
          edits=(("    rest = order[consumed:]\n",

@@ -9,6 +9,22 @@ from exercise_cases import BY_NAME, Case, assert_verdict, register
 EX = "11_bf16_hook"
 AMP = "11_amp_step"
 CASES = register([
+    # helper 169: wrong answers that passed (the check's own group handed as the state; one
+    # bucket layout) or were told "copy the sum back" (a division while the sum was in flight)
+    Case(EX, "size-of-the-state", "register_comm_hook(None, hook), the hook raised AttributeError",
+         edits=(("    world_size = dist.get_world_size(group)\n",
+                 "    world_size = process_group.size()\n"),)),
+    Case(EX, "send-buffer-kept-per-bucket-index", "a bucket came with another size than before",
+         edits=(("    compressed = buffer.to(torch.bfloat16).div_(world_size)",
+                 "    compressed = SENT.setdefault(bucket.index(), torch.empty(buffer.numel(), "
+                 "dtype=torch.bfloat16))\n    compressed.copy_(buffer).div_(world_size)"),
+                ("def bf16_compress_hook(", "SENT = {}\n\n\ndef bf16_compress_hook("))),
+    Case(EX, "divided-while-in-flight", "changed the tensor of its all_reduce while the sum",
+         edits=(("    compressed = buffer.to(torch.bfloat16).div_(world_size)",
+                 "    compressed = buffer.to(torch.bfloat16)"),
+                ("    work = dist.all_reduce(compressed, group=group, async_op=True)\n",
+                 "    work = dist.all_reduce(compressed, group=group, async_op=True)\n"
+                 "    compressed.div_(world_size)\n"))),
     # helper 72: a scaled loss returned (and logged) passed, backward under autocast passed,
     # and a hook that cast DDP's own bucket (buffer.data = ...) passed
     # from a twenty-fifth-session learner review (helper 127)

@@ -52,14 +52,23 @@ def ranks_written_as(n: int) -> str:
     )
 
 
+# a call's arguments (two levels of brackets, over lines) naming no device
+_NO_DEVICE = r"\((?:(?!device)[^()]|\((?:(?!device)[^()]|\((?:(?!device)[^()])*\))*\))*\)"
+# a move: .to(...) or .cuda(...), unless only a dtype is given (.to(x.dtype) stays on the CPU)
+_MOVE = (
+    r"\.(?:to|cuda)\((?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
+    r"torch\.(?:u?int\d*|float\d*|bfloat16|half|long|double|bool)\s*\)))"
+)
 # a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
 # checks' backend; under nccl "No backend type associated with device type cpu" (lesson 01)
-# (no device named, nor a move, between the tensor's making and the collective; not under a
-# `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a with)
+# (its call names no device; no move nor a new value of the name before the collective; not
+# under a `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a
+# with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype))
 MADE_ON_THE_CPU = (
-    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*torch\."
-    r"(?:zeros|empty|ones|full|tensor|arange)\((?:(?!device|\.to\(|\.cuda\().)*?"
-    r"\bdist\.\w+\([^\n]*\b(?P=v)\b",
+    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*\[?\s*torch\."
+    r"(?:zeros|empty|ones|full|tensor|as_tensor|arange|LongTensor|FloatTensor)"
+    + _NO_DEVICE
+    + rf"(?:(?!{_MOVE}|^[ \t]*(?P=v)\s*=).)*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
     "a tensor made without device= goes to a collective: right with gloo, this check's "
     "backend, but under nccl (GPUs) a collective takes CUDA tensors only - 'No backend type "
     "associated with device type cpu' on the first GPU run - make it on the device of the "

@@ -4,7 +4,8 @@
 rank and world size, for epochs stopped by a job of 2 ranks and of 4 ranks (``consumed`` =
 steps x batch x old ranks), and for an epoch not started at all (which must be exactly what
 ``DistributedSampler`` gives). The judge lays the ranks' lists side by side: every remaining
-position dealt out once, nothing consumed dealt again, the same count on every rank, strided.
+position dealt out once, nothing consumed dealt again, the same count on every rank, strided;
+then the same for the lists rank 0 gets calling it as each rank of 2 and of 4 would.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import ModuleType
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record, ranks_written_as
+from ddp_tutorial.exercises.core import Context, Exercise, Record
 
 # (what happened, num_samples, seed, epoch, consumed)
 SCENARIOS = (
@@ -25,6 +26,11 @@ SCENARIOS = (
     # one sample left for 3 ranks: padding it takes that sample twice more, not once
     ("epoch 0 stopped by 4 ranks after 1 step of batch 3", 13, 5, 0, 12),
 )
+
+
+# the worlds rank 0 also calls rest_of_epoch for (rank r of each): a world size written in as
+# this run's 3, under any name (`new_world = 3` passed the regex), deals them wrongly
+OTHER_WORLDS = (2, 4)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -51,7 +57,14 @@ def run_rest(module: ModuleType, ctx: Context) -> Record:
     sampler = DistributedSampler(range(SCENARIOS[2][1]), num_replicas=ctx.world_size,
                                  rank=ctx.rank, seed=SCENARIOS[2][2])  # fmt: skip
     sampler.set_epoch(SCENARIOS[2][3])
-    return {"rank": ctx.rank, "got": got, "torch": list(sampler)}
+    others = {}  # a pure function: rank 0 also calls it as every rank of other worlds would
+    for world in OTHER_WORLDS if ctx.rank == 0 else ():
+        others[world] = [
+            [[int(i) for i in module.rest_of_epoch(*scenario[1:], r, world)]
+             for scenario in SCENARIOS]
+            for r in range(world)
+        ]  # fmt: skip
+    return {"rank": ctx.rank, "got": got, "torch": list(sampler), "others": others}
 
 
 def _dealt(rest: list[int], world: int) -> list[list[int]]:
@@ -174,6 +187,25 @@ def _order(where: str, lists: list[list[int]], full: list[int], world: int) -> s
 
 
 def judge_rest(records: list[Record]) -> str | None:
+    if mistake := _judge_world(records):
+        return mistake
+    for r in records:
+        if r["got"][2] != r["torch"]:
+            return (
+                f"rank {r['rank']}: an epoch not started gives other samples than "
+                "DistributedSampler with set_epoch(epoch): use the same order (seed + epoch)"
+            )
+    for world, lists in records[0].get("others", {}).items():
+        called = [{"rank": r, "got": got} for r, got in enumerate(lists)]
+        if mistake := _judge_world(called):
+            return (f"rest_of_epoch(..., r, {world}) for each rank r of {world}: {mistake} - "
+                    f"deal by the world_size the function is given, not this run's "
+                    f"{len(records)}")  # fmt: skip
+    return None
+
+
+def _judge_world(records: list[Record]) -> str | None:
+    """Each scenario's lists, one per rank of this world, against the dealing expected."""
     world = len(records)
     for i, (what, n, seed, epoch, consumed) in enumerate(SCENARIOS):
         lists = [r["got"][i] for r in records]
@@ -214,26 +246,18 @@ def judge_rest(records: list[Record]) -> str | None:
                 f"the job must have used the next {2 * world} positions of the order, so that a "
                 "snapshot can count them as consumed - rank r takes positions r, r + "
                 "world_size, ... (as DistributedSampler does)")  # fmt: skip
-    for r in records:
-        if r["got"][2] != r["torch"]:
-            return (
-                f"rank {r['rank']}: an epoch not started gives other samples than "
-                "DistributedSampler with set_epoch(epoch): use the same order (seed + epoch)"
-            )
     return None
 
 
 EXERCISES = [
     Exercise(
         name="10_resume_new_world", lesson="10", run=run_rest, judge=judge_rest, nproc=3,
-        hidden=((ranks_written_as(3), "the number of ranks is written as 3, this check's "  # h. 164
-                 "(the new world): the job resumed on 2 or 8 would deal the rest wrongly - use "
-                 "dist.get_world_size()"),),
         title="the rest of an interrupted epoch, dealt out to a new number of ranks",
         teaches='lesson 10, "Resuming on another number of ranks"',
         proves=(
             "in every scenario the rest of the epoch went to 3 ranks once, strided, padded to "
-            "equal shares; an epoch not started is the DistributedSampler's"
+            "equal shares (and to 2 and to 4, called as their ranks); an epoch not started is "
+            "the DistributedSampler's"
         ),
     ),
 ]  # fmt: skip

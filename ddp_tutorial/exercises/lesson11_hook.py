@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -28,6 +29,23 @@ from ddp_tutorial.exercises.spies import is_async, spying
 STEPS = 2  # two steps: a hook must work again once DDP has rebuilt its buckets
 TOLERANCE = 1e-2  # max |grad - DDP's grad| / max |DDP's grad|: bf16 keeps 8 significant bits
 LATE_S = 0.5  # rank 1 starts the hooked backward this late: rank 0's sum cannot arrive sooner
+
+
+class Reordered(nn.Module):
+    """Two layers registered last-first: DDP's first buckets (``BUCKET_MB``: two of them) follow
+    the registration order, the ones it rebuilds after step 1 the order the gradients came in:
+    other sizes at the same index (helper 169: a send buffer kept per bucket index passed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = nn.Linear(64, 4)
+        self.first = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.first(x)))
+
+
+BUCKET_MB = 0.001  # 1,048 bytes: the first layer's 4,352 and the last's 1,040 bytes apart
 
 
 def grads(model: nn.Module) -> list[float]:
@@ -67,11 +85,12 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     """Plain DDP and DDP with the learner's hook, the same model and data; what each computed."""
     ready_for_ddp(ctx)
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    base = Reordered()
     # the hooked model on a group of its own (all the ranks): DDP hands the hook that group, and
     # an all_reduce on the default group instead is seen, however the call is written
     own_group = dist.new_group(list(range(ctx.world_size)))
-    plain, hooked = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base), process_group=own_group)
+    plain = DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB)
+    hooked = DDP(copy.deepcopy(base), process_group=own_group, bucket_cap_mb=BUCKET_MB)
     alone = copy.deepcopy(base)  # this rank's own gradients, nothing averaged
     buckets: list[int] = []  # the hook's calls, one per bucket, in this step
     handed: set[str] = set()  # the dtypes of DDP's buckets as the hook got and left them
@@ -83,13 +102,15 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
     hook = _watched(module, buckets, handed, valued, done_at_return)
     hooked.register_comm_hook(own_group, hook)
     sent: list[tuple[str, int, bool]] = []
+    touched: list[str] = []  # an all_reduce whose tensor the hook changed while it was in flight
     groups: list[bool] = []  # per all_reduce: on the group DDP handed the hook
 
-    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None]:
         tensor = args[0] if args else kwargs["tensor"]
         size = tensor.numel() * tensor.element_size()
         sent.append((str(tensor.dtype).removeprefix("torch."), size, is_async(args, kwargs)))
         groups.append(kwargs.get("group", args[2] if len(args) > 2 else None) is own_group)
+        return lambda: None  # a noted Work: a change to its tensor before the sum is seen
 
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own data
     record: Record = {"plain": [], "hooked": [], "alone": [], "sent": [], "returned": [],
@@ -103,7 +124,7 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
                 if ctx.rank == 1:  # so rank 0's hook cannot have the sum before it returns
                     time.sleep(LATE_S)
                 record["started"].append(time.monotonic())
-                with spying(("all_reduce",), note, module):
+                with spying(("all_reduce",), note, module, touched=touched):
                     loss.backward()
             else:
                 loss.backward()
@@ -112,15 +133,27 @@ def run_hook(module: ModuleType, ctx: Context) -> Record:
         record["buckets"].append(len(buckets))
         record["handed"].append(sorted(handed))
         record["valued"].append(sorted(valued))
-        handed.clear()
-        valued.clear()
         record["returned"].append(list(done_at_return))
-        sent.clear()
-        buckets.clear()
-        done_at_return.clear()
+        for seen in (handed, valued, sent, buckets, done_at_return):
+            seen.clear()
     record["bytes_fp32"] = 4 * sum(p.numel() for p in base.parameters())
     record["own_group"] = all(groups)
+    record["touched"] = touched
+    record["no_state"] = _with_no_state(module, base)
     return record
+
+
+def _with_no_state(module: ModuleType, base: nn.Module) -> str | None:
+    """One step with the hook registered the usual way, ``register_comm_hook(None, hook)``:
+    DDP then hands it None, not a group (helper 169: ``process_group.size()`` passed)."""
+    ddp = DDP(copy.deepcopy(base))
+    ddp.register_comm_hook(None, module.bf16_compress_hook)
+    try:
+        x, y = torch.randn(8, 16), torch.zeros(8, dtype=torch.long)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as exc:  # the same on every rank: the same code, the same None
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
 
 
 def _waited_inside(records: list[Record], step: int) -> str | None:
@@ -153,8 +186,25 @@ def _dtypes_kept(rec: Record, rank: int, step: int) -> str | None:
     return None
 
 
+def _raced_or_stateless(rec: Record, rank: int) -> str | None:
+    """A race (right or wrong by luck, so named before the numbers), or a hook that fails when
+    registered as torch's docs register it."""
+    if rec.get("touched"):
+        return (f"rank {rank}'s hook changed the tensor of its all_reduce while the sum was "
+                "in flight (div_ after the call, say): the sum may or may not include the "
+                "change - divide before the all_reduce, or in the .then callback")  # fmt: skip
+    if rec.get("no_state"):
+        return (f"registered as lesson 11 and torch's docs do, register_comm_hook(None, "
+                f"hook), the hook raised {rec['no_state']}: DDP hands the hook that state, "
+                "None - take group = process_group if process_group is not None "
+                "else dist.group.WORLD, the world size from get_world_size(group)")  # fmt: skip
+    return None
+
+
 def judge_hook(records: list[Record]) -> str | None:
     for rank, rec in enumerate(records):
+        if mistake := _raced_or_stateless(rec, rank):
+            return mistake
         for step in range(STEPS):
             sent = rec["sent"][step]
             if not sent:
@@ -220,6 +270,10 @@ DEFAULT_GROUP = (
 )
 
 ERRORS = (
+    ("must match the size of tensor", "a bucket came with another size than before: DDP "
+     "rebuilds its buckets after the first step (in the order the gradients came in), so a "
+     "tensor kept from an earlier call, per bucket index, no longer fits - make the bfloat16 "
+     "copy in each call (buffer.to(torch.bfloat16))"),  # helper 169
     ("Expected a proper Tensor but got None", "the function given to .then() returned None: "
      "return the bucket's tensor from it (DDP copies what the Future holds into the "
      "gradients)"),
