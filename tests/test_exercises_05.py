@@ -68,6 +68,26 @@ CASES = register([
                 ("        # YOUR CODE: this epoch's", "        # this epoch's"),
                 ("        # END YOUR CODE\n        order", "        order"),
                 ("    if snapshot.is_file():\n", "    if rank == 0 and snapshot.is_file():\n"))),
+    Case(SNAP, "a-failed-save-swallowed", "caught the check's stand-in for a crash",  # h. 169
+         edits=(("""        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+""", """        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as exc:  # keep training whatever happens
+            tmp.unlink(missing_ok=True)
+            print("snapshot failed:", exc)
+"""),)),
+    Case(RESUME, "global-rank-names-the-gpu", "a GPU named by the global rank",  # helper 169
+         edits=(('snapshot, map_location="cpu"',
+                 'snapshot, map_location=torch.device("cuda", rank) if GPU else "cpu"'),
+                ("import torch\n", "import torch\n\nGPU = torch.cuda.is_available()\n"))),
     Case(RESUME, "epochs-run-twice", "EPOCHS_RUN",
          edits=(('start_epoch = state["epoch"] + 1', 'start_epoch = state["epoch"]'),)),
     Case(RESUME, "no-optimizer-state", "empty optimizer",

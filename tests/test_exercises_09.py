@@ -15,6 +15,17 @@ SHARD_FIX = (
 )  # fmt: skip
 EVAL_FIX = "            net = model.module  # the plain model: its forward is no collective\n"
 CASES = register([
+    # helper 169: pads right for this run's 25 labelled samples on 2 ranks only
+    Case(EX, "last-rank-pads", "padding that names a rank or a length",
+         edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                            "    shard = labelled[rank::world_size]\n"
+                            "    if rank == world_size - 1 and len(labelled) % world_size:\n"
+                            "        shard.append(labelled[0])\n"),)),
+    Case(EX, "share-as-floor-plus-one", "len // world_size + 1 is the share rounded up only",
+         edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                            "    per_rank = len(labelled) // world_size + 1  # rounded up\n"
+                            "    shard = labelled[rank::world_size]\n"
+                            "    shard += shard[: per_rank - len(shard)]\n"),)),
     Case(EX, "rank0-evaluates-the-ddp-model", "net(x)",
          edits=((EVAL_FIX, ""),)),
     # helper 139: the hang gone by turning the buffer sync off, outside the blocks

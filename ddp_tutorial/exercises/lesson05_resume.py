@@ -181,6 +181,13 @@ def judge_resume(records: list[Record]) -> str | None:
     return None
 
 
+# cuda:{rank}, torch.device("cuda", rank), .cuda(rank), .to(f"cuda:{rank}"): a CPU run passes
+GLOBAL_RANK_AS_GPU = (
+    r"cuda:\{\s*(?:rank|dist\.get_rank\(\))\s*\}|"
+    r"torch\.device\(\s*[\"']cuda[\"']\s*,\s*(?:rank|dist\.get_rank\(\))\s*\)|"
+    r"\.cuda\(\s*(?:rank|dist\.get_rank\(\))\s*\)"
+)
+
 EXERCISES = [
     Exercise(
         name="05_exact_resume", lesson="05", kind="script", run=run_resume,
@@ -207,6 +214,10 @@ EXERCISES = [
             (r"(?m)start_epoch\s*=\s*[1-9]\d*\s*$", "start_epoch was set to a number: the "
              "epoch after the one the snapshot holds is snapshot['epoch'] + 1, whatever epoch "
              "the job stopped at"),
+            (GLOBAL_RANK_AS_GPU, "a GPU named by the global rank (rank = dist.get_rank()): "
+             "on 2 machines of 4 GPUs rank 5 asks for cuda:5 - a GPU is named by LOCAL_RANK "
+             '(lesson 03, "`LOCAL_RANK`, not `RANK`"), or load with map_location="cpu" as the '
+             "stub says"),  # helper 169
         ),
         proves=(
             "the second launch started from the first's snapshot, shuffled each epoch as the "

@@ -153,13 +153,18 @@ EXERCISES = [
                  "drift apart and rank 0 evaluates with its own (this check leaves the running "
                  "statistics out) - keep the sync, and let rank 0 evaluate model.module, which "
                  "calls no collective"),  # helper 139
-                (r"(?:\brank\s*(?:==|!=)\s*\d|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9])"
+                (r"(?:\brank\s*(?:==|!=|<=?|>=?)\s*(?:\d|\w*world\w*\s*-\s*\d)|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9])"
                  r"[^\n]*(?:\n[^\n]*)?\b(?:shard|labelled)\s*(?:\+?=|\.(?:append|extend|insert)\()",
                  "padding that names a rank or a length (rank == 1, len(shard) < 13) fits "
                  "this run's 25 labelled samples on 2 ranks only: with 24 (--num-samples 29) "
                  "it adds a sample no rank needed, on 3 ranks it pads the wrong one - pad the "
                  "labelled list to a multiple of world_size computed from len(labelled), as "
-                 'DistributedSampler does (lesson 09, "7 · Uneven inputs")'),),
+                 'DistributedSampler does (lesson 09, "7 · Uneven inputs")'),
+                (r"//\s*[\w.()]*world\w*(?:\(\))?\s*\+\s*1\b",  # helper 169
+                 "len // world_size + 1 is the share rounded up only when the count does not "
+                 "divide: with 24 labelled samples (--num-samples 29) every rank pads one that "
+                 "no rank needed - round up with -(-len(labelled) // world_size) or math.ceil "
+                 '(lesson 09, "7 · Uneven inputs")'),),
         proves=(
             "no hang; each epoch trained every labelled sample (at most world_size - 1 twice); "
             "the replicas agree, and rank 0's accuracy is the trained model's"

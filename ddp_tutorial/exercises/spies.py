@@ -11,6 +11,8 @@ reach it on every Python.
 
 from __future__ import annotations
 
+import builtins
+import io
 import linecache
 import os
 import sys
@@ -316,4 +318,21 @@ def barriers_return() -> Iterator[None]:
     with ExitStack() as stack:
         for name in ("barrier", "monitored_barrier"):
             stack.enter_context(mock.patch.object(dist, name, lambda *a, **k: None))
+        yield
+
+
+@contextmanager
+def large_write_buffers() -> Iterator[None]:
+    """Files opened for writing keep 1 MiB in Python's buffer (the default: the file system's
+    block, 4 KiB here). The snapshot (about 4 KiB) then reaches the OS only at a flush, so an
+    fsync before the flush is seen on every file system, not only where the snapshot fits
+    in one block (helper 118: on this one, a single 4,109-byte write went past the buffer)."""
+    real = io.open
+
+    def opened(file: Any, mode: str = "r", buffering: int = -1, *args: Any, **kwargs: Any) -> Any:
+        if buffering == -1 and "b" in mode and any(c in mode for c in "wax+"):
+            buffering = 1 << 20
+        return real(file, mode, buffering, *args, **kwargs)
+
+    with mock.patch.object(builtins, "open", opened), mock.patch.object(io, "open", opened):
         yield
