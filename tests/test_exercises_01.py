@@ -42,6 +42,23 @@ CASES = register([
          edits=(("send_buf, recv_buf = tensor.clone(), torch.empty_like(tensor)",
                  "send_buf = tensor.clone()\n"
                  "    recv_buf = torch.zeros(tensor.shape).to(tensor.dtype)"),)),
+    # helper 172: right, with a range(2) that is no ring of 2 steps
+    Case(RING, "double-buffered", None,
+         edits=(("    send_buf, recv_buf = tensor.clone(), torch.empty_like(tensor)\n",
+                 "    bufs = [torch.empty_like(tensor) for _ in range(2)]  # send one, fill one\n"
+                 "    bufs[0].copy_(tensor)\n"),
+                ("    for _ in range(world - 1):\n",
+                 "    for step in range(world - 1):\n"
+                 "        send_buf, recv_buf = bufs[step % 2], bufs[(step + 1) % 2]\n"),
+                ("        send_buf = recv_buf.clone()  # pass on what arrived: after world - 1 "
+                 "steps, everyone's\n", ""))),
+    Case(GATHER, "cut-by-a-pad-to-the-mean", "tensor lost its end (4 of 5 values)",  # h. 172
+         edits=(("    longest = int(max(lengths).item())\n"
+                 "    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)\n"
+                 "    padded[: tensor.shape[0]] = tensor\n",
+                 "    target = -(-int(sum(lengths).item()) // world)  # the mean, rounded up\n"
+                 "    padded = F.pad(tensor, (0, target - tensor.shape[0]))\n"),
+                ("import torch\n", "import torch\nimport torch.nn.functional as F\n"))),
     Case(GATHER, "two-ranks-written-in", "the number of ranks is written as 2",
          edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]",
                  "    lengths = [torch.zeros_like(length) for _ in range(2)]"),
@@ -306,7 +323,13 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
              "    dist.all_gather(out, n)\n",
              "    out = [torch.zeros_like(n) for _ in range(w)]\n    dist.all_gather(out, n)\n",
              "    buf = torch.zeros(n, dtype=torch.float32).to(dev)\n"
-             "    dist.all_reduce(buf)\n"]  # fmt: skip
+             "    dist.all_reduce(buf)\n",
+             # helper 172: a dtype and a device in one .to(); as_tensor of a tensor keeps its
+             # device; a range(2) that is no ring of 2 steps (the ring's own rule)
+             "    n = torch.tensor([3]).to(dtype=torch.int64, device=t.device)\n"
+             "    dist.all_gather(out, n)\n",
+             "    c = torch.as_tensor(buffer, dtype=torch.bfloat16)\n"
+             "    dist.all_reduce(c)\n"]  # fmt: skip
     assert all(re.search(pattern, text) for text in wrong)
     assert not any(re.search(pattern, text) for text in right)
     (gather,) = find("01_gather_uneven")

@@ -84,6 +84,20 @@ CASES = register([
             tmp.unlink(missing_ok=True)
             print("snapshot failed:", exc)
 """),)),
+    Case(SNAP, "a-failed-save-raised-as-another-error", None,  # helper 172: "was lost"
+         edits=(("""        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+""", """        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)  # no half-written file left behind
+            raise RuntimeError(f"snapshot {path} not saved") from exc
+"""),)),
     Case(RESUME, "global-rank-names-the-gpu", "a GPU named by the global rank",  # helper 169
          edits=(('snapshot, map_location="cpu"',
                  'snapshot, map_location=torch.device("cuda", rank) if GPU else "cpu"'),

@@ -21,6 +21,11 @@ CASES = register([
                             "    shard = labelled[rank::world_size]\n"
                             "    if rank == world_size - 1 and len(labelled) % world_size:\n"
                             "        shard.append(labelled[0])\n"),)),
+    Case(EX, "share-rounded-up-as-minus-one-plus-one", None,  # helper 172: right, and flagged
+         edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
+                            "    per_rank = (len(labelled) - 1) // world_size + 1  # rounded up\n"
+                            "    shard = labelled[rank::world_size]\n"
+                            "    shard += labelled[: per_rank - len(shard)]\n"),)),
     Case(EX, "share-as-floor-plus-one", "len // world_size + 1 is the share rounded up only",
          edits=((SHARD_FIX, "    labelled = [i for i in range(len(train_set)) if labels[i] >= 0]\n"
                             "    per_rank = len(labelled) // world_size + 1  # rounded up\n"

@@ -22,6 +22,9 @@ CASES = register([
                  "    new_world = 3  # the world we resume on\n"
                  "    padding = -len(rest) % new_world\n"),
                 ("    mine = rest[rank::world_size]\n", "    mine = rest[rank::new_world]\n"))),
+    Case(EX, "rank-from-the-process-group", "not dist.get_rank() or dist.get_world_size()",
+         edits=(("    mine = rest[rank::world_size]\n",
+                 "    mine = rest[torch.distributed.get_rank() :: world_size]\n"),)),
     # helper 164: a sampler of the learner's own, never given its epoch (told "skip consumed")
     Case(EX, "order-of-epoch-0", "the rest of epoch 0's order, not of epoch 1's",
          edits=(("    rest = order[consumed:]\n",

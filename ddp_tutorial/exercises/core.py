@@ -54,19 +54,20 @@ def ranks_written_as(n: int) -> str:
 
 # a call's arguments (two levels of brackets, over lines) naming no device
 _NO_DEVICE = r"\((?:(?!device)[^()]|\((?:(?!device)[^()]|\((?:(?!device)[^()])*\))*\))*\)"
-# a move: .to(...) or .cuda(...), unless only a dtype is given (.to(x.dtype) stays on the CPU)
+# a move: .to(...) or .cuda(...) naming a device, or giving no dtype alone (.to(x.dtype) stays)
 _MOVE = (
-    r"\.(?:to|cuda)\((?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
-    r"torch\.(?:u?int\d*|float\d*|bfloat16|half|long|double|bool)\s*\)))"
+    r"\.(?:to|cuda)\((?:(?=[^()]*device)|(?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
+    r"torch\.(?:u?int\d*|float\d*|bfloat16|half|long|double|bool)\s*\))))"
 )
 # a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
 # checks' backend; under nccl "No backend type associated with device type cpu" (lesson 01)
 # (its call names no device; no move nor a new value of the name before the collective; not
 # under a `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a
-# with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype))
+# with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype);
+# as_tensor only of a literal: of a tensor it keeps that tensor's device)
 MADE_ON_THE_CPU = (
     r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*\[?\s*torch\."
-    r"(?:zeros|empty|ones|full|tensor|as_tensor|arange|LongTensor|FloatTensor)"
+    r"(?:zeros|empty|ones|full|tensor|arange|LongTensor|FloatTensor|as_tensor(?=\(\s*[\[(\d]))"
     + _NO_DEVICE
     + rf"(?:(?!{_MOVE}|^[ \t]*(?P=v)\s*=).)*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
     "a tensor made without device= goes to a collective: right with gloo, this check's "

@@ -309,9 +309,10 @@ EXERCISES = [
         title="the mean over ranks, from point-to-point sends around a ring",
         teaches='lesson 01, "send and recv"',
         hidden=(  # helper 168: passed on the check's 3 ranks, or on gloo only
-            (r"range\(\s*2\s*\)|" + divided_by(3), "the ring's 3 ranks are written in "
-             "(range(2) steps, a division by 3): on 2 or 8 ranks the mean comes out wrong - "
-             "world - 1 steps, divide by world (dist.get_world_size())"),
+            (r"\bfor\s+\w+\s+in\s+range\(\s*2\s*\)\s*:|" + divided_by(3),
+             "the ring's 3 ranks are written in (range(2) steps, a division by 3): on 2 or 8 "
+             "ranks the mean comes out wrong - world - 1 steps, divide by world "
+             "(dist.get_world_size())"),
             (r"\bi?recv\(\s*[\w.\[\]]+\s*\)", "a recv without src= takes a message from "
              "any rank: gloo allows it, nccl has no receive from any source - name the left "
              "neighbour: dist.recv(buf, src=(rank - 1) % world)"),

@@ -76,28 +76,8 @@ def judge_gather(records: list[Record]) -> str | None:
                     "must be rank i's tensor on every rank - keep all_gather's order, which is "
                     "the ranks' (not this rank's own first)")  # fmt: skip
         for src, (g, w) in enumerate(zip(got, want, strict=True)):
-            if g == w and rec["dtypes"][src] not in ("int64", None):
-                return (f"on rank {rank}, rank {src}'s tensor came back as "
-                        f"{rec['dtypes'][src]}; it was sent as int64: make the padding buffer "
-                        "with the input's dtype (torch.zeros(longest, dtype=tensor.dtype)) - "
-                        "else predictions and labels come back as floats")  # fmt: skip
-            if g == w:
-                continue
-            if isinstance(g, list) and len(g) > len(w) and g[: len(w)] == w:
-                return (
-                    f"on rank {rank}, rank {src}'s tensor still has its padding ({len(g)} "
-                    f"values, not {len(w)}): trim each to the length its rank sent"
-                )
-            lost = [v for v in dict.fromkeys(w) if isinstance(g, list) and len(g) < len(w)
-                    and g == [x for x in w if x != v]]  # fmt: skip
-            if lost:
-                return (f"on rank {rank}, rank {src}'s tensor lost its {lost[0]}s: trimmed by "
-                        f"value, like the padding - trim by the lengths gathered ({lost[0]} can "
-                        "be a real label)")  # fmt: skip
-            if isinstance(g, list) and len(g) != len(w):
-                return (f"on rank {rank}, rank {src}'s tensor has {len(g)} values, not {len(w)}: "
-                        "gather every rank's length first, then trim each to its own")  # fmt: skip
-            return f"on rank {rank}, rank {src}'s tensor is {g}, expected {w}"
+            if mistake := _judge_tensor(f"on rank {rank}, rank {src}'s tensor", g, w, rec, src):
+                return mistake
         longest = max(len(w) for w in want)
         # one more than the longest: a slot that carries the length with the values is fine
         if over := [k for k in rec.get("sent", []) if k > longest + 1]:
@@ -111,6 +91,38 @@ def judge_gather(records: list[Record]) -> str | None:
                     "dist.all_gather of the padded tensors does it in one collective (not "
                     "one broadcast per rank)")  # fmt: skip
     return _judge_floats(records)
+
+
+def _judge_tensor(where: str, g: Any, w: list[int], rec: Record, src: int) -> str | None:
+    """One rank's tensor as another rank got it back (``g``) against what it sent (``w``)."""
+    if g == w and rec["dtypes"][src] not in ("int64", None):
+        return (f"{where} came back as "
+                f"{rec['dtypes'][src]}; it was sent as int64: make the padding buffer "
+                "with the input's dtype (torch.zeros(longest, dtype=tensor.dtype)) - "
+                "else predictions and labels come back as floats")  # fmt: skip
+    if g == w:
+        return None
+    if isinstance(g, list) and len(g) > len(w) and g[: len(w)] == w:
+        return (
+            f"{where} still has its padding ({len(g)} "
+            f"values, not {len(w)}): trim each to the length its rank sent"
+        )
+    lost = [v for v in dict.fromkeys(w) if isinstance(g, list) and len(g) < len(w)
+            and g == [x for x in w if x != v]]  # fmt: skip
+    if lost:
+        return (f"{where} lost its {lost[0]}s: trimmed by "
+                f"value, like the padding - trim by the lengths gathered ({lost[0]} can "
+                "be a real label)")  # fmt: skip
+    cut = isinstance(g, list) and len(g) < len(w) and g == w[: len(g)]
+    if cut and max(rec.get("sent") or [len(w)]) < len(w):  # helper 172: F.pad cut
+        return (f"{where} lost its end ({len(g)} of "
+                f"{len(w)} values): pad to the longest length gathered (the max of the "
+                "lengths; F.pad with a negative amount cuts), then trim each to its "
+                "own length")  # fmt: skip
+    if isinstance(g, list) and len(g) != len(w):
+        return (f"{where} has {len(g)} values, not {len(w)}: "
+                "gather every rank's length first, then trim each to its own")  # fmt: skip
+    return f"{where} is {g}, expected {w}"
 
 
 def _judge_floats(records: list[Record]) -> str | None:

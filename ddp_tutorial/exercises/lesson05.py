@@ -166,13 +166,14 @@ def _kill_phase(
             with _spied_save(died, kill=True), barriers_return():
                 module.save_snapshot(path, model, optimizer, EPOCH + 1, STEP + 40)
             record["kill"] = "caught" if died else "torch.save was never called"
-        except Killed:
-            after = _read(path) if path.is_file() else {"error": "the file is gone"}
-            record["kill"] = after.get("error", "").split(". ")[0] or (
-                "intact" if after.get("epoch") == EPOCH else f"epoch {after.get('epoch')}"
-            )
-        except Exception as exc:
-            record["kill"] = f"raised {_error(exc)}"
+        except (Killed, Exception) as exc:  # Killed, or raised again as another error
+            if any(isinstance(e, Killed) for e in (exc, exc.__cause__, exc.__context__)):
+                after = _read(path) if path.is_file() else {"error": "the file is gone"}
+                record["kill"] = after.get("error", "").split(". ")[0] or (
+                    "intact" if after.get("epoch") == EPOCH else f"epoch {after.get('epoch')}"
+                )
+            else:
+                record["kill"] = f"raised {_error(exc)}"
     meet(ctx, "05-killed")
 
 

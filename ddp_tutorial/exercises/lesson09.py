@@ -156,11 +156,12 @@ EXERCISES = [
                 (r"(?:\brank\s*(?:==|!=|<=?|>=?)\s*(?:\d|\w*world\w*\s*-\s*\d)|\blen\(\s*\w+\s*\)\s*(?:==|!=|<=?|>=?)\s*[1-9])"
                  r"[^\n]*(?:\n[^\n]*)?\b(?:shard|labelled)\s*(?:\+?=|\.(?:append|extend|insert)\()",
                  "padding that names a rank or a length (rank == 1, len(shard) < 13) fits "
-                 "this run's 25 labelled samples on 2 ranks only: with 24 (--num-samples 29) "
-                 "it adds a sample no rank needed, on 3 ranks it pads the wrong one - pad the "
+                 "this run's 25 labelled samples on 2 ranks only: which ranks are short, and by "
+                 "how many, depends on the count and the world (24: none; 25 on 3 ranks: two "
+                 "of them) - pad the "
                  "labelled list to a multiple of world_size computed from len(labelled), as "
                  'DistributedSampler does (lesson 09, "7 · Uneven inputs")'),
-                (r"//\s*[\w.()]*world\w*(?:\(\))?\s*\+\s*1\b",  # helper 169
+                (r"(?<!-\s1\)\s)(?<!-1\)\s)(?<!-\s1\))(?<!-1\))//\s*[\w.()]*world\w*(?:\(\))?\s*\+\s*1\b(?!\s+if\b)",
                  "len // world_size + 1 is the share rounded up only when the count does not "
                  "divide: with 24 labelled samples (--num-samples 29) every rank pads one that "
                  "no rank needed - round up with -(-len(labelled) // world_size) or math.ceil "

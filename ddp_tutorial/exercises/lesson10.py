@@ -199,8 +199,8 @@ def judge_rest(records: list[Record]) -> str | None:
         called = [{"rank": r, "got": got} for r, got in enumerate(lists)]
         if mistake := _judge_world(called):
             return (f"rest_of_epoch(..., r, {world}) for each rank r of {world}: {mistake} - "
-                    f"deal by the world_size the function is given, not this run's "
-                    f"{len(records)}")  # fmt: skip
+                    "use the rank and world_size the function is given (not dist.get_rank() "
+                    f"or dist.get_world_size(), nor this run's {len(records)})")  # fmt: skip
     return None
 
 

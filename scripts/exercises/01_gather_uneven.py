@@ -11,7 +11,7 @@ A tensor you make for a collective goes on the device of the ones you are given
 (device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
 gloo and nccl"), and the check reads your lines for it.
 
-Check it (2 gloo ranks; rank 0 has 3 values, rank 1 has 4; int64, then floats):
+Check it (2 gloo ranks; rank 0 has 3 values, rank 1 has 5; int64, then floats):
 
     ddp-tutorial check 01
 """
