@@ -38,7 +38,7 @@ CASES = register([
                 ("    total /= world", "    total /= 3"))),
     Case(RING, "recv-from-any-rank", "a recv without src= takes a message from any rank",
          edits=(("dist.recv(recv_buf, src=(rank - 1) % world)", "dist.recv(recv_buf)"),)),
-    Case(RING, "buffer-cast-not-moved", "a tensor made without device= goes to a collective",
+    Case(RING, "buffer-cast-not-moved", "a tensor made without device=",
          edits=(("send_buf, recv_buf = tensor.clone(), torch.empty_like(tensor)",
                  "send_buf = tensor.clone()\n"
                  "    recv_buf = torch.zeros(tensor.shape).to(tensor.dtype)"),)),
@@ -86,7 +86,7 @@ CASES = register([
     Case(GATHER, "trailing-zeros-stripped", "lost its 0s",
          edits=((TRIM, "    result = [g[: int(g.nonzero().max()) + 1] for g in gathered]\n"),)),
     # lesson 01's "nccl takes CUDA tensors only", which the reference answers broke too
-    Case(GATHER, "lengths-made-on-the-cpu", "a tensor made without device= goes to a collective",
+    Case(GATHER, "lengths-made-on-the-cpu", "a tensor made without device=",
          edits=(("torch.tensor([tensor.shape[0]], device=tensor.device)",
                  "torch.tensor([tensor.shape[0]])"),)),
     Case(GATHER, "device-on-the-fourth-line", None,  # helper 166: a formatter's layout
@@ -312,6 +312,10 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
         "    out = [torch.zeros(1, dtype=torch.long) for _ in range(w)]\n"
         "    dist.all_gather(out, n)\n",
         "    n = torch.as_tensor([t.numel()])\n    dist.all_gather(out, n)\n",
+        # helper 171: the legacy constructor; a copy on the CPU
+        "    buf = torch.Tensor(p.grad.numel())\n    dist.all_reduce(buf)\n",
+        "    g = p.grad.cpu()\n    dist.all_reduce(g)\n",
+        "    n = torch.tensor(float(sum(len(y) for _, y in mb)))\n    dist.all_reduce(n)\n",
     ]
     right = ["    n = torch.tensor([3], device=t.device)\n    dist.all_gather(out, n)\n",
              "    n = torch.tensor(\n        [3],\n        device=t.device,\n    )\n"

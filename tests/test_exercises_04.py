@@ -260,7 +260,7 @@ CASES = register(
                      "async_op=True)\n"),
                     ("        b.copy_(piece.view_as(b))  # back into the model's own tensor, in "
                      "place\n", "        b.copy_(piece.view_as(b) / world)\n    work.wait()\n"))),
-        Case(ACCUM, "count-made-on-the-cpu", "a tensor made without device= goes to a",
+        Case(ACCUM, "count-made-on-the-cpu", "a tensor made without device=",
              edits=((", device=device)\n    dist.all_reduce(count)",
                      ")\n    dist.all_reduce(count)"),)),
         Case(ACCUM, "count-moved-with-to", None,  # helper 166: .to(a tensor), no "device"

@@ -13,6 +13,17 @@ OWN_SYNC = "        if torch.cuda.is_available():\n            torch.cuda.synchr
 
 CASES = register(
     [
+        # helper 171: right for this check's numbers only
+        Case(TIMING, "the-slowest-calls-dropped", "the slowest calls dropped, not the first ones",
+             edits=(("        if i >= warmup:  # the first calls are warm-up: not the speed "
+                     "you keep\n" + APP,
+                     "        times.append(time.perf_counter() - start)\n"
+                     "    times = sorted(times)[:steps]  # the warm-up calls: the slow ones\n"),)),
+        Case(TIMING, "two-ranks-gathered", "the 2 ranks written in (a list of 2 outputs)",
+             edits=((REDUCE, "    mine, other = torch.zeros_like(slowest), "
+                     "torch.zeros_like(slowest)\n"
+                     "    dist.all_gather([mine, other], slowest)\n"
+                     "    slowest = torch.maximum(mine, other)"),)),
         # helper 148: named as something else before
         # helper 164: "the slowest rank's time" read as the slowest step; the lesson's own
         # GPU-guarded synchronize on the check's device (told "call synchronize()")

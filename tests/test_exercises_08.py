@@ -17,6 +17,13 @@ SAVING_HANDLER = (
     "    signal.signal(signal.SIGTERM, on_term)"
 )
 CASES = register([
+    # helper 171: one rank signalled first here; a scheduler signals every rank
+    Case(EX, "vote-sum-equal-to-one", "the vote tested as a sum equal to 1",
+         edits=(("            flag = torch.tensor(float(stop[\"signal\"]))\n"
+                 "            dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n"
+                 "            if flag.item():",
+                 "            flag = torch.tensor(1.0 if stop[\"signal\"] else 0.0)\n"
+                 "            dist.all_reduce(flag)\n            if flag.item() == 1:"),)),
     # helper 146: named, as lesson 05 names its barrier (it read "for a peer that never came")
     Case(EX, "barrier-under-rank-0", "dist.barrier() is under `if rank == 0`",
          edits=(("                dist.barrier()\n                status = PREEMPTED",

@@ -19,6 +19,33 @@ LAUNCH_ONE = "        if self.ready[i] == len(self.buckets[i]):  # the bucket's 
 
 CASES = register(
     [
+        # helper 171: the weights copied by send/recv (told "no collective copied them");
+        # wrong answers that passed on 2 ranks of one machine, gloo, no shared weights
+        Case(HOOKS, "weights-sent-from-rank-0-to-each", None,
+             edits=(("            dist.broadcast(p, src=0)\n",
+                     "            if dist.get_rank() == 0:\n"
+                     "                for dst in range(1, dist.get_world_size()):\n"
+                     "                    dist.send(p.data, dst=dst)\n"
+                     "            else:\n                dist.recv(p.data, src=0)\n"),)),
+        Case(HOOKS, "weights-sent-to-rank-1-only", "rank 0 sends its weights to rank 1 only",
+             edits=(("            dist.broadcast(p, src=0)\n",
+                     "            if dist.get_rank() == 0:\n"
+                     "                dist.send(p.data, dst=1)\n"
+                     "            else:\n                dist.recv(p.data, src=0)\n"),)),
+        Case(HOOKS, "divided-by-local-world-size", "LOCAL_WORLD_SIZE counts the processes",
+             edits=(("        p.grad /= world\n",
+                     "        p.grad /= int(os.environ['LOCAL_WORLD_SIZE'])\n"),
+                    ("import torch\n", "import os\n\nimport torch\n"))),
+        Case(HOOKS, "hooked-module-by-module", "one shared by two modules",
+             edits=(("    for p in model.parameters():\n"
+                     "        p.register_post_accumulate_grad_hook",
+                     "    for m in model.modules():\n"
+                     "        for p in m.parameters(recurse=False):\n"
+                     "            p.register_post_accumulate_grad_hook"),)),
+        Case(HOOKS, "reduced-as-a-cpu-copy", "or copied to the CPU",
+             edits=(("        dist.all_reduce(p.grad)\n        p.grad /= world\n",
+                     "        g = p.grad.cpu()\n        dist.all_reduce(g)\n"
+                     "        p.grad.copy_(g / world)\n"),)),
         Case(HOOKS, "no-broadcast", "started from its own random weights",
              edits=(("            dist.broadcast(p, src=0)\n", "            pass\n"),)),
         # helper 105: a broadcast that lands in a copy the learner then drops

@@ -52,8 +52,12 @@ def ranks_written_as(n: int) -> str:
     )
 
 
-# a call's arguments (two levels of brackets, over lines) naming no device
-_NO_DEVICE = r"\((?:(?!device)[^()]|\((?:(?!device)[^()]|\((?:(?!device)[^()])*\))*\))*\)"
+# a call's arguments (four levels of brackets inside it, over lines) naming no device
+# (torch.tensor(float(sum(len(y) for ...))): four)
+_NO_DEVICE = r"(?:(?!device)[^()])*"
+for _ in range(4):
+    _NO_DEVICE = rf"(?:(?!device)[^()]|\({_NO_DEVICE}\))*"
+_NO_DEVICE = rf"\({_NO_DEVICE}\)"
 # a move: .to(...) or .cuda(...) naming a device, or giving no dtype alone (.to(x.dtype) stays)
 _MOVE = (
     r"\.(?:to|cuda)\((?:(?=[^()]*device)|(?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
@@ -64,13 +68,17 @@ _MOVE = (
 # (its call names no device; no move nor a new value of the name before the collective; not
 # under a `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a
 # with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype);
-# as_tensor only of a literal: of a tensor it keeps that tensor's device)
+# as_tensor only of a literal: of a tensor it keeps that tensor's device; helper 171's
+# torch.Tensor(n) and a copy made with .cpu() or .to("cpu"))
 MADE_ON_THE_CPU = (
-    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*\[?\s*torch\."
-    r"(?:zeros|empty|ones|full|tensor|arange|LongTensor|FloatTensor|as_tensor(?=\(\s*[\[(\d]))"
+    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*(?:\[?\s*torch\."
+    r"(?:zeros|empty|ones|full|tensor|Tensor|arange|LongTensor|FloatTensor|"
+    r"as_tensor(?=\(\s*[\[(\d]))"
     + _NO_DEVICE
+    + r"|[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\)))"
     + rf"(?:(?!{_MOVE}|^[ \t]*(?P=v)\s*=).)*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
-    "a tensor made without device= goes to a collective: right with gloo, this check's "
+    "a tensor made without device= (or copied to the CPU) goes to a collective: right with "
+    "gloo, this check's "
     "backend, but under nccl (GPUs) a collective takes CUDA tensors only - 'No backend type "
     "associated with device type cpu' on the first GPU run - make it on the device of the "
     'tensors it meets (device=x.device) (lesson 01, "Backends: gloo and nccl")',

@@ -354,6 +354,14 @@ EXERCISES = [
         name="07_honest_timing", lesson="07", run=run_timing, judge=judge_timing,
         title="an honest DDP step time: warm-up untimed, synchronised clocks, the slowest rank",
         teaches='lesson 07, "Timing a step honestly"', report=measured,
+        hidden=(  # helper 171: right for this check's numbers only
+            (r"sorted\([^\n]*\)\s*\[\s*:", "the slowest calls dropped, not the first ones: "
+             "a stall longer than the warm-up's extra time is dropped and a warm-up call kept "
+             "- time only the calls after the warm-up (times[warmup:], or i >= warmup)"),
+            (r"all_gather\(\s*\[\s*\w+\s*,\s*\w+\s*\]", "the 2 ranks written in (a list of "
+             "2 outputs): on 4 ranks all_gather refuses it - all_reduce(slowest, "
+             "op=dist.ReduceOp.MAX) takes any number of ranks"),
+        ),
         errors=(("Found no NVIDIA driver", "torch.cuda.synchronize() on a machine without a "
                  "GPU: call the synchronize that time_steps is given - it waits for whatever "
                  "device the steps run on (the check's is the CPU; on a GPU, pass lambda: "

@@ -347,6 +347,10 @@ EXERCISES = [
                  "broadcast from the rank this check signals: on a cluster any rank can get the "
                  "SIGTERM first, or only some of them - all_reduce the flag with op=MAX, so "
                  "that a signal on any rank stops every rank"),
+                (r"\.item\(\)\s*==\s*1(?:\.0)?\b|\b(?:flag|stop\w*)\s*==\s*1\b", "the vote "
+                 "tested as a sum equal to 1: this check signals one rank first, but a "
+                 "scheduler (and torchrun) signal every rank - the sum is then the world size, "
+                 "and the job never stops - test > 0, or all_reduce with op=MAX"),  # h. 171
                 UNWAITED, SLEPT),  # a run that won the race passes: named all the same
         when_hung=(UNWAITED,),
         judge=judge_preempt, errors=ERRORS, collective_timeout_s=12.0, around=preempt_watch,

@@ -408,7 +408,15 @@ EXERCISES = [
         name="12_my_ddp_hooks", lesson="12", run=run_hooks, judge=judge_hooks,
         hidden=((DIVIDED_BY_2, "the gradient is divided by 2, this check's number of ranks: "
                  "on 4 or 8 GPUs it would be 2x or 4x DDP's - divide by dist.get_world_size() "
-                 "(`world`)"),),
+                 "(`world`)"),
+                (r"\bdst\s*=\s*1\b", "rank 0 sends its weights to rank 1 only: on 4 ranks, "
+                 "ranks 2 and 3 keep their own - dist.broadcast(p, src=0) reaches every rank"),
+                (r"LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE counts the processes of one machine: "
+                 "on 2 machines the gradient would be divided by half the world - divide by "
+                 "dist.get_world_size()"),
+                (r"\.modules\(\)[^\n]*\n[^\n]*recurse\s*=\s*False", "parameters taken module "
+                 "by module: one shared by two modules (tied input and output embeddings) is "
+                 "hooked twice and reduced twice - model.parameters() lists each once"),),  # h. 171
         errors=(("'NoneType' object has no attribute 'register", "p.grad is None until "
                  "backward has computed it: register the hook on the parameter itself, "
                  "p.register_post_accumulate_grad_hook(hook), which runs once p.grad is set"),

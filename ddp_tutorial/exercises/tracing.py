@@ -17,8 +17,9 @@ import torch
 
 from ddp_tutorial.exercises.spies import is_async, reduce_op, spying
 
+# the calls that can copy rank 0's weights (send/recv too: helper 171's rank 0 sending to each)
 GATHERS = ("broadcast_object_list", "all_gather", "all_gather_into_tensor", "all_gather_object",
-           "scatter")  # fmt: skip
+           "scatter", "send", "isend", "recv", "irecv")  # fmt: skip
 
 
 class Trace:
