@@ -562,7 +562,8 @@ folder = Path(sys.argv[1])
 with process_group(backend="gloo") as info:
     record = {}
     if info.rank == 1:  # this node's view of the folder lags: it sees only the older snapshot
-        snapshots.latest_snapshot = lambda d: snapshots.snapshot_path(d, 5)
+        from ddp_tutorial._kit import kit
+        kit.latest_snapshot = lambda d: snapshots.snapshot_path(d, 5)  # the kit's own global
     record["chosen"] = snapshots.agreed_latest_snapshot(folder).name
     record["best"] = snapshots.from_rank0(0.9 if info.rank == 0 else 0.5)  # best.json, lagging
     if info.rank == 1:  # and now the chosen file is not there at all on this node

@@ -242,6 +242,7 @@ class Rotary(nn.Module):  # a constant buffer, one meant to differ per rank, a B
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))
         self.register_buffer("mine", torch.zeros(2))
+        self.register_buffer("scale", torch.zeros(1))  # a float buffer that no norm keeps
         self.norm = nn.BatchNorm1d(4)
 
 with process_group(backend="gloo") as info:
@@ -249,6 +250,7 @@ with process_group(backend="gloo") as info:
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["mine"])
     constant = model.inv_freq.clone()
     model.mine.fill_(info.rank)
+    model.scale.fill_(info.rank)
     model.norm.running_mean.fill_(info.rank)
     model.norm.num_batches_tracked.fill_(10 + info.rank)
     moved = average_buffers(model)
@@ -265,7 +267,7 @@ with process_group(backend="gloo") as info:
         "eval": [plain.correct, plain.count, never.correct, never.count, never.interrupted],
         "stopped": [stopped.interrupted, len(seen)],
         "constant_kept": torch.equal(model.inv_freq, constant), "mine": model.mine.tolist(),
-        "running_mean": model.norm.running_mean.tolist(),
+        "scale": model.scale.tolist(), "running_mean": model.norm.running_mean.tolist(),
         "count": int(model.norm.num_batches_tracked), "moved": moved})
 """
 
@@ -492,6 +494,8 @@ def test_buffers_averaged_are_norm_statistics_only_on_three_ranks(runs):
     for r in records:
         assert r["constant_kept"], "an average of 3 equal float32 copies is not always the copy"
         assert r["mine"] == [float(r["rank"])] * 2, "_ddp_params_and_buffers_to_ignore: left alone"
+        # helper 173: every float buffer averaged passed (the constant's copies are equal)
+        assert r["scale"] == [0.0], "a float buffer that is no norm statistic: rank 0's"
         assert r["running_mean"] == [1.0] * 4 and r["count"] == 10, r
     assert [r["moved"] for r in records] == [1.0, 1.0, 2.0], "the largest change on each rank"
 
