@@ -84,6 +84,12 @@ MADE_ON_THE_CPU = (
     'tensors it meets (device=x.device) (lesson 01, "Backends: gloo and nccl")',
 )
 
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as a verdict quotes it: its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:limit] if str(exc) else ''}"
+
+
 Record = dict[str, Any]
 # rank side: (the learner's module, this rank's context) -> what the judge reads
 RunFn = Callable[[ModuleType, "Context"], Record]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record, one_line
 from ddp_tutorial.exercises.lesson01 import COLLECTIVES
 from ddp_tutorial.exercises.runner import agent_store, meet
 from ddp_tutorial.exercises.spies import (
@@ -104,10 +104,6 @@ def _read(path: Path) -> dict[str, Any]:
             "momentum": bool(isinstance(optimizer, dict) and optimizer.get("state"))}  # fmt: skip
 
 
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-
-
 def _save_phase(
     module: ModuleType, ctx: Context, model: Any, optimizer: Any, path: Path, record: Record
 ) -> None:
@@ -142,7 +138,7 @@ def _save_phase(
         ):
             module.save_snapshot(path, model, optimizer, EPOCH, STEP)
     except Exception as exc:
-        record["save_error"] = _error(exc)
+        record["save_error"] = one_line(exc)
     found = _read(path) if path.is_file() else {}
     record.update(saves=calls, replaced=replaced, fsyncs=len(fsyncs), waits=waits,
                   there_on_return=found.get("epoch") == EPOCH)  # fmt: skip
@@ -173,7 +169,7 @@ def _kill_phase(
                     "intact" if after.get("epoch") == EPOCH else f"epoch {after.get('epoch')}"
                 )
             else:
-                record["kill"] = f"raised {_error(exc)}"
+                record["kill"] = f"raised {one_line(exc)}"
     meet(ctx, "05-killed")
 
 
@@ -244,7 +240,7 @@ def _load_phase(
         record["on_gpu"] = sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
     except Exception as exc:  # asked for cuda:0, a right answer raises: not judged on it
         if "loaded" not in record:
-            record["load_error"] = _error(exc)
+            record["load_error"] = one_line(exc)
     record["loads"] = loads
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record, one_line
 from ddp_tutorial.exercises.lesson11 import ready_for_ddp
 from ddp_tutorial.exercises.spies import is_async, spying
 
@@ -152,7 +152,7 @@ def _with_no_state(module: ModuleType, base: nn.Module) -> str | None:
         x, y = torch.randn(8, 16), torch.zeros(8, dtype=torch.long)
         nn.functional.cross_entropy(ddp(x), y).backward()
     except Exception as exc:  # the same on every rank: the same code, the same None
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return one_line(exc)
     return None
 
 

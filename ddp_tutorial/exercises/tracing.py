@@ -18,8 +18,8 @@ import torch
 from ddp_tutorial.exercises.spies import is_async, reduce_op, spying
 
 # the calls that can copy rank 0's weights (send/recv too: helper 171's rank 0 sending to each)
-GATHERS = ("broadcast_object_list", "all_gather", "all_gather_into_tensor", "all_gather_object",
-           "scatter", "send", "isend", "recv", "irecv")  # fmt: skip
+WEIGHT_COPIES = ("broadcast_object_list", "all_gather", "all_gather_into_tensor",
+                 "all_gather_object", "scatter", "send", "isend", "recv", "irecv")  # fmt: skip
 
 
 class Trace:
@@ -34,7 +34,7 @@ class Trace:
         self.touched: list[str] = []  # an async call's tensor changed in place before its wait
         self.same_front = False  # two gradients of one bucket began with the same numbers
         self.broadcasts_waited: list[bool] = []  # each async broadcast: waited on yet?
-        self.copies = 0  # broadcasts and gathers: the collectives that copy rank 0's weights
+        self.copies = 0  # broadcasts, gathers, sends: the calls that copy rank 0's weights
         self.moved_weights = False  # a parameter changed between a step's start and its step()
 
     def add(self, kind: str, **info: Any) -> None:
@@ -102,7 +102,7 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
         spying(("all_reduce",), note, module, touched=trace.touched),
         spying(("broadcast",), note_broadcast, module),
         spying(("reduce",), note_reduce, module),
-        spying(GATHERS, lambda *_: setattr(trace, "copies", trace.copies + 1), module),
+        spying(WEIGHT_COPIES, lambda *_: setattr(trace, "copies", trace.copies + 1), module),
     ):
         yield
 
