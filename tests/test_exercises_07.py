@@ -19,6 +19,13 @@ CASES = register(
                      "you keep\n" + APP,
                      "        times.append(time.perf_counter() - start)\n"
                      "    times = sorted(times)[:steps]  # the warm-up calls: the slow ones\n"),)),
+        Case(TIMING, "the-warm-up-written-in", "the warm-up's 2 calls (or the 5 steps)",
+             edits=(("        if i >= warmup:", "        if i >= 2:"),)),
+        Case(TIMING, "the-last-steps-sliced", "the warm-up's 2 calls (or the 5 steps)",
+             edits=(("        if i >= warmup:  # the first calls are warm-up: not the speed "
+                     "you keep\n" + APP,
+                     "        times.append(time.perf_counter() - start)\n"
+                     "    times = times[-5:]\n"),)),
         Case(TIMING, "two-ranks-gathered", "the 2 ranks written in (a list of 2 outputs)",
              edits=((REDUCE, "    mine, other = torch.zeros_like(slowest), "
                      "torch.zeros_like(slowest)\n"
@@ -157,3 +164,32 @@ def test_readings_from_one_start_are_told_from_a_step_short_by_their_shape():
     own = sum(e - start for e in ends)
     assert _from_one_start({"readings": [0.1, start, *ends], "sent": [own]})
     assert not _from_one_start({"readings": [start, *ends[:-1]], "sent": [own]})
+
+
+def test_the_warm_up_pattern_spares_right_lines():
+    """The check calls with warmup=2, steps=5: those numbers written in pass its run only."""
+    import re
+
+    from ddp_tutorial.exercises.lesson07 import WARMUP_WRITTEN
+
+    wrong = [
+        "if i >= 2:",
+        "if step > 1:",
+        "if i < 2: continue",
+        "times = times[2:]",
+        "times[-5:]",
+        "for _ in range(2):",
+        "for i in range(2, 7):",
+        "for i in range(7):",
+    ]
+    right = [
+        "if i >= warmup:",
+        "for _ in range(warmup):",
+        "times[warmup:]",
+        "if len(x) >= 20:",
+        "for i in range(warmup + steps):",
+        "x = 2.5 > 1.5",
+        "if i >= 2 * warmup:",
+    ]
+    assert all(re.search(WARMUP_WRITTEN, line) for line in wrong)
+    assert not any(re.search(WARMUP_WRITTEN, line) for line in right)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from exercise_cases import BY_NAME, Case, assert_verdict, register
 
@@ -63,7 +64,7 @@ CASES = register(
                      "    pass  # the hook is defined, and never registered\n"),)),
         Case(HOOKS, "reduces-the-parameter", "all_reduced a parameter itself",
              edits=(("        dist.all_reduce(p.grad)\n", "        dist.all_reduce(p)\n"),)),
-        Case(HOOKS, "hook-reads-the-loop-variable", "the hook reads the loop's variable",
+        Case(HOOKS, "hook-reads-the-loop-variable", "the loop's variable `p` holds the last",
              edits=(("    def average(p: torch.Tensor) -> None:",
                      "    def average(_: torch.Tensor) -> None:"),)),
         # helper 148: right answers the race check took for a division before the wait
@@ -185,8 +186,9 @@ CASES = register(
         Case(BUCKETS, "copied-into-the-weights", "the weights themselves changed",
              edits=(("                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))",
                      "                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))"),)),  # noqa: E501
-        # helper 136: sent when the last-listed parameter is ready (right here by luck)
-        Case(BUCKETS, "sent-on-the-last-listed-parameter", "its last-listed parameter is ready",
+        # helper 136: sent when the last-listed parameter is ready (right by luck while the
+        # check's MLP ran in definition order; now its layers run in another: a gradient missing)
+        Case(BUCKETS, "sent-on-the-last-listed-parameter", "nor its last-listed parameter says",
              edits=(("        if self.ready[i] == len(self.buckets[i]):",
                      "        if param is self.buckets[i][-1]:"),)),
         Case(BUCKETS, "hooks-registered-twice", "register once per parameter",
@@ -276,13 +278,34 @@ CASES = register(
              edits=(("        p.grad /= world\n",
                      "        p.grad /= world\n        dist.all_reduce(p.grad)\n"
                      "        p.grad /= world\n"),)),
-        Case(BUCKETS, "last-listed-parameter-through-a-name", "its last-listed parameter",
+        Case(BUCKETS, "last-listed-parameter-through-a-name", "nor its last-listed parameter",
              edits=(("        if self.ready[i] == len(self.buckets[i]):",
                      "        bucket = self.buckets[i]\n        if param is bucket[-1]:"),)),
         Case(BUCKETS, "divided-before-the-wait-on-a-view", "before its work.wait()",
              edits=(("for p in self.buckets[i]])\n", "for p in self.buckets[i]]).view(-1)\n"),
                     ("            work.wait()\n            flat /= self.world_size\n",
                      "            flat /= self.world_size\n            work.wait()\n"))),
+        # helper 171: three answers that passed while the check's MLP ran in definition order
+        Case(BUCKETS, "works-zipped-with-the-buckets", "keep each Work with its flat tensor",
+             edits=(("        self.pending.append((work, flat, self.buckets[i]))",
+                     "        self.pending.append((work, flat))"),
+                    ("        for work, flat, params in self.pending:",
+                     "        for (work, flat), params in zip(self.pending, self.buckets):"))),
+        Case(BUCKETS, "one-count-over-all-the-gradients", "count each bucket's own ready",
+             edits=((LAUNCH_ONE,
+                     "        self.seen = getattr(self, 'seen', 0) + 1\n"
+                     "        ends = [sum(map(len, self.buckets[: j + 1])) "
+                     "for j in range(len(self.buckets))]\n"
+                     "        if self.seen in ends:\n"
+                     "            self._launch(ends.index(self.seen))\n"
+                     "        if self.seen == ends[-1]:\n            self.seen = 0\n"),)),
+        Case(BUCKETS, "a-dict-of-closing-parameters", "nor its last-listed parameter says",
+             edits=(("        # END YOUR CODE\n        self.ready = [0]",
+                     "        self.closing = {b[-1]: i for i, b in enumerate(self.buckets)}\n"
+                     "        # END YOUR CODE\n        self.ready = [0]"),
+                    ("        i = self.bucket_of[param]\n        self.ready[i] += 1\n" + LAUNCH_ONE,
+                     "        if param in self.closing:\n"
+                     "            self._launch(self.closing[param])\n"))),
         Case(BUCKETS, "four-bytes-per-element", "a float32 model's (this check's)",
              edits=(("size += p.numel() * p.element_size()", "size += p.numel() * 4"),)),
     ]
@@ -296,9 +319,9 @@ def test_wrong_answers_are_named(case, exercise_verdicts):
 
 
 def test_the_buckets_asked_for_are_ddps():
-    """The rule the exercise states (reverse order, close at the cap) is torch's own: DDP
-    buckets its parameters with ``_compute_bucket_assignment_by_size`` in the order backward
-    produced their gradients, which for this MLP is the reverse of registration."""
+    """The rule the exercise states (reverse order, close at the cap) is torch's own: DDP's
+    ``_compute_bucket_assignment_by_size`` on the parameters in the order it guesses backward
+    produces them before it has seen one, the reverse of registration."""
     params = list(lesson12.make_model(0).parameters())
     nbytes = [p.numel() * p.element_size() for p in params]
     want = lesson12_buckets.expected_buckets(nbytes)
@@ -340,27 +363,23 @@ def test_a_busy_host_is_a_load_per_core_above_the_limit(monkeypatch):
         assert lesson12.busy_host() is busy, per_minute
 
 
-def test_the_last_listed_pattern_spares_right_lines():
-    """Helper 157: the pattern widened for `param is bucket[-1]` matched right code too."""
-    import re
-
-    (ex,) = find(BUCKETS)
-    pattern = next(p for p, why in ex.hidden if "last-listed" in why)
-    wrong = [
-        "if param is self.buckets[i][-1]:",
-        "if param is bucket[-1]:",
-        "if p == bucket[-1]:",
-        "if id(p) == id(self.buckets[i][-1]):",
-        "if self.buckets[i][-1] is param:",
-    ]
-    right = [
-        "if size >= bucket_cap_bytes or p is params[-1]:",
-        "if sizes[-1] == 0:",
-        "assert offset == offsets[-1]",
-        "self.buckets[-1].append(p)",
-        "flat = torch.empty(self.offsets[i][-1])",  # helper 162
-        "if self.ready[i] == self.offsets[i][-1]:",  # a count of elements (helper 166)
-        "if self.offsets[i][-1] == self.ready[i]:",
-    ]
-    assert all(re.search(pattern, line) for line in wrong)
-    assert not any(re.search(pattern, line) for line in right)
+def test_the_checks_buckets_fill_out_of_their_lists_order():
+    """Helper 171: with an MLP run in definition order, the buckets filled in their list's order
+    and each closed on its last-listed parameter, so Works zipped with the buckets, a count over
+    all gradients, and a send on the last-listed parameter passed. The check's MLP defines its
+    layers from the output back: in a real backward, neither holds."""
+    model = lesson12.make_model(0)
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    came: list[int] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: came.append(index[id(q)]))
+    x, y = lesson12.rank_batch(0, 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    want = lesson12_buckets.expected_buckets([p.numel() * p.element_size() for p in params])
+    full = [max(came.index(i) for i in bucket) for bucket in want]  # when each bucket is full
+    assert full != sorted(full), f"the buckets {want} fill in their list's order: {came}"
+    assert any(came.index(b[-1]) < full[k] for k, b in enumerate(want)), (
+        f"every bucket of {want} is full when its last-listed parameter is: {came}"
+    )
+    assert came[: len(want[0])] != want[0], "the first bucket's parameters came first"

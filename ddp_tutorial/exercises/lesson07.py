@@ -36,6 +36,12 @@ HICCUP_AT, HICCUP_S = WARMUP + 3, 0.2  # apart: 5 typical steps 400 ms, 4 steps 
 CPU_CLOCKS = ("process_time", "thread_time")  # the time this process computed, not waited
 WALL_CLOCKS = ("perf_counter", "monotonic", "time")  # their readings by the learner are noted
 _now = time.perf_counter  # the device's own clock: never one of the learner's readings
+# the check's WARMUP (2) or STEPS (5) written in where the arguments belong (i >= 2, i > 1,
+# times[2:], range(2) of warm-up calls, range(7)): right for this check's call only
+WARMUP_WRITTEN = (
+    r"\b\w+\s*(?:>=\s*2|>\s*1|<\s*2)(?![\w.]|\s*[*+])|\[\s*-?[25]\s*:|"
+    r"range\(\s*(?:[25]|[25]\s*,\s*7|7)\s*\)"
+)
 
 
 def work_s(rank: int) -> float:
@@ -358,6 +364,9 @@ EXERCISES = [
             (r"sorted\([^\n]*\)\s*\[\s*:", "the slowest calls dropped, not the first ones: "
              "a stall longer than the warm-up's extra time is dropped and a warm-up call kept "
              "- time only the calls after the warm-up (times[warmup:], or i >= warmup)"),
+            (WARMUP_WRITTEN, f"the warm-up's {WARMUP} calls (or the {STEPS} steps) written "
+             "in, this check's numbers: called with warmup=10 or steps=20, the wrong calls "
+             "would be timed - use the arguments (i >= warmup, times[warmup:])"),
             (r"all_gather\(\s*\[\s*\w+\s*,\s*\w+\s*\]", "the 2 ranks written in (a list of "
              "2 outputs): on 4 ranks all_gather refuses it - all_reduce(slowest, "
              "op=dist.ReduceOp.MAX) takes any number of ranks"),

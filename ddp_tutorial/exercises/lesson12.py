@@ -32,7 +32,7 @@ from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.tracing import Trace, coverage, traced_all_reduce
 from ddp_tutorial.settings import machine_load
 
-SIZES = (8, 32, 32, 32, 4)  # the MLP's widths: 4 Linear layers, 8 parameter tensors
+SIZES = (8, 32, 32, 32, 4)  # the MLP's widths, as it runs: 4 Linear layers, 8 parameter tensors
 # 1056 fp32 numbers: 3 buckets for this MLP, not 1, not 8; and its second bucket holds exactly
 # the cap, so a bucket closed only above it (`>` for DDP's `>=`) comes out different
 BUCKET_CAP_BYTES = 4224
@@ -45,13 +45,31 @@ GROSS_SLOWDOWN = 20.0  # a step this many times DDP's is named; anything less is
 BUSY_LOAD_PER_CORE = 2.0  # above this 1-minute load per core, step times are not judged
 
 
+class OutputFirstMLP(nn.Module):
+    """The check's MLP: its layers run from input to output but are defined from the output
+    back. DDP's first buckets assume the layers run in the order they are defined (its own
+    comment in ``DistributedDataParallel.__init__``; it rebuilds them after a step in the order
+    the gradients came); buckets built by that rule here fill in another order than their
+    list's, so a bucket paired with its Work by position, found by a count over all the
+    gradients, or sent when its last-listed parameter is ready, is seen (helper 171: an MLP
+    run in definition order passed all three)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = list(zip(SIZES, SIZES[1:], strict=False))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in reversed(widths))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *hidden, out = reversed(self.layers)
+        for layer in hidden:
+            x = torch.relu(layer(x))
+        return out(x)
+
+
 def make_model(seed: int) -> nn.Module:
     """The MLP, from ``seed``: every rank builds its own (different) weights, as in lesson 04."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:], strict=False)):
-        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(SIZES) - 2 else [])
-    return nn.Sequential(*layers)
+    return OutputFirstMLP()
 
 
 def rank_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

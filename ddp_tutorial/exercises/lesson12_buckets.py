@@ -75,9 +75,10 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
             )
         if got and got[0] and got[0][0] == 0:
             return (
-                f"your buckets {got} start from the first layer: walk the parameters in "
-                "REVERSE order of registration, the order backward produces their "
-                f"gradients, so the first bucket fills first (expected {want}) "
+                f"your buckets {got} start from the first parameter registered: walk the "
+                "parameters in REVERSE order of registration, DDP's rule for its first "
+                "buckets (it assumes the layers run in the order they are defined, so that "
+                f"backward produces the last one's gradients first) (expected {want}) "
                 '(lesson 04, "The picture, from this run")'
             )
         return (
@@ -224,9 +225,13 @@ READ_AFTER_WAIT = (
 )
 
 
+# helper 171: a bucket sent when its last-listed parameter is ready, or when a count over all
+# the gradients reaches the bucket's end, passed while the check's MLP ran in definition order
 _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when its bucket "
-          "was flattened: the bucket was sent before every gradient in it had arrived - "
-          "launch it when all of its parameters are ready (ready == len(bucket)); and register "
+          "was flattened: the bucket was sent before every gradient in it had arrived - count "
+          "each bucket's own ready gradients and launch it at ready == len(bucket) (the "
+          "check's MLP defines its layers from the output back, so neither a bucket's place "
+          "in the list nor its last-listed parameter says when it is full); and register "
           "p.register_post_accumulate_grad_hook, which runs once p.grad is set (a hook from "
           "p.register_hook runs before: it is given the gradient, p.grad is not set "
           "yet)")  # fmt: skip
@@ -248,6 +253,16 @@ _TWICE = (HOOKED_TWICE, "a parameter has its hook registered more than once, so 
           "every module that holds it; loop over model.parameters()")  # fmt: skip
 
 
+# helper 171: the Works paired with the buckets by position, zip(self.pending, self.buckets)
+_MISPAIRED = (
+    "is invalid for input of size",
+    "a bucket's sum did not fit the gradients it was "
+    "copied into: copy each sum back into the parameters it was flattened from - "
+    "the buckets finish in the order backward fills them, not in their list's order "
+    "(the check's MLP defines its layers from the output back), so keep each Work "
+    "with its flat tensor and its bucket: self.pending.append((work, flat, bucket))",
+)
+
 _NO_BUCKET = ("a parameter has no bucket: is every parameter in one - the last bucket closed "
               "after the walk, even below the cap - and bucket_of filled for each?")  # fmt: skip
 
@@ -263,26 +278,14 @@ EXERCISES = [
         hidden=((DIVIDED_BY_2, "the bucket is divided by 2, this check's number of ranks: on "
                  "4 or 8 GPUs the gradients would be 2x or 4x DDP's - divide by "
                  "self.world_size"),
-                # helper 156: also through a name, `bucket = self.buckets[i]; param is bucket[-1]`
-                # (helper 157: not `p is params[-1]` closing the last bucket at construction;
-                # helper 162: nor `torch.empty(self.offsets[i][-1])`, a size, not a test)
-                # (a parameter compared, not a count: `self.ready[i] == self.offsets[i][-1]`
-                # counts elements, helper 166)
-                (r"(?:\bis\s+|(?:\bid\([^()]*\)|(?<![\w\]).])\b\w+)\s*==\s*)(?:id\()?[\w.]+"
-                 r"\[[^\]]*\]\s*\[\s*-1\s*\]|\]\s*\[\s*-1\s*\]\)?\s*(?:is\b|==\s*\w+\s*(?::|$|\)))|"
-                 r"\w\s+(?:is|==)\s+[\w.]*bucket\w*(?:\[[^\]]*\])*\[\s*-1\s*\]",
-                 "a bucket is sent when its last-listed parameter is "
-                 "ready, which holds only while autograd produces them in that order (this "
-                 "check's MLP does; a layer used twice, or one registered out of the order it "
-                 "runs, does not) - count the bucket's ready gradients instead"),
                 (r"numel\(\)\s*\*\s*4\b", "the bucket's bytes count 4 per element, a float32 "
                  "model's (this check's): a bf16 model's buckets would close at half of "
                  "bucket_cap_mb - p.numel() * p.element_size()"),),
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_TWICE, _NO_WORK, _INIT_NONE, _EARLY, _UNFLAT, ("IndexError", _NO_BUCKET),
-                ("KeyError", _NO_BUCKET)),
+        errors=(_TWICE, _NO_WORK, _INIT_NONE, _EARLY, _UNFLAT, _MISPAIRED,
+                ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
         proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
         "waited on before the step; the weights equal DistributedDataParallel's",
         report=timed,

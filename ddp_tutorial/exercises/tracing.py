@@ -68,11 +68,16 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
     def note(_: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
         tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
         if tensor is None:  # named here: the spy's own tensor.numel() would say less
+            # (a closure over the loop's `p` reads the last parameter's .grad: lesson 12's MLP
+            # defines its layers output-first, so that one's gradient comes last)
             raise TypeError(
-                "dist.all_reduce(None): the gradient is not there yet - a hook that runs "
-                "before p.grad is set (a tensor's register_hook, a module's backward hook) "
-                "is given gradients, not the parameter with its .grad; "
-                "register_post_accumulate_grad_hook's runs once p.grad is set"
+                "dist.all_reduce(None): the gradient is not there yet - either the hook reads "
+                "a parameter other than the one it is given (the loop's variable `p` holds "
+                "the last parameter by the time backward runs: use the hook's argument, def "
+                "hook(param): ... param.grad), or it runs before p.grad is set (a tensor's "
+                "register_hook, a module's backward hook: they are given gradients, not the "
+                "parameter with its .grad; register_post_accumulate_grad_hook's runs once "
+                "p.grad is set)"
             )
         async_op = is_async(args, kwargs)
         trace.add("all_reduce", numel=tensor.numel(), async_op=async_op,
