@@ -70,6 +70,10 @@ CASES = register([
     Case(GATHER, "cpu-lengths-beside-device-buffers", "a tensor made without device=",
          edits=(("torch.tensor([tensor.shape[0]], device=tensor.device)",
                  "torch.as_tensor([tensor.shape[0]])"),)),
+    Case(GATHER, "cpu-outputs-appended", "a tensor made without device=",
+         edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]",
+                 "    lengths = []\n    for _ in range(world):\n"
+                 "        lengths.append(torch.zeros(1, dtype=torch.long))"),)),
     Case(GATHER, "cpu-output-list", "a tensor made without device=",
          edits=(("    lengths = [torch.zeros_like(length) for _ in range(world)]",
                  "    lengths = [torch.zeros(1, dtype=torch.long) for _ in range(world)]"),)),
@@ -316,6 +320,9 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
         "    buf = torch.Tensor(p.grad.numel())\n    dist.all_reduce(buf)\n",
         "    g = p.grad.cpu()\n    dist.all_reduce(g)\n",
         "    n = torch.tensor(float(sum(len(y) for _, y in mb)))\n    dist.all_reduce(n)\n",
+        # a list of outputs filled by .append (unseen before)
+        "    out = []\n    for _ in range(w):\n        out.append(torch.zeros(1))\n"
+        "    dist.all_gather(out, n)\n",
     ]
     right = ["    n = torch.tensor([3], device=t.device)\n    dist.all_gather(out, n)\n",
              "    n = torch.tensor(\n        [3],\n        device=t.device,\n    )\n"
@@ -333,7 +340,12 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
              "    n = torch.tensor([3]).to(dtype=torch.int64, device=t.device)\n"
              "    dist.all_gather(out, n)\n",
              "    c = torch.as_tensor(buffer, dtype=torch.bfloat16)\n"
-             "    dist.all_reduce(c)\n"]  # fmt: skip
+             "    dist.all_reduce(c)\n",
+             "    out = []\n    for _ in range(w):\n"
+             "        out.append(torch.zeros(1, device=n.device))\n"
+             "    dist.all_gather(out, n)\n",
+             "    out = []\n    for _ in range(w):\n        out.append(torch.zeros_like(n))\n"
+             "    dist.all_gather(out, n)\n"]  # fmt: skip
     assert all(re.search(pattern, text) for text in wrong)
     assert not any(re.search(pattern, text) for text in right)
     (gather,) = find("01_gather_uneven")

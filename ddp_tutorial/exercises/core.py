@@ -69,13 +69,17 @@ _MOVE = (
 # under a `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a
 # with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype);
 # as_tensor only of a literal: of a tensor it keeps that tensor's device; helper 171's
-# torch.Tensor(n) and a copy made with .cpu() or .to("cpu"))
+# torch.Tensor(n) and a copy made with .cpu() or .to("cpu"); a list filled by .append)
+_FACTORY = (
+    r"torch\.(?:zeros|empty|ones|full|tensor|Tensor|arange|LongTensor|FloatTensor|"
+    r"as_tensor(?=\(\s*[\[(\d]))" + _NO_DEVICE
+)
 MADE_ON_THE_CPU = (
-    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)\s*=\s*(?:\[?\s*torch\."
-    r"(?:zeros|empty|ones|full|tensor|Tensor|arange|LongTensor|FloatTensor|"
-    r"as_tensor(?=\(\s*[\[(\d]))"
-    + _NO_DEVICE
-    + r"|[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\)))"
+    r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)(?:\s*=\s*(?:\[?\s*"
+    + _FACTORY
+    + r"|[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\)))|\.append\(\s*"
+    + _FACTORY
+    + ")"
     + rf"(?:(?!{_MOVE}|^[ \t]*(?P=v)\s*=).)*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
     "a tensor made without device= (or copied to the CPU) goes to a collective: right with "
     "gloo, this check's "
