@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from exercise_cases import BY_NAME, Case, assert_verdict, register
 
-from ddp_tutorial.exercises import lesson12, lesson12_buckets
+from ddp_tutorial.exercises import lesson12, lesson12_buckets, own_ddp
 from ddp_tutorial.exercises.core import Context, find
 from ddp_tutorial.exercises.runner import load
 
@@ -146,7 +146,7 @@ CASES = register(
         # from a learner review
         Case(BUCKETS, "pending-never-emptied", "again: the list of pending Works",
              edits=(("        self.pending.clear()\n        self.ready", "        self.ready"),)),
-        Case(BUCKETS, "launched-one-gradient-early", "sent before every gradient in it",
+        Case(BUCKETS, "launched-one-gradient-early", "sent before all of its gradients had",
              edits=(("if self.ready[i] == len(self.buckets[i]):",
                      "if self.ready[i] == len(self.buckets[i]) - 1:"),)),
         Case(BUCKETS, "each-bucket-in-registration-order", None,  # right: the order inside is free
@@ -232,7 +232,7 @@ CASES = register(
              edits=(("        p.grad /= world\n", "        p.grad /= 2\n"),)),
         Case(BUCKETS, "divided-by-two-ranks", "this check's number of ranks",
              edits=(("flat /= self.world_size", "flat /= 2"),)),
-        Case(BUCKETS, "tensor-hook-before-grad-is-set", "p.register_hook runs before",
+        Case(BUCKETS, "tensor-hook-before-grad-is-set", "or the hooks run before p.grad",
              edits=(("            p.register_post_accumulate_grad_hook(self._grad_ready)",
                      "            p.register_hook(lambda grad, p=p: self._grad_ready(p))"),)),
         # helper 117: a count written in as a product passed; a lambda hook that returns a
@@ -306,6 +306,90 @@ CASES = register(
                     ("        i = self.bucket_of[param]\n        self.ready[i] += 1\n" + LAUNCH_ONE,
                      "        if param in self.closing:\n"
                      "            self._launch(self.closing[param])\n"))),
+        # helper 175: right for this check's order or cap only; right answers told otherwise
+        Case(BUCKETS, "works-zipped-with-the-buckets-reversed", "keep each Work with its flat",
+             edits=(("        self.pending.append((work, flat, self.buckets[i]))",
+                     "        self.pending.append((work, flat))"),
+                    ("        for work, flat, params in self.pending:",
+                     "        for (work, flat), params in zip(self.pending, "
+                     "reversed(self.buckets)):"))),
+        Case(BUCKETS, "three-buckets-written-in", "built again with bucket_cap_bytes=1100",
+             edits=(("        if bucket:\n            self.buckets.append(bucket)\n",
+                     "        if bucket:\n            self.buckets.append(bucket)\n"
+                     "        params = list(model.parameters())\n"
+                     "        self.buckets = [params[6:][::-1], params[2:6][::-1], "
+                     "params[:2][::-1]]\n"),)),
+        Case(BUCKETS, "buckets-of-indexes", None,
+             edits=(("        bucket: list[nn.Parameter] = []\n",
+                     "        self.params = list(model.parameters())\n        bucket = []\n"),
+                    ("        for p in reversed(list(model.parameters())):\n"
+                     "            bucket.append(p)\n",
+                     "        for k in reversed(range(len(self.params))):\n"
+                     "            p = self.params[k]\n            bucket.append(k)\n"),
+                    ("self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}",
+                     "self.bucket_of = {self.params[k]: i for i, b in enumerate(self.buckets) "
+                     "for k in b}"),
+                    ("        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])\n",
+                     "        params = [self.params[k] for k in self.buckets[i]]\n"
+                     "        flat = torch.cat([p.grad.flatten() for p in params])\n"),
+                    ("        self.pending.append((work, flat, self.buckets[i]))",
+                     "        self.pending.append((work, flat, params))"))),
+        Case(BUCKETS, "buckets-of-names", "neither a parameter nor its index",
+             edits=(("self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}\n",
+                     "self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}\n"
+                     "        names = {p: n for n, p in model.named_parameters()}\n"
+                     "        self.named = [[names[p] for p in b] for b in self.buckets]\n"
+                     "        self.buckets, self.by_param = self.named, self.buckets\n"),
+                    ("        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])\n",
+                     "        flat = torch.cat([p.grad.flatten() for p in self.by_param[i]])\n"),
+                    ("        self.pending.append((work, flat, self.buckets[i]))",
+                     "        self.pending.append((work, flat, self.by_param[i]))"),
+                    ("        self.ready = [0] * len(self.buckets)  # per bucket",
+                     "        self.ready = [0] * len(self.by_param)  # per bucket"),
+                    ("        if self.ready[i] == len(self.buckets[i]):",
+                     "        if self.ready[i] == len(self.by_param[i]):"))),
+        Case(BUCKETS, "bucket-of-keyed-by-data", "p.data is a new tensor at every access",
+             edits=(("self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}",
+                     "self.bucket_of = {p.data: i for i, b in enumerate(self.buckets) "
+                     "for p in b}"),
+                    ("        i = self.bucket_of[param]",
+                     "        i = self.bucket_of[param.data]"))),
+        Case(BUCKETS, "offset-not-reset-per-bucket", "with the offset back at 0 for each bucket",
+             edits=(("        for work, flat, params in self.pending:\n",
+                     "        offset = 0\n        for work, flat, params in self.pending:\n"),
+                    ("            offset = 0\n", ""))),
+        Case(BUCKETS, "works-zipped-and-split", "keep each Work with its flat tensor",
+             edits=(("        self.pending.append((work, flat, self.buckets[i]))",
+                     "        self.pending.append((work, flat))"),
+                    ("        for work, flat, params in self.pending:",
+                     "        for (work, flat), params in zip(self.pending, self.buckets):"),
+                    ("            offset = 0\n            for p in params:\n"
+                     "                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))\n"
+                     "                offset += p.numel()\n",
+                     "            for p, piece in zip(params, flat.split([p.numel() "
+                     "for p in params])):\n                p.grad.copy_(piece.view_as(p))\n"))),
+        Case(BUCKETS, "rebuilt-in-the-order-the-gradients-came", None,
+             edits=(("        i = self.bucket_of[param]\n",
+                     "        self.came = getattr(self, 'came', [])\n"
+                     "        self.came.append(param)\n"
+                     "        i = self.bucket_of[param]\n"),
+                    ("        self.pending.clear()\n",
+                     "        self.pending.clear()\n"
+                     "        if not getattr(self, 'rebuilt', False):  # as DDP: after step 1\n"
+                     "            self.rebuilt, cap, size, bucket = True, self.cap, 0, []\n"
+                     "            self.buckets = []\n"
+                     "            for p in self.came:\n"
+                     "                bucket.append(p)\n"
+                     "                size += p.numel() * p.element_size()\n"
+                     "                if size >= cap:\n"
+                     "                    self.buckets.append(bucket)\n"
+                     "                    bucket, size = [], 0\n"
+                     "            if bucket:\n                self.buckets.append(bucket)\n"
+                     "            self.bucket_of = {p: i for i, b in enumerate(self.buckets) "
+                     "for p in b}\n"),
+                    ("        self.world_size = dist.get_world_size()\n",
+                     "        self.world_size = dist.get_world_size()\n"
+                     "        self.cap = bucket_cap_bytes\n"))),
         Case(BUCKETS, "four-bytes-per-element", "a float32 model's (this check's)",
              edits=(("size += p.numel() * p.element_size()", "size += p.numel() * 4"),)),
     ]
@@ -322,17 +406,19 @@ def test_the_buckets_asked_for_are_ddps():
     """The rule the exercise states (reverse order, close at the cap) is torch's own: DDP's
     ``_compute_bucket_assignment_by_size`` on the parameters in the order it guesses backward
     produces them before it has seen one, the reverse of registration."""
-    params = list(lesson12.make_model(0).parameters())
+    params = list(own_ddp.make_model(0).parameters())
     nbytes = [p.numel() * p.element_size() for p in params]
     want = lesson12_buckets.expected_buckets(nbytes)
     order = list(reversed(range(len(params))))
     torchs, _ = dist._compute_bucket_assignment_by_size(
-        [params[i] for i in order], [lesson12.BUCKET_CAP_BYTES]
+        [params[i] for i in order], [own_ddp.BUCKET_CAP_BYTES]
     )
     assert want == [[order[j] for j in bucket] for bucket in torchs]
     assert 1 < len(want) < len(params), "the check's MLP must have several buckets, not one each"
-    closed_above = [[7, 6, 5, 4], [3, 2, 1], [0]]  # a bucket closed once it holds MORE than the cap
-    assert want != closed_above and sum(nbytes[i] for i in want[1]) == lesson12.BUCKET_CAP_BYTES
+    closed_above = [[7, 6, 5], [4, 3, 2], [1, 0]]  # a bucket closed once it holds MORE than the cap
+    assert want != closed_above and sum(nbytes[i] for i in want[0]) == own_ddp.BUCKET_CAP_BYTES
+    second = lesson12_buckets.expected_buckets(nbytes, own_ddp.SECOND_CAP_BYTES)
+    assert len(second) != len(want), "the second cap must ask for another layout"
 
 
 def test_only_a_gross_slowdown_fails_and_it_is_named(tmp_path):
@@ -366,20 +452,22 @@ def test_a_busy_host_is_a_load_per_core_above_the_limit(monkeypatch):
 def test_the_checks_buckets_fill_out_of_their_lists_order():
     """Helper 171: with an MLP run in definition order, the buckets filled in their list's order
     and each closed on its last-listed parameter, so Works zipped with the buckets, a count over
-    all gradients, and a send on the last-listed parameter passed. The check's MLP defines its
-    layers from the output back: in a real backward, neither holds."""
-    model = lesson12.make_model(0)
+    all gradients, and a send on the last-listed parameter passed; with one defined from the
+    output back, they filled in exactly the reverse (helper 175: zip with reversed() passed).
+    The check's MLP defines its layers out of the order it runs them: in a real backward, none
+    of these holds."""
+    model = own_ddp.make_model(0)
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     came: list[int] = []
     for p in params:
         p.register_post_accumulate_grad_hook(lambda q: came.append(index[id(q)]))
-    x, y = lesson12.rank_batch(0, 0)
+    x, y = own_ddp.rank_batch(0, 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     want = lesson12_buckets.expected_buckets([p.numel() * p.element_size() for p in params])
     full = [max(came.index(i) for i in bucket) for bucket in want]  # when each bucket is full
     assert full != sorted(full), f"the buckets {want} fill in their list's order: {came}"
+    assert full != sorted(full, reverse=True), f"the buckets {want} fill in reverse: {came}"
     assert any(came.index(b[-1]) < full[k] for k, b in enumerate(want)), (
         f"every bucket of {want} is full when its last-listed parameter is: {came}"
     )
-    assert came[: len(want[0])] != want[0], "the first bucket's parameters came first"

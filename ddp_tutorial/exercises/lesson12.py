@@ -17,138 +17,31 @@ steps, each) is said on a pass, and fails only when gross.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.utils import parameters_to_vector
 
 from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
+from ddp_tutorial.exercises.own_ddp import (
+    BUCKET_CAP_BYTES,
+    LR,
+    SECOND_CAP_BYTES,
+    STEPS,
+    flat_weights,
+    make_model,
+    quickest_steps,
+    references,
+    train,
+)
 from ddp_tutorial.exercises.tracing import Trace, coverage, traced_all_reduce
 from ddp_tutorial.settings import machine_load
 
-SIZES = (8, 32, 32, 32, 4)  # the MLP's widths, as it runs: 4 Linear layers, 8 parameter tensors
-# 1056 fp32 numbers: 3 buckets for this MLP, not 1, not 8; and its second bucket holds exactly
-# the cap, so a bucket closed only above it (`>` for DDP's `>=`) comes out different
-BUCKET_CAP_BYTES = 4224
-STEPS = 4  # SGD steps; the first is a warm-up, the others are timed
-TIMING_ROUNDS = 8  # then one step of yours, one of DDP's, in turn: the quickest of each counts
-BATCH = 16  # samples per rank and step
-LR = 0.1
+NOT_A_TENSOR = -2  # in a layout: an entry of self.buckets that is no parameter nor its index
 TOL = 1e-5  # max |w - w_DDP|: float rounding is ~1e-7 here; a wrong answer is ~1e-2 away
 GROSS_SLOWDOWN = 20.0  # a step this many times DDP's is named; anything less is information
 BUSY_LOAD_PER_CORE = 2.0  # above this 1-minute load per core, step times are not judged
-
-
-class OutputFirstMLP(nn.Module):
-    """The check's MLP: its layers run from input to output but are defined from the output
-    back. DDP's first buckets assume the layers run in the order they are defined (its own
-    comment in ``DistributedDataParallel.__init__``; it rebuilds them after a step in the order
-    the gradients came); buckets built by that rule here fill in another order than their
-    list's, so a bucket paired with its Work by position, found by a count over all the
-    gradients, or sent when its last-listed parameter is ready, is seen (helper 171: an MLP
-    run in definition order passed all three)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        widths = list(zip(SIZES, SIZES[1:], strict=False))
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in reversed(widths))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        *hidden, out = reversed(self.layers)
-        for layer in hidden:
-            x = torch.relu(layer(x))
-        return out(x)
-
-
-def make_model(seed: int) -> nn.Module:
-    """The MLP, from ``seed``: every rank builds its own (different) weights, as in lesson 04."""
-    torch.manual_seed(seed)
-    return OutputFirstMLP()
-
-
-def rank_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's samples at ``step``: different on every rank, as a DistributedSampler's are."""
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(BATCH, SIZES[0], generator=g), torch.randint(
-        0, SIZES[-1], (BATCH,), generator=g
-    )
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return parameters_to_vector(model.parameters()).detach()
-
-
-def train(
-    model: nn.Module,
-    rank: int,
-    lr: float,
-    finish: Callable[[], None] = lambda: None,
-    trace: Trace | None = None,
-    steps: int = STEPS,
-) -> list[float]:
-    """``steps`` SGD steps on this rank's batches; each step's seconds."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    seconds = []
-    for step in range(steps):
-        x, y = rank_batch(rank, step)
-        begun = time.perf_counter()
-        if trace is not None:
-            trace.step, trace.grads = step, 0
-        weights = _flat(model).clone() if trace is not None else None
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        finish()
-        if trace is not None:
-            trace.add("step", unwaited=len(trace.unwaited))
-            trace.moved_weights |= not torch.equal(weights, _flat(model))  # before the step
-        opt.step()
-        seconds.append(time.perf_counter() - begun)
-    return seconds
-
-
-def references(rank: int, world: int) -> dict[str, Any]:
-    """The weights after STEPS steps: DDP's; DDP's with the gradients summed (SGD without
-    momentum: the sum is the mean times world, so lr times world), or divided twice (lr over
-    world); rank 0's start trained on
-    this rank's data alone. And DDP's step times."""
-    ddp = DDP(make_model(rank))  # DDP broadcasts rank 0's weights, as yours must
-    seconds = train(ddp, rank, LR)
-    summed = DDP(make_model(rank))
-    train(summed, rank, LR * world)
-    halved = DDP(make_model(rank))  # divided by the world size twice
-    train(halved, rank, LR / world)
-    alone, own_over_world = make_model(0), make_model(0)
-    train(alone, rank, LR)
-    train(own_over_world, rank, LR / world)  # its own gradient / world: the sum went elsewhere
-    return {
-        "ddp": _flat(ddp.module),
-        "summed": _flat(summed.module),
-        "halved": _flat(halved.module),
-        "alone": _flat(alone),
-        "own_over_world": _flat(own_over_world),
-        "ddp_seconds": seconds,
-        "ddp_model": ddp,  # for the timing rounds
-    }
-
-
-def quickest_steps(
-    mine: nn.Module, finish: Callable[[], None], ddp: nn.Module, rank: int,
-    timed: tuple[list[float], list[float]],
-) -> tuple[float, float]:  # fmt: skip
-    """``(yours, DDP's)``: the quickest step of each, over the timed steps and TIMING_ROUNDS
-    more taken in turn. On a busy host a few steps can all be slowed (a reference answer once
-    measured 92x DDP's beside a full test suite); in turn, both sides see the same host."""
-    mine_s, ddp_s = min(timed[0][1:]), min(timed[1][1:])  # the first step: a warm-up
-    for _ in range(TIMING_ROUNDS):
-        mine_s = min(mine_s, *train(mine, rank, LR, finish, steps=1))
-        ddp_s = min(ddp_s, *train(ddp, rank, LR, steps=1))
-    return mine_s, ddp_s
 
 
 HOOKED_TWICE = "hooks registered more than once"
@@ -177,15 +70,16 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     with traced_all_reduce(trace, module):
         if bucketed:
             mine = module.BucketedDDP(model, BUCKET_CAP_BYTES)
+            buckets = _bucket_layout(mine, params)  # as built (DDP's own rebuild is allowed)
             timed, finish = mine.finish_gradient_sync, _finish_and_look(mine, trace)
             if (hooked := hooks_on(params, post_only=True)) > 1:  # each counts a grad again
                 raise RuntimeError(f"{HOOKED_TWICE}: {hooked} on one parameter")
         else:
             module.broadcast_parameters(model)
             module.add_gradient_hooks(model)
-            mine, finish = None, lambda: None
+            mine, finish, buckets = None, lambda: None, None
             timed = finish
-        start = _flat(model)
+        start = flat_weights(model)
         unwaited_broadcasts = trace.broadcasts_waited.count(False)  # when training begins
         copies = trace.copies  # at construction: what copied rank 0's weights, if anything
         hooks = hooks_on(params)
@@ -195,19 +89,17 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
             )
         seconds = train(model, ctx.rank, LR, finish, trace)
     ref = references(ctx.rank, ctx.world_size)
-    buckets = None if mine is None else _bucket_layout(mine, params)
+    second = _layout_at(module, ctx.rank) if bucketed else None  # the cap read (helper 175)
 
     def far(other: torch.Tensor) -> float:
-        return (_flat(model) - other).abs().max().item()
+        return (flat_weights(model) - other).abs().max().item()
 
     record = {
-        "start_is_rank0": torch.equal(start, _flat(make_model(0))),
-        "start_from": next(
-            (r for r in range(ctx.world_size) if torch.equal(start, _flat(make_model(r)))), None
-        ),  # fmt: skip
+        **_started_from(start, ctx.world_size),
         "nparams": len(params),
         "nbytes": [p.numel() * p.element_size() for p in params],
         "buckets": buckets,
+        "buckets_at_second_cap": second,
         "events": list(trace.events),
         "touched": list(trace.touched),
         "same_front": trace.same_front,
@@ -231,15 +123,35 @@ def run_mine(module: ModuleType, ctx: Context, bucketed: bool) -> Record:
     return record
 
 
+def _started_from(start: torch.Tensor, world: int) -> Record:
+    """Whether the weights training began from are rank 0's, and whose they are if any."""
+    ranks = [r for r in range(world) if torch.equal(start, flat_weights(make_model(r)))]
+    return {"start_is_rank0": ranks[:1] == [0], "start_from": ranks[0] if ranks else None}
+
+
 def _bucket_layout(mine: Any, params: list[torch.Tensor]) -> list[list[int]] | str:
-    """The learner's buckets as lists of parameter indexes (-1: not a parameter of the model),
+    """The learner's buckets as lists of parameter indexes (-1: a tensor not of the model;
+    NOT_A_TENSOR: neither a tensor nor an index - helper 175's buckets of indexes were right),
     or their repr when they are not a list of lists."""
     index = {id(p): i for i, p in enumerate(params)}
     found = getattr(mine, "buckets", None)
+
+    def place(p: object) -> int:
+        if isinstance(p, torch.Tensor):
+            return index.get(id(p), -1)
+        return p if isinstance(p, int) and 0 <= p < len(params) else NOT_A_TENSOR
+
     try:
-        return [[index.get(id(p), -1) for p in b] for b in found]  # type: ignore[union-attr]
+        return [[place(p) for p in b] for b in found]  # type: ignore[union-attr]
     except TypeError:
         return repr(found)
+
+
+def _layout_at(module: ModuleType, rank: int) -> list[list[int]] | str:
+    """The learner's buckets at SECOND_CAP_BYTES, on a model of its own (its broadcast and
+    hooks run on it, never trained): buckets written in for this check's cap show here."""
+    model = make_model(rank)
+    return _bucket_layout(module.BucketedDDP(model, SECOND_CAP_BYTES), list(model.parameters()))
 
 
 def _finish_and_look(mine: Any, trace: Trace) -> Callable[[], None]:

@@ -16,15 +16,15 @@ from typing import Any
 
 from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.lesson12 import (
-    BUCKET_CAP_BYTES,
     GROSS_SLOWDOWN,
     HOOKED_TWICE,
-    STEPS,
+    NOT_A_TENSOR,
     TOL,
     judge_start,
     judge_weights,
     run_mine,
 )
+from ddp_tutorial.exercises.own_ddp import BUCKET_CAP_BYTES, SECOND_CAP_BYTES, STEPS
 
 
 def expected_buckets(nbytes: list[int], cap: int = BUCKET_CAP_BYTES) -> list[list[int]]:
@@ -58,6 +58,12 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
             "the buckets "
             '(lesson 12, "Your turn")'
         )
+    if any(i == NOT_A_TENSOR for b in got for i in b):
+        return (f"self.buckets holds something other than parameters ({got}, -2: neither a "
+                "parameter nor its index): keep the parameters themselves in each bucket, as "
+                "the stub's type says (list[list[nn.Parameter]]) - the check reads your layout "
+                "from them "
+                '(lesson 12, "Your turn")')  # fmt: skip
     if sorted(i for b in got for i in b) != list(range(n)):
         return (
             f"your buckets hold the parameters {got} (by index, -1: not the model's): "
@@ -88,6 +94,18 @@ def _bucket_layout(got: object, want: list[list[int]], n: int) -> str | None:
             '(lesson 04, "The picture, from this run")'
         )
     return None
+
+
+def _at_second_cap(rec: Record) -> str | None:
+    """The buckets built at SECOND_CAP_BYTES: a layout written in for this check's cap (helper
+    175: three slices of the parameters passed) is the same at any cap."""
+    got, want = rec["buckets_at_second_cap"], expected_buckets(rec["nbytes"], SECOND_CAP_BYTES)
+    if isinstance(got, list) and sorted(map(sorted, got)) == sorted(map(sorted, want)):
+        return None
+    return (f"built again with bucket_cap_bytes={SECOND_CAP_BYTES}, your buckets are {got}, "
+            f"expected {want} (with {BUCKET_CAP_BYTES}, this check's cap, they were right): "
+            "size the buckets from the bucket_cap_bytes BucketedDDP is given, not from this "
+            'check\'s layout (lesson 12, "Your turn")')  # fmt: skip
 
 
 def _miscounted(rank: int, step: int, calls: int, buckets: int) -> str:
@@ -182,7 +200,7 @@ def judge_buckets(records: list[Record]) -> str | None:
     want = expected_buckets(rec["nbytes"])
     n = rec["nparams"]
     got = rec["buckets"]
-    mistake = _bucket_layout(got, want, n)
+    mistake = _bucket_layout(got, want, n) or _at_second_cap(rec)
     if mistake:
         return mistake
     for rank, rec in enumerate(records):
@@ -228,13 +246,13 @@ READ_AFTER_WAIT = (
 # helper 171: a bucket sent when its last-listed parameter is ready, or when a count over all
 # the gradients reaches the bucket's end, passed while the check's MLP ran in definition order
 _EARLY = ("'NoneType' object has no attribute", "a gradient was still None when its bucket "
-          "was flattened: the bucket was sent before every gradient in it had arrived - count "
-          "each bucket's own ready gradients and launch it at ready == len(bucket) (the "
-          "check's MLP defines its layers from the output back, so neither a bucket's place "
-          "in the list nor its last-listed parameter says when it is full); and register "
-          "p.register_post_accumulate_grad_hook, which runs once p.grad is set (a hook from "
-          "p.register_hook runs before: it is given the gradient, p.grad is not set "
-          "yet)")  # fmt: skip
+          "was flattened: either the bucket was sent before all of its gradients had arrived "
+          "- count each bucket's own ready gradients and launch it at ready == len(bucket) (the "
+          "check's MLP defines its layers out of the order it runs them, so neither a bucket's "
+          "place in the list nor its last-listed parameter says when it is full) - or the "
+          "hooks run before p.grad is set: a hook from p.register_hook is given the gradient "
+          "before p.grad is set (flatten what it is given, or register "
+          "p.register_post_accumulate_grad_hook, which runs once p.grad is set)")  # fmt: skip
 
 
 # helper 148: a constructor that sized its buckets from p.grad, which is None before backward;
@@ -253,18 +271,21 @@ _TWICE = (HOOKED_TWICE, "a parameter has its hook registered more than once, so 
           "every module that holds it; loop over model.parameters()")  # fmt: skip
 
 
-# helper 171: the Works paired with the buckets by position, zip(self.pending, self.buckets)
+# helper 171: the Works paired with the buckets by position, zip(self.pending, self.buckets);
+# helper 175: an offset not reset per bucket, a slice's end without the offset, torch.split
 _MISPAIRED = (
-    "is invalid for input of size",
-    "a bucket's sum did not fit the gradients it was "
-    "copied into: copy each sum back into the parameters it was flattened from - "
-    "the buckets finish in the order backward fills them, not in their list's order "
-    "(the check's MLP defines its layers from the output back), so keep each Work "
-    "with its flat tensor and its bucket: self.pending.append((work, flat, bucket))",
+    "a bucket's sum did not fit the gradients it was copied into: copy each sum back into the "
+    "parameters it was flattened from, in the same order and sizes - a slice flat[offset : "
+    "offset + p.numel()] with the offset back at 0 for each bucket; and keep each Work with its "
+    "flat tensor and its bucket (self.pending.append((work, flat, bucket))): the buckets are "
+    "sent in the order they fill, which the check's MLP (its layers defined out of the order "
+    "they run) makes neither their list's nor its reverse"
 )
 
 _NO_BUCKET = ("a parameter has no bucket: is every parameter in one - the last bucket closed "
-              "after the walk, even below the cap - and bucket_of filled for each?")  # fmt: skip
+              "after the walk, even below the cap - and bucket_of filled for each, keyed by the "
+              "parameter itself (p.data is a new tensor at every access: a dict keyed by it "
+              "finds nothing)?")  # fmt: skip
 
 
 def timed(records: list[Record]) -> str:  # on a pass: the slowest rank's step against DDP's
@@ -284,7 +305,9 @@ EXERCISES = [
         title="your own DDP, 2: buckets, one async all_reduce each, overlapping backward",
         teaches='lesson 12, "Your turn": buckets and overlap; lesson 04, "2 · Gradients are '
         'averaged, bucket by bucket"; lesson 11, "4 · Overlap, seen"',
-        errors=(_TWICE, _NO_WORK, _INIT_NONE, _EARLY, _UNFLAT, _MISPAIRED,
+        errors=(_TWICE, _NO_WORK, _INIT_NONE, _EARLY, _UNFLAT,
+                ("is invalid for input of size", _MISPAIRED),
+                ("split_with_sizes expects", _MISPAIRED),
                 ("IndexError", _NO_BUCKET), ("KeyError", _NO_BUCKET)),
         proves="DDP's bucket layout, one async all_reduce per bucket sent during backward and "
         "waited on before the step; the weights equal DistributedDataParallel's",

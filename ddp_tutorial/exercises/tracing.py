@@ -69,7 +69,7 @@ def traced_all_reduce(trace: Trace, module: ModuleType) -> Iterator[None]:
         tensor, ident = args[0] if args else kwargs["tensor"], len(trace.events)
         if tensor is None:  # named here: the spy's own tensor.numel() would say less
             # (a closure over the loop's `p` reads the last parameter's .grad: lesson 12's MLP
-            # defines its layers output-first, so that one's gradient comes last)
+            # defines its layers out of their order, so that one's gradient is not the first)
             raise TypeError(
                 "dist.all_reduce(None): the gradient is not there yet - either the hook reads "
                 "a parameter other than the one it is given (the loop's variable `p` holds "

@@ -1,22 +1,21 @@
 """Lesson 12, your turn (2 of 2): your own DDP, bucketed, overlapping communication with backward.
 
-Exercise 1 sent every gradient on its own and made backward wait for each. DDP's reducer
-does better (lesson 04, "Gradients are averaged, bucket by bucket"; lesson 11, "Overlap,
-seen"): it groups the parameters into **buckets** of about ``bucket_cap_bytes``, in the order
-backward produces their gradients - before it has seen one, a guess: the reverse of the order
-the model registered them (the last layer's first) - and, from a hook, launches one all_reduce
-per bucket as soon as the bucket's last gradient is ready, **asynchronously**
+Exercise 1 sent every gradient on its own and made backward wait for each. DDP's reducer does
+better (lesson 04, "Gradients are averaged, bucket by bucket"; lesson 11, "Overlap, seen"): it
+groups the parameters into **buckets** of about ``bucket_cap_bytes``, in the order backward
+produces their gradients - unknown before the first backward, so it guesses: the reverse of the
+order the model registered them (the last layer's first) - and, from a hook, launches one
+all_reduce per bucket as soon as the bucket's last gradient is ready, **asynchronously**
 (``async_op=True``), so that the earlier layers' gradients are computed while the later ones
-travel. Nothing is waited on until
-``finish_gradient_sync()``, which the training loop calls after ``loss.backward()`` and
-before ``optimizer.step()``: there each bucket is waited on, divided by the world size and
-copied back into its parameters' ``.grad``.
+travel. Nothing is waited on until ``finish_gradient_sync()``, which the training loop calls
+after ``loss.backward()`` and before ``optimizer.step()``: there each bucket is waited on,
+divided by the world size and copied back into its parameters' ``.grad``.
 
-Your buckets follow that guess, which holds when the layers run in the order they are defined.
-The check's MLP defines its layers from the output back, so its buckets fill in another order
-than their list's (DDP records the order the gradients came in its first step and rebuilds its
-buckets in it; yours keep the guessed layout). Count each bucket's own gradients, and keep each
-Work with the bucket it came from.
+Your buckets follow that guess (the check reads them as your constructor built them), which
+holds when the layers run in the order they are defined. The check's MLP defines its layers out
+of the order it runs them, so the order its buckets fill cannot be read from their list (DDP
+records the order the gradients came in its first step and rebuilds its buckets in it; yours
+need not). Count each bucket's own gradients, and keep each Work with the bucket it came from.
 
 A tensor you make for a collective goes on the device of the ones you are given
 (device=x.device): gloo takes CPU tensors, nccl CUDA ones only (lesson 01, "Backends:
