@@ -13,6 +13,15 @@ REDUCED = (
     BACKWARD + "            for p in model.parameters():\n                dist.all_reduce(p.grad)\n"
 )
 CASES = register([
+    # helper 174: right for this check's 2 ranks and 256 samples only
+    Case(EX, "sampler-for-2-replicas", "the number of ranks is written as 2",
+         edits=(("    sampler = DistributedSampler(train_set, seed=args.seed)",
+                 "    sampler = DistributedSampler(train_set, num_replicas=2, rank=rank, "
+                 "seed=args.seed)"),)),
+    Case(EX, "loader-drops-the-last-batch", "with 250, each rank would skip 13 samples",
+         edits=(("    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)",
+                 "    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, "
+                 "drop_last=True)"),)),
     # helper 167: the gradients averaged again after DDP's backward passed (equal weights)
     Case(EX, "grads-averaged-again-after-ddp", "all_reduced again after DDP's backward",
          edits=((BACKWARD, REDUCED + "                p.grad /= world_size\n"),)),

@@ -303,7 +303,7 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
     spread over three, as a formatter writes it), nor one no collective takes."""
     import re
 
-    from ddp_tutorial.exercises.core import MADE_ON_THE_CPU, find
+    from ddp_tutorial.exercises.core import COPY_IN_A_COLLECTIVE, MADE_ON_THE_CPU, find
 
     pattern = MADE_ON_THE_CPU[0]
     wrong = [
@@ -345,11 +345,19 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
              "        out.append(torch.zeros(1, device=n.device))\n"
              "    dist.all_gather(out, n)\n",
              "    out = []\n    for _ in range(w):\n        out.append(torch.zeros_like(n))\n"
-             "    dist.all_gather(out, n)\n"]  # fmt: skip
+             "    dist.all_gather(out, n)\n",
+             # helper 174: type_as takes the other tensor's device as well as its dtype
+             "    c = torch.zeros(3, k).type_as(pred)\n    dist.all_reduce(c)\n"]  # fmt: skip
     assert all(re.search(pattern, text) for text in wrong)
     assert not any(re.search(pattern, text) for text in right)
+    # a CPU copy handed to the collective itself: its result is thrown away on a GPU
+    copy = COPY_IN_A_COLLECTIVE[0]
+    assert re.search(copy, "    dist.all_reduce(sums.cpu())\n")
+    assert re.search(copy, "    dist.all_gather(out, x.to('cpu'))\n")
+    assert not re.search(copy, "    dist.all_reduce(sums)\n    total = sums.cpu()\n")
     (gather,) = find("01_gather_uneven")
     (snapshot,) = find("05_atomic_snapshot")  # a function that gets no tensor to place its own
     assert MADE_ON_THE_CPU in gather.tried_on_a_pass
+    assert COPY_IN_A_COLLECTIVE in gather.tried_on_a_pass
     assert MADE_ON_THE_CPU not in find("09_find_the_hang")[0].tried_on_a_pass  # a gloo script
     assert snapshot.kind == "functions"

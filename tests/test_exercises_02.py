@@ -51,6 +51,30 @@ def exact_accuracy(model, dataset, batch_size=4):
 
 CASES = register(
     [
+    # helper 174: right answers told otherwise; a copy handed to the collective
+    Case(ACC, "contiguous-blocks-by-ceil", None,
+         edits=((SPLIT, "per_rank = math.ceil(len(dataset) / world)  # blocks, the last shorter\n"
+                 "    start = rank * per_rank\n"
+                 "    shard = Subset(dataset, range(start, min(start + per_rank, len(dataset))))"),
+                ("import torch\n", "import math\n\nimport torch\n"))),
+    Case(ACC, "reduced-then-broadcast-as-objects", None,
+         edits=((ALL_REDUCE, "    dist.reduce(sums, dst=0)  # the totals on rank 0\n"
+                 "    box = [sums.tolist()]\n"
+                 "    dist.broadcast_object_list(box, src=0)  # rank 0's totals to every rank\n"
+                 "    sums = torch.tensor(box[0])\n"),)),
+    Case(ACC, "reduced-on-a-cpu-copy", "a collective is given x.cpu()",
+         edits=((ALL_REDUCE, "    dist.all_reduce(sums.cpu())  # gloo takes CPU tensors\n"),)),
+    Case(F1, "counts-typed-as-the-predictions", None,
+         edits=((COUNTS, "counts = torch.zeros(3, num_classes).type_as(pred)"),)),
+    Case(F1, "score-broadcast-as-an-object", None,
+         edits=((REDUCE_COUNTS, "dist.reduce(counts, dst=0)  # the totals on rank 0"),
+                ("    tp, fp, fn = counts\n"
+                 "    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)  "
+                 "# 0 for a class nobody has\n"
+                 "    " + SCORE + "\n",
+                 "    box = [None]\n    if dist.get_rank() == 0:\n        tp, fp, fn = counts\n"
+                 "        box[0] = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean().item()\n"
+                 "    dist.broadcast_object_list(box, src=0)\n    score = box[0]\n"))),
         # the check's own number of ranks written in (passes its 2-rank run)
         # helper 147: a tensor made in the call, reduced, then never read
         Case(ACC, "reduced-a-stacked-copy", "was handed a new tensor: torch.stack(...)",
@@ -101,7 +125,8 @@ CASES = register(
         Case(F1, "right-reduce-then-broadcast-the-score", None,
              edits=(("    dist.all_reduce(counts)  # counts add up over ranks; F1 scores do not\n"
                      "    tp, fp, fn = counts\n"
-                     "    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)  # 0 for a class nobody has\n"  # noqa: E501
+                     "    per_class = 2 * tp / (2 * tp + fp + fn).clamp(min=1)  "
+                 "# 0 for a class nobody has\n"  # noqa: E501
                      "    score = per_class.mean().item()\n",
                      "    dist.reduce(counts, dst=0)\n"
                      "    out = torch.zeros(1, dtype=torch.float64, device=pred.device)\n"
@@ -139,7 +164,7 @@ CASES = register(
         Case(F1, "micro-instead-of-macro", "the micro F1",
              edits=((SCORE, MICRO),)),
         Case(ACC, "counted-the-batch-size", "count len(y) per batch",
-             edits=(("torch.tensor(len(y))", "torch.tensor(batch_size)"),)),
+             edits=(("torch.tensor(len(y), device", "torch.tensor(batch_size, device"),)),
         # from a learner review: each named for what it is
         # helper 116: MAX of 6 and 5 is 6, round(11 / 2): it was named as an average
         Case(ACC, "counts-maxed", "combined with ReduceOp.MAX",
@@ -189,9 +214,10 @@ CASES = register(
                      "    score = per_class.mean().item()\n    work.wait()\n"))),
         # from a fifth learner review: a collective per batch; an async sum never waited on
         Case(ACC, "all-reduce-per-batch", "a collective per batch",
-             edits=(("            sums += torch.stack([right, torch.tensor(len(y))])\n"
-                     "    dist.all_reduce(sums)",
-                     "            batch = torch.stack([right, torch.tensor(len(y))])\n"
+             edits=(("            sums += torch.stack([right, torch.tensor(len(y), device=de"
+                     "vice)])\n    dist.all_reduce(sums)",
+                     "            batch = torch.stack([right, torch.tensor(len(y), device=de"
+                     "vice)])\n"
                      "            dist.all_reduce(batch)\n            sums += batch\n"
                      "    pass"),)),
         Case(ACC, "async-sum-never-waited", "was not waited on before the counts were read",

@@ -50,6 +50,12 @@ def both(old: str, new: str) -> tuple[tuple[str, str], tuple[str, str]]:
 
 CASES = register(
     [
+        # helper 174: right for this check's 2 ranks only
+        Case(BUFFERS, "divided-by-2", "the sum is divided by 2, this check's number of ranks",
+             edits=(("    flat /= world\n", "    flat /= 2  # two ranks\n"),)),
+        Case(ACCUM, "times-2", "the number of ranks is written as 2",
+             edits=(("* world / count).backward()\n", "* 2 / count).backward()\n"),
+                    ("* world / count).backward()  #", "* 2 / count).backward()  #"))),
         # helper 146: a hang whose cause the learner's lines show, named (it read: "is one
         # under `if rank == ...`, or in a loop ..., or ... tensors of different shapes?")
         Case(BUFFERS, "all-reduce-on-rank-0-only", "dist.all_reduce() is under `if rank == 0`",
@@ -81,7 +87,7 @@ CASES = register(
              edits=both(" * world / count", "")),
         Case(ACCUM, "count-hard-coded", "the first step was right, the second was not",
              edits=((COUNT, "    count = torch.tensor(24.0)  # 10 + 14 samples\n"),)),
-        Case(ACCUM, "count-reduced-twice", "a second of the same count doubles it",
+        Case(ACCUM, "count-reduced-twice", "a second all_reduce of the same count doubles it",
              edits=((COUNT, COUNT + "    dist.all_reduce(count)\n"),)),
         # from a learner review of the new exercise (helper 55)
         Case(ACCUM, "count-async-never-waited", "was never waited on",
@@ -110,7 +116,7 @@ CASES = register(
                      "        with model.no_sync():\n            loss.backward()"),)),
         Case(ACCUM, "a-step-per-micro-batch", "optimizer.step() ran",
              edits=((INNER + "\n", INNER + "\n            optimizer.step()\n"),)),
-        Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP",
+        Case(ACCUM, "forward-past-the-wrapper", "model.module(x) bypasses DDP's forward",
              edits=both("model(x)", "model.module(x)")),
         Case(ACCUM, "sync-on-the-first-micro-batch", "not the last",
              edits=(("    for x, y in micro_batches[:-1]:\n",
@@ -250,7 +256,7 @@ CASES = register(
              edits=(("    dist.all_reduce(flat)  #",
                      "    dist.reduce(flat, dst=0)\n    dist.broadcast(flat, src=0)  #"),)),
         # helper 161: collectives the check did not count passed; a read before the wait
-        Case(BUFFERS, "per-buffer-through-distributed-c10d", "through no torch.distributed",
+        Case(BUFFERS, "per-buffer-through-distributed-c10d", "through a call this check does not",
              edits=(("    dist.all_reduce(flat)  #",
                      "    from torch.distributed import distributed_c10d as c10d\n\n"
                      "    c10d.all_reduce(flat)  #"),)),

@@ -46,11 +46,16 @@ CASES = register([
     Case(EX, "not-clipped", "were not clipped",
          edits=(("clip_grad_norm_(model.parameters(), max_norm)",
                  'clip_grad_norm_(model.parameters(), float("inf"))'),)),
-    Case(EX, "no-scaler-at-all", "backward() ran on the loss itself",
+    Case(EX, "no-scaler-at-all", "backward() ran on the loss itself, or through a scaler",
          edits=(("    scaler.scale(loss).backward()\n", "    loss.backward()\n"),
                 ("    scaler.unscale_(optimizer)\n", ""),
                 ("    scaler.step(optimizer)\n", "    optimizer.step()\n"),
                 ("    scaler.update()\n", ""))),
+    # helper 174: was told "backward() ran on the loss itself"
+    Case(EX, "a-scaler-of-its-own-each-step", "or through a scaler of your own",
+         edits=(("    k = len(micro_batches)\n",
+                 "    k = len(micro_batches)\n"
+                 '    scaler = torch.amp.GradScaler("cpu")  # a scaler, made here\n'),)),
     Case(EX, "step-past-the-scaler", "stepped past the scaler",
          edits=(("    scaler.step(optimizer)\n", "    optimizer.step()\n"),)),
     # the eleventh session's leftover: the scaled gradients clipped at max_norm x scale are the

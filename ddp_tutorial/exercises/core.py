@@ -58,9 +58,10 @@ _NO_DEVICE = r"(?:(?!device)[^()])*"
 for _ in range(4):
     _NO_DEVICE = rf"(?:(?!device)[^()]|\({_NO_DEVICE}\))*"
 _NO_DEVICE = rf"\({_NO_DEVICE}\)"
-# a move: .to(...) or .cuda(...) naming a device, or giving no dtype alone (.to(x.dtype) stays)
+# a move: .to(...) or .cuda(...) naming a device, or giving no dtype alone (.to(x.dtype) stays);
+# .type_as(x), x's device and dtype (helper 174)
 _MOVE = (
-    r"\.(?:to|cuda)\((?:(?=[^()]*device)|(?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
+    r"\.type_as\(|\.(?:to|cuda)\((?:(?=[^()]*device)|(?!\s*(?:dtype\s*=|[\w.]*dtype\s*[,)]|"
     r"torch\.(?:u?int\d*|float\d*|bfloat16|half|long|double|bool)\s*\))))"
 )
 # a tensor made without device= (so on the CPU) that goes to a collective: right with gloo, the
@@ -86,6 +87,17 @@ MADE_ON_THE_CPU = (
     "backend, but under nccl (GPUs) a collective takes CUDA tensors only - 'No backend type "
     "associated with device type cpu' on the first GPU run - make it on the device of the "
     'tensors it meets (device=x.device) (lesson 01, "Backends: gloo and nccl")',
+)
+
+
+# a collective given a CPU copy, dist.all_reduce(x.cpu()): on the CPU the copy is x itself (this
+# check's run); on a GPU the result goes into a copy that is thrown away (helper 174)
+COPY_IN_A_COLLECTIVE = (
+    r"\bdist\.\w+\((?:[^()\n,]*,\s*)?[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\))",
+    "a collective is given x.cpu(): on the CPU that is x itself, so it worked here, but on a GPU "
+    "it is a copy - the collective's result goes into the copy and is thrown away (and nccl "
+    "refuses a CPU tensor) - hand the collective the tensor itself, on its device "
+    '(lesson 01, "Backends: gloo and nccl")',
 )
 
 
@@ -157,7 +169,7 @@ class Exercise:
         held = self.kind == "functions" and not re.search(  # 07's stub makes a CPU tensor
             MADE_ON_THE_CPU[0], self.solution.read_text()
         )
-        return (*self.hidden, *((MADE_ON_THE_CPU,) if held else ()))
+        return (*self.hidden, *((MADE_ON_THE_CPU, COPY_IN_A_COLLECTIVE) if held else ()))
 
     @property
     def stub(self) -> Path:

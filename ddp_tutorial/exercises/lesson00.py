@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import Context, Exercise, Record, ranks_written_as
 
 SAMPLES, BATCH, EPOCHS, LR = 256, 16, 2, 0.05  # the stub's defaults
 # The check launches with --seed 1, not the stub's 0: DistributedSampler's own default seed is 0,
@@ -344,6 +344,17 @@ EXERCISES = [
         args=("--seed", str(SEED)),
         teaches='lesson 00, "Every changed line, once"', collective_timeout_s=12.0, errors=ERRORS,
         around=one_machine_each,
+        hidden=(  # helper 174: right for this check's 2 ranks and 256 samples only
+            (ranks_written_as(2), "the number of ranks is written as 2, this check's: on 4 "
+             "processes a DistributedSampler(num_replicas=2) refuses rank 2, and "
+             "init_process_group(world_size=2) waits for ever - leave them out (torchrun's "
+             "environment gives both) or pass dist.get_world_size()"),
+            (r"drop_last\s*=\s*True", "the DataLoader's drop_last=True drops each rank's last "
+             "partial batch: 256 samples deal 128 per rank, 8 full batches of 16, so nothing "
+             "was dropped here - with 250, each rank would skip 13 samples an epoch that the "
+             "single process trains (the sampler already evens the ranks' shares: leave "
+             "drop_last off)"),
+        ),
         proves=(
             "every process reported its rank; each epoch dealt every sample once, in the "
             "DistributedSampler's order for --seed, a new order each epoch; the weights equal one"

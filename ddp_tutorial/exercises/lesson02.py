@@ -200,7 +200,10 @@ def judge_accuracy(records: list[Record]) -> str | None:
         return (f"every rank returned {got[0]}: dist.broadcast hands one rank's counts to "
                 "every rank, it adds nothing - add the ranks' [correct, count] with "
                 "dist.all_reduce (the default SUM)")  # fmt: skip
-    if "reduce" in calls and not called - {"reduce"} and "broadcast" not in calls:
+    # helper 174: a reduce, then broadcast_object_list (or any way of sharing): right when
+    # every rank holds the totals
+    differ = len({tuple(g) for g in got}) > 1
+    if "reduce" in calls and not called - {"reduce"} and "broadcast" not in calls and differ:
         return (f"the ranks returned {got}: dist.reduce leaves the added counts on its dst "
                 "rank only; every rank must return them - dist.all_reduce the counts (or "
                 "broadcast them from dst after the reduce)")  # fmt: skip
@@ -291,7 +294,8 @@ EXERCISES = [
             (ranks_written_as(2), "the number of ranks is written as 2, this "
              "check's: on 4 or 8 GPUs the ranks' shares overlap (samples counted twice or more) "
              "or a sampler refuses rank 2 - use dist.get_world_size() (`world`)"),
-            (r"ReduceOp\.AVG|(?<!/)/(?!/)\s*world\b",  # helper 164; not `// world` (166)
+            # helper 164; not `// world` (166), nor a block's size, ceil(len / world) (174)
+            (r"ReduceOp\.AVG|(?m:^)(?![^\n]*ceil\()[^\n]*?(?<!/)/(?!/)=?\s*world\b",
              "the ranks' accuracies averaged: a rank of 5 samples weighs like one of 6, and "
              "the mean is right here only after rounding - add up the counts (SUM), then "
              "divide once, by the whole set's count"),

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.spies import is_async, spying
 
 ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted all_reduces"'
@@ -190,8 +190,11 @@ def _judge_passes(records: list[Record]) -> str | None:
             k = one["k"]
             if one["forwards"] < k:
                 return (f"rank {rank} ran {one['forwards']} of its {k} forwards through the DDP "
-                        "wrapper: model.module(x) bypasses DDP, which decides in its forward "
-                        "whether this backward sends - call model(x) "
+                        "wrapper: model.module(x) bypasses DDP's forward, where DDP prepares the "
+                        "backward's all_reduce, syncs buffers and marks unused parameters - a "
+                        "backward after it sends nothing, as under no_sync(), but by accident "
+                        "of that bookkeeping: call model(x), under model.no_sync() for all but "
+                        "the last micro-batch "
                         '(lesson 04, "2 · Gradients are averaged, bucket by bucket")')  # fmt: skip
             if one["backwards"] == 1 and k > 1:
                 return (f"rank {rank} ran one backward for its {k} micro-batches: every "
@@ -280,9 +283,10 @@ def _own_collectives(records: list[Record]) -> str | None:
     own = max(c for r in records for c in r["own_calls"])
     if own > 1:
         return (f"{own} collectives of your own per step: the step's sample count needs one "
-                "all_reduce of the count over ALL its micro-batches, before the forwards - one "
-                "per micro-batch weighs each by its own count, a second of the same count "
-                f"doubles it ({TOKENS_TEACHES})")  # fmt: skip
+                "all_reduce of the count over ALL its micro-batches, before the forwards (one "
+                "per micro-batch weighs each by its own count; a second all_reduce of the same "
+                "count doubles it; a reduce then a broadcast sends it twice where one "
+                f"all_reduce does) ({TOKENS_TEACHES})")  # fmt: skip
     return None
 
 
@@ -355,6 +359,12 @@ EXERCISES = [
                  "in place (by ReduceOp.AVG, or a /=): an int64 tensor cannot hold the "
                  "quotient - count in a float tensor (torch.tensor(float(n))), added up with "
                  f"SUM ({TOKENS_TEACHES})")),
+        hidden=(  # helper 174: right for this check's 2 ranks only
+            (DIVIDED_BY_2 + r"|(?<!\*)\*\s*2(?![\w.])", "the number of ranks is written as 2, "
+             "this check's: DDP averages the gradients over the ranks, so the loss is "
+             "multiplied by the world size - on 4 GPUs a 2 makes every step half the large "
+             "batch's - use dist.get_world_size()"),
+        ),
         proves=(
             "one gradient all_reduce and one optimizer step per accumulation step, the sample "
             "count counted once; the weights equal one process's on every sample of every rank, "

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_tutorial.exercises.core import Context, Exercise, Record
+from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
 from ddp_tutorial.exercises.lesson04 import CLASSES, EVERY, counted
 
 BUFFERS_TEACHES = 'lesson 04, "BatchNorm where SyncBatchNorm cannot run"'
@@ -199,9 +199,11 @@ def judge_buffers(records: list[Record]) -> str | None:
         return "the ranks' models still give different outputs in eval mode"
     calls = max(len(r["calls"]) for r in records)
     if calls == 0:  # helper 161: distributed_c10d.all_reduce, functional collectives
-        return ("the buffers are averaged, but through no torch.distributed collective this "
-                "check counts (dist.all_reduce, dist.all_gather, dist.broadcast, ...): one "
-                "dist.all_reduce of every statistic, as lesson 04 shows")  # fmt: skip
+        return ("the buffers are averaged, but through a call this check does not count (it "
+                "counts dist.all_reduce, dist.all_gather, dist.broadcast, ...; not the "
+                "deprecated all_reduce_coalesced, nor functional collectives): flatten every "
+                "statistic into one tensor and dist.all_reduce it once (lesson 04's loop sends "
+                "one per buffer; this exercise asks for one in all)")  # fmt: skip
     if calls > 1:
         return (f"{calls} collectives on each rank for {len(stats)} statistics: the values are "
                 "right, but every collective pays a fixed cost before each evaluation (a "
@@ -275,6 +277,10 @@ EXERCISES = [
                 ("a leaf Variable that requires grad", "an in-place change of a parameter: "
                  "those are model.parameters(), which DDP keeps equal; the statistics are "
                  "buffers - loop over model.buffers()")),
+        hidden=(  # helper 174: right for this check's 2 ranks only
+            (DIVIDED_BY_2, "the sum is divided by 2, this check's number of ranks: on 4 GPUs "
+             "every statistic would be twice the mean - divide by dist.get_world_size()"),
+        ),
         proves=(
             "every BatchNorm running_mean and running_var is the mean over the ranks on every "
             "rank, in one collective; num_batches_tracked unchanged, the parameters neither "

@@ -11,6 +11,14 @@ from __future__ import annotations
 def call_order(calls: list[str], step: int) -> str | None:
     """The mistakes no number shows on a CPU in float32: the step past the scaler, the
     schedule advanced before the step it sets the rate for."""
+    if "optimizer.step" in calls and not any(c.startswith("scaler.") for c in calls):
+        return (f"in step {step + 1} the scaler train_step is given was never called: "
+                "backward() ran on the loss itself, or through a scaler of your own (made in "
+                "the step, its scale starts over every time and never learns from an overflow) "
+                "- scaler.scale(loss).backward(), scaler.step(optimizer), scaler.update() with "
+                "the one you are given; with float16, small gradients round to 0 without the "
+                "scale (on this CPU in float32 no number shows it) "
+                '(lesson 06, "Three things every real loop needs")')  # fmt: skip
     if "scaler.scale" not in calls:
         return (f"in step {step + 1} backward() ran on the loss itself: "
                 "scaler.scale(loss).backward() - with float16, small gradients round to 0 "

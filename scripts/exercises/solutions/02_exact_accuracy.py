@@ -22,8 +22,9 @@ def exact_accuracy(model: nn.Module, dataset: Dataset, batch_size: int = 4) -> t
     model.eval()
     with torch.no_grad():
         for x, y in loader:
+            x, y = x.to(device), y.to(device)  # the model's device (a GPU under nccl)
             right = (model(x).argmax(dim=1) == y).sum()
-            sums += torch.stack([right, torch.tensor(len(y))])
+            sums += torch.stack([right, torch.tensor(len(y), device=device)])
     dist.all_reduce(sums)  # every rank: the totals, each sample counted once
     # END YOUR CODE
     return int(sums[0]), int(sums[1])
