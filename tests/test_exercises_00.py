@@ -18,6 +18,9 @@ CASES = register([
          edits=(("    sampler = DistributedSampler(train_set, seed=args.seed)",
                  "    sampler = DistributedSampler(train_set, num_replicas=2, rank=rank, "
                  "seed=args.seed)"),)),
+    Case(EX, "sampler-drops-the-tail", None,  # helper 177: lesson 02's other way, no padding
+         edits=(("    sampler = DistributedSampler(train_set, seed=args.seed)",
+                 "    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)"),)),
     Case(EX, "loader-drops-the-last-batch", "with 250, each rank would skip 13 samples",
          edits=(("    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)",
                  "    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, "

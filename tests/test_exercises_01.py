@@ -320,7 +320,9 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
         "    buf = torch.Tensor(p.grad.numel())\n    dist.all_reduce(buf)\n",
         "    g = p.grad.cpu()\n    dist.all_reduce(g)\n",
         "    n = torch.tensor(float(sum(len(y) for _, y in mb)))\n    dist.all_reduce(n)\n",
-        # a list of outputs filled by .append (unseen before)
+        # a list of outputs filled by .append (unseen before), by += [...] (helper 177)
+        "    out = []\n    for _ in range(w):\n        out += [torch.zeros(1)]\n"
+        "    dist.all_gather(out, n)\n",
         "    out = []\n    for _ in range(w):\n        out.append(torch.zeros(1))\n"
         "    dist.all_gather(out, n)\n",
     ]
@@ -354,7 +356,11 @@ def test_a_tensor_made_on_the_cpu_for_a_collective_is_told_apart():
     copy = COPY_IN_A_COLLECTIVE[0]
     assert re.search(copy, "    dist.all_reduce(sums.cpu())\n")
     assert re.search(copy, "    dist.all_gather(out, x.to('cpu'))\n")
+    assert re.search(copy, "    dist.all_reduce(sums.detach().cpu())\n")
+    assert re.search(copy, "    dist.all_reduce(tensor=sums.cpu())\n")
     assert not re.search(copy, "    dist.all_reduce(sums)\n    total = sums.cpu()\n")
+    assert not re.search(copy, "    dist.all_gather_object(out, sums.cpu())\n")  # pickled
+    assert not re.search(copy, "    dist.all_gather(out, sums.cpu().tolist())\n")
     (gather,) = find("01_gather_uneven")
     (snapshot,) = find("05_atomic_snapshot")  # a function that gets no tensor to place its own
     assert MADE_ON_THE_CPU in gather.tried_on_a_pass

@@ -57,6 +57,16 @@ CASES = register(
                  "    start = rank * per_rank\n"
                  "    shard = Subset(dataset, range(start, min(start + per_rank, len(dataset))))"),
                 ("import torch\n", "import math\n\nimport torch\n"))),
+    # helper 177: a block's bounds by int(rank * n / world) were told "accuracies averaged"; an
+    # object collective given a CPU copy (pickled: right) was told the copy's result was lost
+    Case(ACC, "contiguous-blocks-by-int", None,
+         edits=((SPLIT, "n = len(dataset)\n"
+                 "    start, end = int(rank * n / world), int((rank + 1) * n / world)\n"
+                 "    shard = Subset(dataset, range(start, end))"),)),
+    Case(F1, "counts-gathered-as-objects-on-the-cpu", None,
+         edits=((REDUCE_COUNTS, "every = [None] * dist.get_world_size()\n"
+                 "    dist.all_gather_object(every, counts.cpu())  # pickled: CPU copies\n"
+                 "    counts = torch.stack(every).sum(dim=0).to(pred.device)"),)),
     Case(ACC, "reduced-then-broadcast-as-objects", None,
          edits=((ALL_REDUCE, "    dist.reduce(sums, dst=0)  # the totals on rank 0\n"
                  "    box = [sums.tolist()]\n"

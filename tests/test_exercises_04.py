@@ -53,6 +53,11 @@ CASES = register(
         # helper 174: right for this check's 2 ranks only
         Case(BUFFERS, "divided-by-2", "the sum is divided by 2, this check's number of ranks",
              edits=(("    flat /= world\n", "    flat /= 2  # two ranks\n"),)),
+        Case(ACCUM, "two-times-the-loss", "the number of ranks is written as 2",
+             edits=(('(loss_fn(model(x), y, reduction="sum") * world / count).backward()\n',
+                     '(2 * loss_fn(model(x), y, reduction="sum") / count).backward()\n'),)),
+        Case(ACCUM, "world-written-as-2", "the number of ranks is written as 2",
+             edits=(("    world = dist.get_world_size()", "    world = 2"),)),
         Case(ACCUM, "times-2", "the number of ranks is written as 2",
              edits=(("* world / count).backward()\n", "* 2 / count).backward()\n"),
                     ("* world / count).backward()  #", "* 2 / count).backward()  #"))),

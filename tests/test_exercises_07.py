@@ -26,6 +26,9 @@ CASES = register(
                      "you keep\n" + APP,
                      "        times.append(time.perf_counter() - start)\n"
                      "    times = times[-5:]\n"),)),
+        Case(TIMING, "one-process-needs-no-collective", None,  # helper 177: world > 1 flagged
+             edits=((REDUCE, "    world = dist.get_world_size()\n    if world > 1:\n"
+                     "        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)"),)),
         Case(TIMING, "two-ranks-gathered", "the 2 ranks written in (a list of 2 outputs)",
              edits=((REDUCE, "    mine, other = torch.zeros_like(slowest), "
                      "torch.zeros_like(slowest)\n"
@@ -178,6 +181,7 @@ def test_the_warm_up_pattern_spares_right_lines():
         "if i < 2: continue",
         "times = times[2:]",
         "times[-5:]",
+        "del times[:2]",
         "for _ in range(2):",
         "for i in range(2, 7):",
         "for i in range(7):",
@@ -189,6 +193,8 @@ def test_the_warm_up_pattern_spares_right_lines():
         "if len(x) >= 20:",
         "for i in range(warmup + steps):",
         "x = 2.5 > 1.5",
+        "if world > 1:",
+        "if dist.get_world_size() > 1:",
         "if i >= 2 * warmup:",
     ]
     assert all(re.search(WARMUP_WRITTEN, line) for line in wrong)

@@ -70,7 +70,8 @@ _MOVE = (
 # under a `with torch.device(...)`: helper 166's right answers - a call on 5 lines, .to(x), a
 # with; helper 168's wrong ones - a device= on a line between, a list of them, .to(dtype);
 # as_tensor only of a literal: of a tensor it keeps that tensor's device; helper 171's
-# torch.Tensor(n) and a copy made with .cpu() or .to("cpu"); a list filled by .append)
+# torch.Tensor(n) and a copy made with .cpu() or .to("cpu"); a list filled by .append, by
+# .extend([...]) or += [...] (helper 177))
 _FACTORY = (
     r"torch\.(?:zeros|empty|ones|full|tensor|Tensor|arange|LongTensor|FloatTensor|"
     r"as_tensor(?=\(\s*[\[(\d]))" + _NO_DEVICE
@@ -78,7 +79,8 @@ _FACTORY = (
 MADE_ON_THE_CPU = (
     r"(?ms)\A(?!.*\bwith\s+torch\.device\().*?^[ \t]*(?P<v>[\w.]+)(?:\s*=\s*(?:\[?\s*"
     + _FACTORY
-    + r"|[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\)))|\.append\(\s*"
+    + r"|[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\)))|"
+    + r"(?:\.append\(|\.extend\(\s*\[|\s*\+=\s*\[)\s*"
     + _FACTORY
     + ")"
     + rf"(?:(?!{_MOVE}|^[ \t]*(?P=v)\s*=).)*?\bdist\.\w+\([^\n]*\b(?P=v)\b",
@@ -92,11 +94,14 @@ MADE_ON_THE_CPU = (
 
 # a collective given a CPU copy, dist.all_reduce(x.cpu()): on the CPU the copy is x itself (this
 # check's run); on a GPU the result goes into a copy that is thrown away (helper 174)
+# (not the object collectives, which pickle what they are given and take CPU tensors; not a
+# .cpu().tolist(), a Python list: helper 177)
 COPY_IN_A_COLLECTIVE = (
-    r"\bdist\.\w+\((?:[^()\n,]*,\s*)?[\w.\[\]]+\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\))",
+    r"\bdist\.(?!\w*object)\w+\((?:[^()\n,]*,\s*)?(?:\w+\s*=\s*)?[\w.\[\]]+(?:\.detach\(\))?"
+    r"\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\))(?!\.(?:tolist|item|numpy)\()",
     "a collective is given x.cpu(): on the CPU that is x itself, so it worked here, but on a GPU "
-    "it is a copy - the collective's result goes into the copy and is thrown away (and nccl "
-    "refuses a CPU tensor) - hand the collective the tensor itself, on its device "
+    "it is a copy on the CPU - nccl refuses it, and a result written into it (all_reduce, "
+    "broadcast, recv) is thrown away - hand the collective the tensor itself, on its device "
     '(lesson 01, "Backends: gloo and nccl")',
 )
 

@@ -349,11 +349,13 @@ EXERCISES = [
              "processes a DistributedSampler(num_replicas=2) refuses rank 2, and "
              "init_process_group(world_size=2) waits for ever - leave them out (torchrun's "
              "environment gives both) or pass dist.get_world_size()"),
-            (r"drop_last\s*=\s*True", "the DataLoader's drop_last=True drops each rank's last "
-             "partial batch: 256 samples deal 128 per rank, 8 full batches of 16, so nothing "
-             "was dropped here - with 250, each rank would skip 13 samples an epoch that the "
-             "single process trains (the sampler already evens the ranks' shares: leave "
-             "drop_last off)"),
+            # the loader's, not the sampler's (helper 177: lesson 02 teaches that one)
+            (r"DataLoader\([^()]*(?:\([^()]*\)[^()]*)*drop_last\s*=\s*True", "the "
+             "DataLoader's drop_last=True drops each rank's last partial batch: 256 samples "
+             "deal 128 per rank, 8 full batches of 16, so nothing was dropped here - with 250, "
+             "each rank would skip 13 samples an epoch that the single process trains; this "
+             "exercise asks for the single process's training (the template drops that batch "
+             "by choice, for full batches) - leave the loader's drop_last off"),
         ),
         proves=(
             "every process reported its rank; each epoch dealt every sample once, in the "

@@ -294,8 +294,10 @@ EXERCISES = [
             (ranks_written_as(2), "the number of ranks is written as 2, this "
              "check's: on 4 or 8 GPUs the ranks' shares overlap (samples counted twice or more) "
              "or a sampler refuses rank 2 - use dist.get_world_size() (`world`)"),
-            # helper 164; not `// world` (166), nor a block's size, ceil(len / world) (174)
-            (r"ReduceOp\.AVG|(?m:^)(?![^\n]*ceil\()[^\n]*?(?<!/)/(?!/)=?\s*world\b",
+            # helper 164; not `// world` (166), nor a block's size or bounds: ceil(len / world)
+            # (174), int(rank * n / world), len(dataset) / world (177)
+            (r"ReduceOp\.AVG|(?m:^)(?![^\n]*(?:ceil\(|len\(|\brank\b))[^\n]*?(?<!/)/(?!/)=?\s*"
+             r"world\b",
              "the ranks' accuracies averaged: a rank of 5 samples weighs like one of 6, and "
              "the mean is right here only after rounding - add up the counts (SUM), then "
              "divide once, by the whole set's count"),

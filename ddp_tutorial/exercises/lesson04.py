@@ -24,7 +24,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_tutorial.exercises.core import DIVIDED_BY_2, Context, Exercise, Record
+from ddp_tutorial.exercises.core import (
+    DIVIDED_BY_2,
+    Context,
+    Exercise,
+    Record,
+    ranks_written_as,
+)
 from ddp_tutorial.exercises.spies import is_async, spying
 
 ACCUM_TEACHES = 'lesson 04, "`no_sync()`: gradient accumulation without wasted all_reduces"'
@@ -360,7 +366,9 @@ EXERCISES = [
                  "quotient - count in a float tensor (torch.tensor(float(n))), added up with "
                  f"SUM ({TOKENS_TEACHES})")),
         hidden=(  # helper 174: right for this check's 2 ranks only
-            (DIVIDED_BY_2 + r"|(?<!\*)\*\s*2(?![\w.])", "the number of ranks is written as 2, "
+            # (helper 177: also 2 * loss, loss *= 2, world = 2)
+            (DIVIDED_BY_2 + r"|(?<!\*)\*=?\s*2(?![\w.])|(?<![\w.*])2\s*\*(?![*=])|"
+             + ranks_written_as(2), "the number of ranks is written as 2, "
              "this check's: DDP averages the gradients over the ranks, so the loss is "
              "multiplied by the world size - on 4 GPUs a 2 makes every step half the large "
              "batch's - use dist.get_world_size()"),

@@ -37,10 +37,11 @@ CPU_CLOCKS = ("process_time", "thread_time")  # the time this process computed, 
 WALL_CLOCKS = ("perf_counter", "monotonic", "time")  # their readings by the learner are noted
 _now = time.perf_counter  # the device's own clock: never one of the learner's readings
 # the check's WARMUP (2) or STEPS (5) written in where the arguments belong (i >= 2, i > 1,
-# times[2:], range(2) of warm-up calls, range(7)): right for this check's call only
+# times[2:], del times[:2], range(2) of warm-up calls, range(7)): right for this check's call
+# only (not `world > 1`: helper 177)
 WARMUP_WRITTEN = (
-    r"\b\w+\s*(?:>=\s*2|>\s*1|<\s*2)(?![\w.]|\s*[*+])|\[\s*-?[25]\s*:|"
-    r"range\(\s*(?:[25]|[25]\s*,\s*7|7)\s*\)"
+    r"\b(?!(?:world|world_size|nprocs?|ranks?)\b)\w+\s*(?:>=\s*2|>\s*1|<\s*2)(?![\w.]|\s*[*+])|"
+    r"\[\s*-?[25]\s*:|\[\s*:\s*-?[25]\s*\]|range\(\s*(?:[25]|[25]\s*,\s*7|7)\s*\)"
 )
 
 
