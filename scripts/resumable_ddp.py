@@ -7,10 +7,11 @@ the step it reached, ending with the weights an uninterrupted run ends with (bit
 ranks; on more, to rounding: lesson 08). On SIGTERM (a preemption; torchrun forwards it to
 every rank) every rank saves at the end of the step under way and exits 75 (one that comes
 during an evaluation: after it, at the next step's end; the whole must fit torchrun's 30 s
-grace, --shutdown-timeout; train.py also stops inside an evaluation); a loss gone inf or nan
-stops every rank (exit 1) and saves nothing over the last good snapshot. A resume with other
-flags is refused. Global rank 0 writes every file, atomically. Only torch and the standard
-library: copy it. The middle rung between minimal_ddp.py and the template, train.py.
+grace, --shutdown-timeout; train.py also stops inside an evaluation); a loss gone inf or nan,
+or weights before a save or an evaluation, stop every rank (exit 1) and save nothing over the
+last good snapshot. A resume with other flags is refused. Global rank 0 writes every file,
+atomically. Only torch and the standard library: copy it. The middle rung between
+minimal_ddp.py and the template, train.py.
 """
 
 import argparse
@@ -57,6 +58,16 @@ def rate(text: str) -> float:  # nan, inf or <= 0 would train on as if nothing w
     if not 0 < float(text) < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return float(text)
+
+
+def stop_if_diverged(model: nn.Module, device: torch.device, step: int) -> None:  # a collective
+    """Weights (or BatchNorm statistics) inf or nan on a rank: every rank stops, saving nothing."""
+    bad = any(not t.isfinite().all() for t in model.state_dict().values())
+    flag = torch.tensor([float(bad)], device=device)
+    dist.all_reduce(flag)
+    if flag.item():
+        dist.destroy_process_group()
+        sys.exit(f"step {step}: weights inf or nan on a rank (lower --lr); nothing saved")
 
 
 def main() -> None:
@@ -131,6 +142,7 @@ def main() -> None:
     flags = {k: getattr(args, k) for k in ("batch_size", "lr", "num_samples", "seed")}  # saved
 
     def save_snapshot(epoch: int, batch: int, loss_sum: torch.Tensor) -> None:  # a collective
+        stop_if_diverged(model.module, device, step)  # a step can overflow after a finite loss
         rngs = [None] * world_size
         cuda = [torch.cuda.get_rng_state()] if device.type == "cuda" else []
         dist.all_gather_object(rngs, [torch.get_rng_state(), *cuda])  # every rank's streams
@@ -172,6 +184,7 @@ def main() -> None:
         for buffer in model.module.buffers():  # BatchNorm's statistics differ per rank: one
             dist.all_reduce(buffer)  # model, their mean (lesson 04), the one best.pt saves
             buffer.copy_(buffer / world_size)  # copy_: an integer count stays an integer
+        stop_if_diverged(model.module, device, step)  # no best.pt of inf or nan weights
         model.eval()
         counts = torch.zeros(2, device=device, dtype=torch.float64)  # [correct, samples], exact
         with torch.no_grad():

@@ -47,12 +47,13 @@ def test_every_ddp_step_is_in_the_minimal_script():
         'int(os.environ["LOCAL_RANK"])',
         "torch.cuda.set_device(device)",
         "dist.init_process_group(backend",
-        "DistributedSampler(train_set",
+        "DistributedSampler(train_set, seed=args.seed)",  # helper 176: --seed ignored passed
         "sampler.set_epoch(epoch)",
         "DDP(model, device_ids=[local_rank]",
         "dist.all_reduce(loss_sum)",
         "if rank == 0:",
         "model.module.state_dict()",
+        'tmp = args.out + ".tmp"',  # aside, then renamed (helper 176: a save in place passed)
         "os.replace(tmp, args.out)",
         "dist.destroy_process_group()",
     ]:
@@ -131,7 +132,9 @@ RUNG = SCRIPTS / "resumable_ddp.py"
 
 def test_the_resumable_rung_imports_only_torch_and_stays_short():
     foreign = _imported_roots(RUNG) - {"torch"} - set(sys.stdlib_module_names)
-    assert not foreign and len(RUNG.read_text().splitlines()) <= 200, foreign
+    # 200 until the weights' own inf/nan check before a save (helper 176: a step that overflowed
+    # after a finite loss was saved)
+    assert not foreign and len(RUNG.read_text().splitlines()) <= 215, foreign
 
 
 @pytest.mark.torchrun
@@ -146,6 +149,7 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     import os
     import re
     import signal
+    from copy import deepcopy
 
     import torch
 
@@ -158,9 +162,27 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     # so the evaluation scored a mix of models unless rank 0's are made every rank's first
     relu = "nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)"
     assert RUNG.read_text().count(relu) == 1, "the rung's model line"
-    (folder / RUNG.name).write_text(RUNG.read_text().replace(
+    copy = RUNG.read_text().replace(
         relu, "nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4)"
-    ))  # fmt: skip
+    )
+    # helper 176's mutation audit: each rank's own dropout stream (a user's per-rank seed: a
+    # rank restoring rank 0's streams shows), each file's writers noted (every rank writing
+    # passed), and a validation set of 51 (500 divides by 2: a padded sampler passed)
+    for old, new in [
+        (
+            "    optimizer = torch.optim.SGD(",
+            "    torch.manual_seed(args.seed + rank)  # per rank\n    optimizer = torch.optim.SGD(",
+        ),
+        (
+            "    tmp = path.with_name(",
+            '    open(f"{path}.writers", "a").write(os.environ["RANK"] + "\\n")\n'
+            "    tmp = path.with_name(",
+        ),
+        ("make_data(500, args.seed + 1)", "make_data(51, args.seed + 1)"),
+    ]:
+        assert copy.count(old) == 1, old
+        copy = copy.replace(old, new)
+    (folder / RUNG.name).write_text(copy)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_TUTORIAL", "PYTHON"))}
     env["OMP_NUM_THREADS"] = "1"
 
@@ -190,9 +212,26 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     # default: -15, seen once under load) - its save is done either way
     root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", out, re.S)
     assert root and root[1] == "75", out[-3000:]
+    # the snapshot's best is restored (helper 176: a resume from best = -1 replaced best.pt
+    # with a worse epoch's): above any accuracy, best.pt stays as it is
+    snap = torch.load(tmp_path / "job" / "snapshot.pt", weights_only=True)
+    snap["best"] = 2.0
+    torch.save(snap, tmp_path / "job" / "snapshot.pt")
+    best_before = (tmp_path / "job" / "best.pt").read_bytes()
     rerun = start("job")
     rerun_out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0 and "resumed: epoch" in rerun_out, rerun_out[-3000:]
+    # resumed at the step the signal saved, inside the epoch (helper 176: a SIGTERM that saved
+    # nothing resumed from the epoch's end, still bitwise; a step off by one passed)
+    resumed = re.search(r"resumed: epoch (\d+), batch (\d+), step (\d+)", rerun_out)
+    assert resumed[3] == saved[1] and resumed[2] != "0", (resumed[0], saved[0])
+    assert (tmp_path / "job" / "best.pt").read_bytes() == best_before, "best not restored"
+    for name in ("straight", "job"):  # the last snapshot: the next epoch's start, no sums
+        s = torch.load(tmp_path / name / "snapshot.pt", weights_only=True)
+        assert (s["epoch"], s["batch"], s["step"]) == (3, 0, 96), (name, s["epoch"], s["step"])
+        assert not s["loss_sum"].any(), (name, s["loss_sum"])
+    writers = {p.name: set(p.read_text().split()) for p in tmp_path.rglob("*.writers")}
+    assert writers and all(w == {"0"} for w in writers.values()), writers  # global rank 0
     # the interrupted epoch's loss line covers the whole epoch, the batches before the stop
     # too (a new user's review: 0.1051 after a resume against 0.2368 uninterrupted)
     losses = {name: dict(re.findall(r"epoch (\d+): loss ([0-9.]+)", text))
@@ -209,7 +248,8 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(64, 4)).eval()  # fmt: skip
     model.load_state_dict(torch.load(tmp_path / "straight" / "best.pt", weights_only=True))
-    x, y = rung.make_data(500, 1).tensors  # the validation set (--seed 0 + 1)
+    deepcopy(model).load_state_dict(a)  # final.pt too: plain keys, no "module."
+    x, y = rung.make_data(51, 1).tensors  # the validation set (--seed 0 + 1)
     scored = (model(x).argmax(1) == y).float().mean().item()
     assert len(accuracies) == 3 and f"{scored:.1%}" == f"{max(accuracies)}%", (scored, accuracies)
     # another number of processes: refused by name (helper 107: 2 -> 3 raised IndexError on
@@ -222,15 +262,64 @@ def test_the_resumable_rung_survives_a_sigterm_and_resumes_exactly(tmp_path):
     assert fewer.returncode != 0 and "written by 2 processes" in said, said[-2000:]
     # other flags: refused by name (helper 143: a finished run "resumed" with another --lr and
     # trained nothing; another --batch-size skipped the rest of the epoch in its own batches)
-    other = start("job", "--lr", "0.1")
+    other = start("job", "--lr", "0.1", "--seed", "1")  # --seed a checked flag too (h. 176)
     said = other.communicate(timeout=120)[0]
-    assert other.returncode != 0 and "written with other lr" in said, said[-2000:]
+    assert other.returncode != 0 and "written with other lr, seed:" in said, said[-2000:]
     # a loss gone inf/nan stops every rank before it is saved (helper 143: NaN weights in
     # snapshot.pt, best.pt and final.pt, and exit 0)
-    diverged = start("diverged", "--lr", "1e4", "--epochs", "1")
+    # with a save every step (helper 176: a step that overflowed after a finite loss was saved,
+    # running_var inf; a --save-every that never fired passed): the weights are checked too
+    diverged = start("diverged", "--lr", "1e4", "--epochs", "1", "--save-every", "1")
     said = diverged.communicate(timeout=120)[0]
-    assert diverged.returncode != 0 and "loss inf or nan" in said, said[-2000:]
-    assert not list((tmp_path / "diverged").glob("*.pt")), "nothing saved"
+    stopped = re.search(r"step (\d+): (?:loss|weights) inf or nan", said)
+    assert diverged.returncode != 0 and stopped, said[-2000:]
+    kept = sorted(p.name for p in (tmp_path / "diverged").glob("*.pt"))
+    assert kept == ["snapshot.pt"], kept  # --save-every fired; no best.pt, no final.pt
+    s = torch.load(tmp_path / "diverged" / "snapshot.pt", weights_only=True)
+    assert s["step"] < int(stopped[1]), (s["step"], stopped[0])
+    assert all(t.isfinite().all() for t in s["model"].values()), "a snapshot of inf or nan"
+
+
+def test_the_rungs_atomic_save_syncs_its_own_file_before_the_rename(tmp_path, monkeypatch):
+    """Helper 176: without the fsync every test passed (a crash just after the rename could
+    leave the name pointing at bytes not yet on the disk): fsync, then os.replace, same file."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("rung", RUNG)
+    rung = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rung)
+    calls, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(
+        rung.os,
+        "fsync",
+        lambda fd: (calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd)),
+    )
+    monkeypatch.setattr(
+        rung.os, "replace", lambda a, b: (calls.append(("replace", str(a))), replace(a, b))
+    )
+    rung.atomic_save({"w": 1}, tmp_path / "x.pt")
+    assert [c[0] for c in calls] == ["fsync", "replace"] and calls[0][1] == calls[1][1], calls
+
+
+def test_every_torch_load_of_the_ladder_is_weights_only():
+    """Helper 176: weights_only=False (a pickle that can run code) passed every test. Each
+    torch.load of the rung and the sidecar passes True (the sidecar's load_checkpoint passes
+    its own argument on, True by default), and no call of the ladder passes False."""
+    import ast
+
+    kit = SCRIPTS / "ddp_kit.py"
+    for path in (RUNG, kit, SCRIPTS / "train.py"):
+        calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)]
+        said = [(ast.unparse(c.func), ast.unparse(k.value)) for c in calls for k in c.keywords
+                if k.arg == "weights_only"]  # fmt: skip
+        assert path != RUNG or ("torch.load", "True") in said, said
+        assert all(v in ("True", "weights_only") for _, v in said), (path.name, said)
+    loader = next(n for n in ast.walk(ast.parse(kit.read_text()))
+                  if isinstance(n, ast.FunctionDef) and n.name == "load_checkpoint")  # fmt: skip
+    assert ast.unparse(loader.args.defaults[-1]) == "True" and loader.args.args[-1].arg == (
+        "weights_only"
+    )
 
 
 @pytest.mark.torchrun  # two writer processes, no launch
