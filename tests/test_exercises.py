@@ -232,6 +232,7 @@ def test_a_launch_stopped_by_its_timeout_says_the_code_never_returned(tmp_path):
     assert exercise_check._read_batch([(ex, path)], [0], tmp_path, stopped, verdicts) == 1
     message = verdicts[0].message
     assert "never returned" in message and "97 s" in message and "before your code" not in message
+    assert not verdicts[0].passed, "a hang is no pass (helper 179's mutant passed it)"
     died = RunResult(["torchrun"], 1, said, tmp_path, 9.0)  # the same output, not stopped
     exercise_check._read_batch([(ex, path)], [0], tmp_path, died, verdicts)
     assert "before your code ran" in verdicts[0].message

@@ -9,6 +9,25 @@ from exercise_cases import Case, assert_verdict, register
 
 SNAP, RESUME = "05_atomic_snapshot", "05_exact_resume"
 CASES = register([
+    # helper 178: torch's own load of a broadcast object was taken for the learner's
+    # weights_only=False; the old snapshot renamed away first (a gap with no snapshot.pt)
+    Case(SNAP, "loaded-on-rank-0-and-broadcast", None,
+         edits=(("    state = torch.load(path, map_location=device, weights_only=True)\n",
+                 "    box = [torch.load(path, map_location=\"cpu\", weights_only=True)\n"
+                 "           if dist.get_rank() == 0 else None]\n"
+                 "    dist.broadcast_object_list(box, src=0)  # one read of the file\n"
+                 "    state = {k: ({n: t.to(device) for n, t in v.items()} if k == \"model\" "
+                 "else v)\n             for k, v in box[0].items()}\n"),)),
+    Case(SNAP, "old-snapshot-renamed-to-a-backup", "renamed away before the new one",
+         edits=(("        os.replace(tmp, path)\n",
+                 "        if path.exists():  # keep the previous snapshot as a backup\n"
+                 "            os.replace(path, path.with_suffix(\".bak\"))\n"
+                 "        os.replace(tmp, path)\n"),)),
+    Case(SNAP, "old-snapshot-renamed-beside-itself", "renamed away before the new one",
+         edits=(("        os.replace(tmp, path)\n",
+                 "        if path.exists():  # keep the previous snapshot as a backup\n"
+                 "            os.replace(path, path.with_name(path.name + \".prev\"))\n"
+                 "        os.replace(tmp, path)\n"),)),
     # from an eighth learner review: a tempfile name (absolute) is right; the arguments of
     # os.replace swapped are named
     # from a twenty-fifth-session learner review (helper 127)

@@ -124,6 +124,11 @@ CASES = register([
          edits=((HANDLER, SAVING_HANDLER),
                 ("                dist.barrier()\n                status = PREEMPTED",
                  "                dist.monitored_barrier()\n                status = PREEMPTED"))),
+    Case(EX, "handler-saves-all-reduce-waits", "rank 0 saved inside the signal handler",
+         edits=((HANDLER, SAVING_HANDLER),
+                ("                dist.barrier()\n                status = PREEMPTED",
+                 "                dist.all_reduce(torch.zeros(1))  # wait for rank 0's save\n"
+                 "                status = PREEMPTED"))),
     Case(EX, "os-exit-in-the-handler", "exited inside its SIGTERM handler",
          edits=((HANDLER, "signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(75))"),)),
     Case(EX, "local-rank-read-for-a-print", None,

@@ -171,8 +171,11 @@ class Exercise:
     def tried_on_a_pass(self) -> tuple[tuple[str, str], ...]:
         """``hidden``, and for the functions the check hands tensors to (which a GPU job holds
         on its GPU): a tensor of the learner's made on the CPU for a collective."""
-        held = self.kind == "functions" and not re.search(  # 07's stub makes a CPU tensor
-            MADE_ON_THE_CPU[0], self.solution.read_text()
+        held = (
+            self.kind == "functions"
+            and not re.search(  # 07's answer makes a CPU tensor on purpose
+                MADE_ON_THE_CPU[0], self.solution.read_text()
+            )
         )
         return (*self.hidden, *((MADE_ON_THE_CPU, COPY_IN_A_COLLECTIVE) if held else ()))
 

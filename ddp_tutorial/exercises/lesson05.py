@@ -216,10 +216,11 @@ def _load_phase(
     loads: list[dict[str, Any]] = []
     real_load = torch.load
 
-    def load(*args: Any, **kwargs: Any) -> Any:
-        loads.append({"map_location": repr(kwargs.get("map_location", args[1] if len(args) > 1
-                                                      else None)),
-                      "weights_only": kwargs.get("weights_only")})  # fmt: skip
+    def load(*args: Any, **kwargs: Any) -> Any:  # not torch's own of a broadcast object (h. 178)
+        if not isinstance(args[0] if args else kwargs.get("f"), io.BytesIO):
+            loads.append({"map_location": repr(kwargs.get("map_location", args[1] if len(args)
+                                                          > 1 else None)),
+                          "weights_only": kwargs.get("weights_only")})  # fmt: skip
         return real_load(*args, **kwargs)
 
     try:
@@ -276,6 +277,11 @@ def _judge_writes(records: list[Record]) -> str | None:
         return (f"rank {writers[0]} wrote the snapshot: the writer is global rank 0 "
                 '(lesson 05, "1 · The hazard, measured: several writers, one file")')  # fmt: skip
     names = [(Path(a).name, Path(b).name) for a, b, _ in first.get("replaced", [])]
+    if {"snapshot.pt"} <= {a for a, _ in names} & {b for _, b in names}:  # helper 178
+        return ("the old snapshot was renamed away before the new one took its name: between "
+                "the two renames there is no snapshot.pt at all - os.replace(tmp, path) alone "
+                "replaces it in one step (a backup of the old one: shutil.copy2 or os.link) "
+                '(lesson 05, "2 · Killed in the middle of a save")')  # fmt: skip
     if swapped := [(a, b) for a, b in names if b != a and b.startswith(a)]:
         return (f"os.replace({swapped[0][0]!r}, {swapped[0][1]!r}) moves the snapshot onto "
                 "the temporary name: the file being renamed comes first - os.replace(tmp, "
@@ -368,7 +374,8 @@ def _judge_crash_safety(first: Record) -> str | None:
     if Path(src).parent != Path(dst).parent:
         return (
             f"the temporary file was in {Path(src).parent}, not beside the snapshot: "
-            "os.replace is atomic only within one folder's file system - put it there "
+            "os.replace is atomic only within one file system, and another folder can be "
+            "another mount - put it in the snapshot's own folder "
             '(lesson 05, "2 · Killed in the middle of a save")'
         )
     if first["fsyncs"] == 0:

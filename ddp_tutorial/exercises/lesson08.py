@@ -93,12 +93,14 @@ def _wrapped(handler: Any) -> Any:
 def preempt_watch(ctx: Context) -> Iterator[None]:
     """Around the learner's file: rank 0's first torch.save starts HOLD_S late (the others must
     still be waiting for it), and a SIGTERM handler's exit from inside itself is named. Rank 0
-    gets the scheduler's SIGTERM too, later than rank 1 - at its first barrier, if it has a
-    handler (not in the middle of its own save: a handler's save there writes over the same
-    temporary file): one that saves is then seen saving inside the handler (helper 117:
-    signalled on rank 1 alone, a handler that saved on rank 0 passed)."""
+    gets the scheduler's SIGTERM too, later than rank 1 - at its first barrier (or all_reduce
+    once its save has begun), if it has a handler (not in the middle of its own save: a
+    handler's save there writes over the same temporary file): one that saves is then seen
+    saving inside the handler (helper 117: signalled on rank 1 alone, a handler that saved on
+    rank 0 passed)."""
     real_save, real_signal = torch.save, signal.signal
     real_barrier, real_monitored = dist.barrier, dist.monitored_barrier
+    real_all_reduce = dist.all_reduce
 
     held: list[int] = []
     late: list[int] = []
@@ -122,6 +124,11 @@ def preempt_watch(ctx: Context) -> Iterator[None]:
         signal_rank_0()
         return real_monitored(*args, **kwargs)
 
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:  # helper 178: a wait by all_reduce
+        if held:  # after the first save began: not the step's vote before it
+            signal_rank_0()
+        return real_all_reduce(*args, **kwargs)
+
     def install(signum: Any, handler: Any) -> Any:
         wrap = signum == signal.SIGTERM and callable(handler)
         return real_signal(signum, _wrapped(handler) if wrap else handler)
@@ -130,6 +137,7 @@ def preempt_watch(ctx: Context) -> Iterator[None]:
           mock.patch.object(dist, "barrier", barrier) if ctx.rank == 0 else nullcontext(),
           mock.patch.object(dist, "monitored_barrier", monitored) if ctx.rank == 0
           else nullcontext(),
+          mock.patch.object(dist, "all_reduce", all_reduce) if ctx.rank == 0 else nullcontext(),
           mock.patch.object(signal, "signal", install)):  # fmt: skip
         yield
 
