@@ -11,6 +11,11 @@ BLOCK = (
     "    rest += (rest * padding)[:padding]\n    mine = rest[rank::world_size]\n"
 )
 CASES = register([
+    # helper 178: nothing left of the epoch (a snapshot at its last step) divides by zero
+    Case(EX, "padding-by-divmod", "nothing was left of the epoch",
+         edits=(("    rest += (rest * padding)[:padding]\n",
+                 "    whole, part = divmod(padding, len(rest))  # the rest may be shorter\n"
+                 "    rest = rest + rest * whole + rest[:part]\n"),)),
     # helper 164: the check's 3 ranks written in passed
     Case(EX, "three-ranks-written-in", "rest_of_epoch(..., r, 2) for each rank r of 2",
          edits=(("    padding = -len(rest) % world_size\n", "    padding = -len(rest) % 3\n"),

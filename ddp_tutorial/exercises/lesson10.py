@@ -25,6 +25,9 @@ SCENARIOS = (
     ("epoch 2, not started", 50, 0, 2, 0),
     # one sample left for 3 ranks: padding it takes that sample twice more, not once
     ("epoch 0 stopped by 4 ranks after 1 step of batch 3", 13, 5, 0, 12),
+    # nothing left: a snapshot at the epoch's last step (helper 178: a padding computed with
+    # divmod(padding, len(rest)) passed, and divides by zero here)
+    ("epoch 1 ended by 2 ranks, its last step's snapshot", 20, 0, 1, 20),
 )
 
 
@@ -254,6 +257,9 @@ EXERCISES = [
         name="10_resume_new_world", lesson="10", run=run_rest, judge=judge_rest, nproc=3,
         title="the rest of an interrupted epoch, dealt out to a new number of ranks",
         teaches='lesson 10, "Resuming on another number of ranks"',
+        errors=(("ZeroDivisionError", "nothing was left of the epoch (a snapshot at its last "
+                 "step: every sample consumed), and the padding divided by the rest's length, "
+                 "0 - an empty rest needs no padding and gives every rank an empty share"),),
         proves=(
             "in every scenario the rest of the epoch went to 3 ranks once, strided, padded to "
             "equal shares (and to 2 and to 4, called as their ranks); an epoch not started is "
