@@ -20,7 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from ddp_tutorial.exercises.tracing import Trace
 
 SIZES = (8, 32, 32, 32, 4)  # the MLP's widths, as it runs: 4 Linear layers, 8 parameter tensors
-# 1056 fp32 numbers: 3 buckets for this MLP, not 1, not 8; and its second bucket holds exactly
+# 1056 fp32 numbers: 3 buckets for this MLP, not 1, not 8; and its first bucket holds exactly
 # the cap, so a bucket closed only above it (`>` for DDP's `>=`) comes out different
 BUCKET_CAP_BYTES = 4224
 SECOND_CAP_BYTES = 1100  # the layout asked again at another cap: 4 buckets, not 3
