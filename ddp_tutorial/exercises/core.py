@@ -95,7 +95,9 @@ MADE_ON_THE_CPU = (
 # a collective given a CPU copy, dist.all_reduce(x.cpu()): on the CPU the copy is x itself (this
 # check's run); on a GPU the result goes into a copy that is thrown away (helper 174)
 # (not the object collectives, which pickle what they are given and take CPU tensors; not a
-# .cpu().tolist(), a Python list: helper 177)
+# .cpu().tolist(), a Python list: helper 177). exercise_check.COPY_REDUCED names the other
+# copies (x.float(), x.clone(), torch.stack(...)) on a failure: those lose the result on the
+# CPU too; x.cpu() alone is x there, so only a pass can show it
 COPY_IN_A_COLLECTIVE = (
     r"\bdist\.(?!\w*object)\w+\((?:[^()\n,]*,\s*)?(?:\w+\s*=\s*)?[\w.\[\]]+(?:\.detach\(\))?"
     r"\.(?:cpu\(\)|to\(\s*[\"']cpu[\"']\s*\))(?!\.(?:tolist|item|numpy)\()",
